@@ -1,0 +1,5 @@
+import sys
+
+from zerotron.cli import main
+
+sys.exit(main())

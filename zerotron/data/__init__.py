@@ -1,0 +1,1 @@
+"""Data: tokenizers, preprocessing, Megatron .bin/.idx datasets, GPT datasets and samplers."""
