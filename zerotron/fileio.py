@@ -112,3 +112,29 @@ def commit_dir(tmp_dir: str | os.PathLike, final: str | os.PathLike) -> None:
     else:
         os.replace(tmp_dir, final)
         fsync_dir(final.parent)
+
+
+def recover_dir(final: str | os.PathLike) -> bool:
+    """Repair what a process killed inside :func:`commit_dir` left behind.
+
+    Replacing a directory takes two renames (old aside, new in). Killed between them, ``final``
+    is missing and the old version sits under its ``.<name>.old-<pid>`` name: put it back.
+    Killed after them, the old version is garbage: delete it. Returns True if it restored one.
+    Safe to call from several processes at once.
+    """
+    final = Path(final)
+    prefix = f".{final.name}.old-"
+    try:
+        olds = sorted(final.parent / n for n in os.listdir(final.parent) if n.startswith(prefix))
+    except FileNotFoundError:
+        return False
+    restored = False
+    if not final.exists() and olds:
+        with contextlib.suppress(FileNotFoundError):  # another process restored it first
+            os.replace(olds.pop(), final)
+            fsync_dir(final.parent)
+            restored = True
+    for old in olds:
+        if old.exists() and final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+    return restored

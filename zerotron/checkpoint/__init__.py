@@ -1,0 +1,47 @@
+"""Checkpoints: one on-disk layout for every entry point, saved atomically, loaded safely.
+
+``layout`` names the files, ``save_load`` writes and reads them (trackers, metadata.json),
+``state`` fits a loaded state dict to a model, ``rng`` captures the random generators.
+"""
+
+from zerotron.checkpoint.layout import (
+    METADATA_FILE,
+    RELEASE_TAG,
+    iteration_from_tag,
+    model_file,
+    tag_for_iteration,
+    zero_file,
+)
+from zerotron.checkpoint.rng import get_rng_state, set_rng_state
+from zerotron.checkpoint.save_load import (
+    build_metadata,
+    check_safe,
+    load_file,
+    read_latest_tag,
+    read_metadata,
+    resolve_tag,
+    save_checkpoint,
+    to_safe,
+)
+from zerotron.checkpoint.state import load_model_state, repad_vocab
+
+__all__ = [
+    "METADATA_FILE",
+    "RELEASE_TAG",
+    "build_metadata",
+    "check_safe",
+    "get_rng_state",
+    "iteration_from_tag",
+    "load_file",
+    "load_model_state",
+    "model_file",
+    "read_latest_tag",
+    "read_metadata",
+    "repad_vocab",
+    "resolve_tag",
+    "save_checkpoint",
+    "set_rng_state",
+    "tag_for_iteration",
+    "to_safe",
+    "zero_file",
+]

@@ -1,0 +1,405 @@
+"""Write and read checkpoints atomically, with both trackers and a metadata.json per tag.
+
+A save assembles every rank's files in ``<save>/.<tag>.tmp/``, then one writer rank fsyncs it,
+renames it to ``<save>/<tag>/`` and only then updates the trackers. A process killed at any
+point leaves the previous checkpoint complete and the trackers pointing at it; the next save
+cleans up what the killed one left behind.
+
+What goes into the files is the caller's business (the Engine's): this module takes a mapping
+``relative path -> object`` and checks that each object loads back with
+``torch.load(weights_only=True)`` before writing it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+import platform
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+import torch
+
+import zerotron
+from zerotron.checkpoint import layout
+from zerotron.errors import CheckpointError
+from zerotron.fileio import (
+    atomic_write_text,
+    commit_dir,
+    disk_full_is_clear,
+    fsync_dir,
+    recover_dir,
+)
+
+FORMAT_VERSION = 1
+
+# Types torch.load(weights_only=True) accepts as leaves (containers are checked separately).
+_SAFE_LEAVES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.Tensor,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# What may be saved
+
+
+def to_safe(obj: Any) -> Any:
+    """A copy of ``obj`` with NumPy arrays/scalars and paths turned into tensors/primitives.
+
+    Use it on objects from libraries that hand out NumPy values (a NumPy array becomes a tensor,
+    a NumPy scalar a Python number, a path a string); the result passes :func:`check_safe`.
+    """
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj)).clone()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, collections.OrderedDict):
+        return collections.OrderedDict((k, to_safe(v)) for k, v in obj.items())
+    if isinstance(obj, Mapping):
+        return {k: to_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (set, frozenset)):
+        return {to_safe(v) for v in obj}
+    if isinstance(obj, tuple):  # a namedtuple becomes a plain tuple
+        return tuple(to_safe(v) for v in obj)
+    if isinstance(obj, list):
+        return [to_safe(v) for v in obj]
+    return obj
+
+
+def check_safe(obj: Any, where: str = "") -> None:
+    """Raise :class:`CheckpointError` naming the first value weights_only loading would refuse."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _SAFE_LEAVES):
+            continue
+        if type(value) in (dict, collections.OrderedDict):
+            for k, v in value.items():
+                if not isinstance(k, (str, int, float, bool, type(None), tuple)):
+                    stack.append((f"{path}[{k!r}] (the key)", k))
+                stack.append((f"{path}[{k!r}]", v))
+        elif type(value) in (list, tuple, set, frozenset):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        else:
+            raise CheckpointError(
+                f"cannot save {type(value).__module__}.{type(value).__qualname__} at "
+                f"{path or 'top level'}: checkpoints are loaded with "
+                "torch.load(weights_only=True), "
+                "which accepts only tensors, numbers, strings and dicts/lists/tuples of them",
+                where=where or None,
+                fix="convert it first (zerotron.checkpoint.to_safe turns NumPy values into "
+                "tensors; a config object into a dict with .model_dump() or dataclasses.asdict)",
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def build_metadata(
+    *,
+    model_config: Mapping[str, Any],
+    vocab_size: int,
+    padded_vocab_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    zero_stage: int = 0,
+    tokenizer: Mapping[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The metadata.json a checkpoint needs so tools can reshard or export it without flags.
+
+    ``model_config`` is the model's config as a dict (its Megatron flag names as keys);
+    ``vocab_size`` the tokenizer's (unpadded) vocabulary, ``padded_vocab_size`` the rows of the
+    embedding. :func:`save_checkpoint` adds tag, iteration, versions and the list of files.
+    """
+    return {
+        "layout": {
+            "tensor_model_parallel_size": tensor_model_parallel_size,
+            "pipeline_model_parallel_size": pipeline_model_parallel_size,
+            "data_parallel_size": data_parallel_size,
+            "zero_stage": zero_stage,
+        },
+        "model": dict(model_config),
+        "vocab": {"size": vocab_size, "padded_size": padded_vocab_size},
+        "tokenizer": dict(tokenizer or {}),
+        **extra,
+    }
+
+
+def _clean_stale(save_dir: Path) -> None:
+    """Undo or delete what killed saves left in ``save_dir`` (only the writer rank calls this)."""
+    for name in os.listdir(save_dir):
+        if not name.startswith("."):
+            continue
+        path = save_dir / name
+        if name.endswith(".tmp") and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif ".old-" in name and path.is_dir():
+            # Left by commit_dir: restore it if its replacement never arrived, else delete it.
+            recover_dir(save_dir / name[1 : name.rindex(".old-")])
+        elif ".tmp-" in name and path.is_file():  # an unfinished atomic tracker write
+            path.unlink(missing_ok=True)
+
+
+def _check_relpath(relpath: str) -> str:
+    p = PurePosixPath(relpath)
+    if p.is_absolute() or ".." in p.parts or not p.parts or str(p) == layout.METADATA_FILE:
+        raise ValueError(f"checkpoint file {relpath!r} must be a relative path inside the tag")
+    return str(p)
+
+
+def _write_file(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with disk_full_is_clear(path), open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())  # by the rank that wrote it: on a shared filesystem that matters
+
+
+def _list_files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def write_trackers(save_dir: str | os.PathLike, tag: str) -> None:
+    """Point both trackers at ``tag`` (each written atomically).
+
+    Megatron's tracker can only name ``iter_XXXXXXX`` or ``release`` tags; for any other tag it is
+    removed, so that no tool follows it to an older checkpoint than DeepSpeed's ``latest`` names.
+    """
+    save_dir = Path(save_dir)
+    iteration = layout.iteration_from_tag(tag)
+    megatron = layout.megatron_tracker(save_dir)
+    if iteration is not None or tag == layout.RELEASE_TAG:
+        atomic_write_text(megatron, str(iteration) if iteration is not None else tag)
+    elif megatron.exists():
+        megatron.unlink()
+        fsync_dir(save_dir)
+    atomic_write_text(layout.deepspeed_tracker(save_dir), tag)
+
+
+def save_checkpoint(
+    save_dir: str | os.PathLike,
+    tag: str,
+    files: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    iteration: int | None = None,
+    save_latest: bool = True,
+    is_writer: bool = True,
+    barrier: Callable[[], None] | None = None,
+) -> Path:
+    """Save ``files`` (path relative to the tag directory -> object) as ``<save_dir>/<tag>/``.
+
+    Every rank calls this with its own ``files`` (possibly none) and the same ``tag``; exactly one
+    rank passes ``is_writer=True``: it writes metadata.json (``metadata`` plus tag, iteration,
+    versions and the list of every rank's files), renames the directory into place (replacing an
+    older one of the same tag) and, if ``save_latest``, updates the trackers last. ``barrier``
+    synchronizes the ranks (e.g. ``torch.distributed.barrier``); a single process passes none.
+    ``iteration`` defaults to the one in a Megatron tag. Returns the tag directory.
+    """
+    if not is_writer and barrier is None:
+        raise ValueError("a non-writer rank needs a barrier to wait for the writer")
+    sync = barrier or (lambda: None)
+    save_dir = Path(save_dir)
+    final = layout.tag_dir(save_dir, tag)
+    tmp = layout.temp_tag_dir(save_dir, tag)
+    if iteration is None:
+        iteration = layout.iteration_from_tag(tag)
+    for relpath, obj in files.items():  # before anything is written: fail without side effects
+        check_safe(obj, where=f"{final}/{_check_relpath(relpath)}")
+    if metadata is not None:
+        try:
+            json.dumps(metadata)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"metadata is not JSON-serializable: {e}", where=str(final)
+            ) from e
+
+    if is_writer:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        _clean_stale(save_dir)
+        tmp.mkdir()
+    sync()  # nobody writes into tmp before the writer has emptied it
+
+    for relpath, obj in files.items():
+        _write_file(tmp / _check_relpath(relpath), obj)
+    sync()
+
+    if is_writer:
+        meta = dict(metadata or {})
+        meta.update(
+            format_version=FORMAT_VERSION,
+            tag=tag,
+            iteration=iteration,
+            files=_list_files(tmp),
+            versions={
+                "zerotron": zerotron.__version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
+        with disk_full_is_clear(tmp):
+            (tmp / layout.METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            commit_dir(tmp, final)  # fsyncs every file, then renames
+            if save_latest:
+                write_trackers(save_dir, tag)
+    sync()  # nobody goes on (e.g. to load it, or to exit) before the checkpoint is complete
+    return final
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_latest_tag(load_dir: str | os.PathLike) -> str | None:
+    """The tag the trackers name: DeepSpeed's ``latest`` if present, else Megatron's tracker.
+
+    None when ``load_dir`` has neither tracker (no checkpoint was ever completed there).
+    """
+    load_dir = Path(load_dir)
+    latest = layout.deepspeed_tracker(load_dir)
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if not tag:
+            raise CheckpointError(
+                "the tracker file is empty", where=str(latest), fix="write the tag to load into it"
+            )
+        return layout.validate_tag(tag)
+    tracker = layout.megatron_tracker(load_dir)
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == layout.RELEASE_TAG:
+            return text
+        try:
+            return layout.tag_for_iteration(int(text))
+        except ValueError:
+            raise CheckpointError(
+                f"the tracker holds {text!r}, expected an iteration number or 'release'",
+                where=str(tracker),
+                fix="write the iteration to load (e.g. 600) into it",
+            ) from None
+    return None
+
+
+def _available_tags(load_dir: Path) -> list[str]:
+    if not load_dir.is_dir():
+        return []
+    return sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> str:
+    """The tag to load: ``tag`` if given, else the trackers'; checks its directory exists.
+
+    Also finishes a replacement of that tag that a killed save left half done.
+    """
+    load_dir = Path(load_dir)
+    if tag is None:
+        tag = read_latest_tag(load_dir)
+        if tag is None:
+            found = _available_tags(load_dir)
+            raise CheckpointError(
+                f"no checkpoint to load: found neither '{layout.DEEPSPEED_TRACKER}' nor "
+                f"'{layout.MEGATRON_TRACKER}'"
+                + (f" (directories present: {', '.join(found)})" if found else ""),
+                where=str(load_dir),
+                fix="pass the directory given to --save, name a tag explicitly, or start "
+                "without --load",
+            )
+    final = layout.tag_dir(load_dir, tag)
+    if not final.is_dir():
+        try:
+            recover_dir(final)
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint '{tag}' is only present as a leftover of an interrupted save, and "
+                f"restoring it failed: {e}",
+                where=str(load_dir),
+                fix=f"rename the '.{tag}.old-*' directory there to '{tag}'",
+            ) from e
+    if not final.is_dir():
+        found = _available_tags(load_dir)
+        raise CheckpointError(
+            f"checkpoint '{tag}' does not exist"
+            + (f"; present: {', '.join(found)}" if found else ""),
+            where=str(final),
+            fix="name an existing tag, or fix the tracker file in the load directory",
+        )
+    return tag
+
+
+def load_file(load_dir: str | os.PathLike, tag: str, relpath: str) -> Any:
+    """``torch.load`` one file of a checkpoint, safely (weights_only) and onto the CPU."""
+    final = layout.tag_dir(load_dir, tag)
+    path = final / _check_relpath(relpath)
+    if not path.is_file():
+        present = _list_files(final) if final.is_dir() else []
+        raise CheckpointError(
+            f"checkpoint file '{relpath}' is missing"
+            + (f"; the checkpoint has: {', '.join(present)}" if present else ""),
+            where=str(path),
+            fix="load with the parallel layout it was saved with (see 'layout' in its "
+            "metadata.json), or reshard it to this one",
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e) or "Weights only" in str(e):
+            raise CheckpointError(
+                "the file holds Python objects that safe loading (weights_only=True) refuses",
+                where=str(path),
+                fix="zerotron loads only tensors and plain data; re-save the weights with a "
+                "tool you trust, or convert them with `zerotron convert`",
+            ) from e
+        raise _corrupt(path, e) from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise _corrupt(path, e) from e
+
+
+def _corrupt(path: Path, e: Exception) -> CheckpointError:
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CheckpointError(
+        f"cannot read the checkpoint file ({type(e).__name__}: {first_line})",
+        where=str(path),
+        fix="the file is truncated or corrupt: load an earlier checkpoint (pass its tag) or "
+        "re-create this one",
+    )
+
+
+def read_metadata(load_dir: str | os.PathLike, tag: str) -> dict[str, Any]:
+    """The metadata.json of a checkpoint."""
+    path = layout.tag_dir(load_dir, tag) / layout.METADATA_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            "the checkpoint has no metadata.json (was it written by another tool?)",
+            where=str(path),
+            fix="pass the model flags (--num-layers, --hidden-size, ...) explicitly",
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"metadata.json is not valid JSON: {e}",
+            where=str(path),
+            fix="restore it from a backup or re-create the checkpoint",
+        ) from e
