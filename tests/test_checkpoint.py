@@ -77,6 +77,20 @@ def test_layout_names_are_megatrons_and_deepspeeds():
     assert layout.model_file(0, 0, 4) == "mp_rank_00_000/model_optim_rng.pt"
     assert layout.zero_file(5, 1, 2) == "zero_dp_rank_5_mp_rank_01_002_optim_states.pt"
     assert layout.zero_file(0) == "zero_dp_rank_0_mp_rank_00_000_optim_states.pt"
+    assert layout.model_files(2, 2) == [
+        "mp_rank_00_000/model_optim_rng.pt",
+        "mp_rank_01_000/model_optim_rng.pt",
+        "mp_rank_00_001/model_optim_rng.pt",
+        "mp_rank_01_001/model_optim_rng.pt",
+    ]
+    assert layout.model_files(2) == [
+        "mp_rank_00/model_optim_rng.pt",
+        "mp_rank_01/model_optim_rng.pt",
+    ]
+    assert layout.zero_files(2, 1, 1) == [
+        "zero_dp_rank_0_mp_rank_00_000_optim_states.pt",
+        "zero_dp_rank_1_mp_rank_00_000_optim_states.pt",
+    ]
     assert layout.megatron_tracker("/s").as_posix() == "/s/latest_checkpointed_iteration.txt"
     assert layout.deepspeed_tracker("/s").as_posix() == "/s/latest"
     assert layout.temp_tag_dir("/s", "iter_0000001").as_posix() == "/s/.iter_0000001.tmp"

@@ -60,6 +60,18 @@ def zero_file(dp_rank: int, tp_rank: int = 0, pp_rank: int = 0) -> str:
     return f"zero_dp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_{pp_rank:03d}_optim_states.pt"
 
 
+def model_files(tp_size: int, pp_size: int = 1) -> list[str]:
+    """Every model-parallel rank's file of a (tp_size, pp_size) layout, pipeline stage major."""
+    return [model_file(t, p, pp_size) for p in range(pp_size) for t in range(tp_size)]
+
+
+def zero_files(dp_size: int, tp_size: int = 1, pp_size: int = 1) -> list[str]:
+    """Every rank's ZeRO partition file of a (dp_size, tp_size, pp_size) layout."""
+    return [
+        zero_file(d, t, p) for p in range(pp_size) for d in range(dp_size) for t in range(tp_size)
+    ]
+
+
 def validate_tag(tag: str) -> str:
     """A tag names one directory under the save directory: no separators, no leading dot."""
     if (
