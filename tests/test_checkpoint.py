@@ -313,6 +313,8 @@ def test_unsafe_objects_are_refused_before_writing(tmp_path):
 
     with pytest.raises(CheckpointError, match="Custom at \\['c'\\]"):
         check_safe({"c": Custom()})
+    with pytest.raises(CheckpointError, match="frozenset at \\['s'\\]\\[0\\]"):
+        check_safe({"s": [frozenset({1})]})
 
     safe = to_safe(state)
     check_safe(safe)
@@ -320,8 +322,12 @@ def test_unsafe_objects_are_refused_before_writing(tmp_path):
     back = load_file(tmp_path, "t", "a.pt")
     assert torch.equal(back["np"]["inner"][1], torch.zeros(3, dtype=torch.float64))
 
-    np_scalars = to_safe({"f": np.float32(1.5), "i": np.int64(3), "p": tmp_path, "s": {1}})
-    assert np_scalars == {"f": 1.5, "i": 3, "p": str(tmp_path), "s": {1}}
+    np_scalars = to_safe(
+        {"f": np.float32(1.5), "i": np.int64(3), "p": tmp_path, "s": {1}, "fs": frozenset({2})}
+    )
+    check_safe(np_scalars)
+    assert type(np_scalars["fs"]) is set
+    assert np_scalars == {"f": 1.5, "i": 3, "p": str(tmp_path), "s": {1}, "fs": {2}}
     assert type(np_scalars["f"]) is float and type(np_scalars["i"]) is int
 
 

@@ -9,8 +9,10 @@ from zerotron.checkpoint.layout import (
     RELEASE_TAG,
     iteration_from_tag,
     model_file,
+    model_files,
     tag_for_iteration,
     zero_file,
+    zero_files,
 )
 from zerotron.checkpoint.rng import get_rng_state, set_rng_state
 from zerotron.checkpoint.save_load import (
@@ -35,6 +37,7 @@ __all__ = [
     "load_file",
     "load_model_state",
     "model_file",
+    "model_files",
     "read_latest_tag",
     "read_metadata",
     "repad_vocab",
@@ -44,4 +47,5 @@ __all__ = [
     "tag_for_iteration",
     "to_safe",
     "zero_file",
+    "zero_files",
 ]

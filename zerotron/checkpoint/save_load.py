@@ -75,7 +75,7 @@ def to_safe(obj: Any) -> Any:
         return collections.OrderedDict((k, to_safe(v)) for k, v in obj.items())
     if isinstance(obj, Mapping):
         return {k: to_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (set, frozenset)):
+    if isinstance(obj, (set, frozenset)):  # weights_only refuses frozenset
         return {to_safe(v) for v in obj}
     if isinstance(obj, tuple):  # a namedtuple becomes a plain tuple
         return tuple(to_safe(v) for v in obj)
@@ -96,7 +96,7 @@ def check_safe(obj: Any, where: str = "") -> None:
                 if not isinstance(k, (str, int, float, bool, type(None), tuple)):
                     stack.append((f"{path}[{k!r}] (the key)", k))
                 stack.append((f"{path}[{k!r}]", v))
-        elif type(value) in (list, tuple, set, frozenset):
+        elif type(value) in (list, tuple, set):
             stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
         else:
             raise CheckpointError(
