@@ -1,0 +1,446 @@
+"""GPT-2 (Radford et al., 2019), written against the tensor-parallel layers.
+
+Learned absolute positions, pre-LayerNorm blocks, GELU (tanh approximation), input and output
+embeddings tied, dropout on the embeddings, the residual branches and the attention probabilities.
+Weights are ``N(0, init_method_std)``; the two projections that write into the residual stream
+(attention ``dense`` and ``mlp.dense_4h_to_h``) use ``init_method_std / sqrt(2 * num_layers)``;
+biases are zero, LayerNorm weights one.
+
+Parameter names (Megatron-LM's, without its ``language_model.encoder`` prefixes)::
+
+    embedding.word_embeddings.weight              [vocab_size (padded), hidden]
+    embedding.position_embeddings.weight          [max_position_embeddings, hidden]
+    layers.{i}.input_layernorm.{weight,bias}
+    layers.{i}.self_attention.query_key_value.{weight,bias}   [3 * hidden, hidden]
+    layers.{i}.self_attention.dense.{weight,bias}             [hidden, hidden]
+    layers.{i}.post_attention_layernorm.{weight,bias}
+    layers.{i}.mlp.dense_h_to_4h.{weight,bias}                [ffn_hidden, hidden]
+    layers.{i}.mlp.dense_4h_to_h.{weight,bias}                [hidden, ffn_hidden]
+    final_layernorm.{weight,bias}
+
+The rows of ``query_key_value`` are ordered per head, as in Megatron-LM: ``[heads, (q, k, v),
+head_dim]``, so a column split across tensor-parallel ranks hands each rank whole heads.
+(HuggingFace's GPT-2 orders them ``[(q, k, v), heads, head_dim]``; ``checkpoint.hf`` converts.)
+
+Vocabulary padding: the embedding has ``vocab_size`` rows, padded for efficient splitting; ids
+``>= orig_vocab_size`` are never real tokens. Their logits are left out of the loss and returned as
+``-inf``, so neither training nor sampling ever sees them.
+
+Tensors are batch-first: tokens ``[b, s]``, hidden states ``[b, s, h]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zerotron.errors import ConfigError
+from zerotron.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    init_method_normal,
+    scaled_init_method_normal,
+    vocab_parallel_cross_entropy,
+)
+
+# State-dict keys whose dim 0 is the padded vocabulary (re-padded when the padding changes).
+VOCAB_PADDED_KEYS = ("embedding.word_embeddings.weight",)
+
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+
+
+@dataclass
+class GPTConfig:
+    """The model's shape and regularization, named as Megatron-LM's flags."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int  # padded: the embedding has this many rows
+    ffn_hidden_size: int | None = None  # -> 4 * hidden_size
+    max_position_embeddings: int | None = None  # -> seq_length
+    orig_vocab_size: int | None = None  # the tokenizer's vocabulary; -> vocab_size
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    recompute_granularity: str | None = None  # None | "full" | "selective"
+    recompute_num_layers: int | None = None  # full: recompute the first N layers (None: all)
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.orig_vocab_size is None:
+            self.orig_vocab_size = self.vocab_size
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(key: str, what: str, fix: str) -> ConfigError:
+            return ConfigError(f"{what} (got {getattr(self, key)!r})", where=key, fix=fix)
+
+        for key in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "vocab_size",
+            "ffn_hidden_size",
+            "max_position_embeddings",
+            "orig_vocab_size",
+        ):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise bad(key, "must be a positive integer", "set a positive integer")
+        if self.hidden_size % self.num_attention_heads:
+            raise bad(
+                "hidden_size",
+                f"is not divisible by num_attention_heads={self.num_attention_heads}",
+                "choose hidden_size a multiple of num_attention_heads",
+            )
+        if self.orig_vocab_size > self.vocab_size:
+            raise bad(
+                "orig_vocab_size",
+                f"is larger than the padded vocab_size={self.vocab_size}",
+                "pad the vocabulary up, never down",
+            )
+        if self.seq_length > self.max_position_embeddings:
+            raise bad(
+                "seq_length",
+                f"exceeds max_position_embeddings={self.max_position_embeddings}",
+                "raise max_position_embeddings or shorten seq_length",
+            )
+        for key in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise bad(key, "must be in [0, 1)", "use a probability such as 0.1")
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise bad(
+                "recompute_granularity", "must be full, selective or unset", "use full or selective"
+            )
+        n = self.recompute_num_layers
+        if n is not None:
+            if self.recompute_granularity != "full":
+                raise bad(
+                    "recompute_num_layers",
+                    "only applies to recompute_granularity=full",
+                    "set recompute_granularity=full or drop recompute_num_layers",
+                )
+            if not 0 <= n <= self.num_layers:
+                raise bad(
+                    "recompute_num_layers",
+                    f"must be between 0 and num_layers={self.num_layers}",
+                    "recompute at most every layer",
+                )
+
+    @property
+    def kv_channels(self) -> int:
+        """Size of one attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        """Plain, JSON-friendly dict (defaults resolved) for checkpoint metadata."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "model config") -> GPTConfig:
+        """Inverse of :meth:`to_dict`; unknown or missing keys are an error naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown model config keys {unknown}",
+                where=where,
+                fix=f"known keys: {sorted(names)}",
+            )
+        try:
+            return cls(**d)
+        except TypeError as e:  # a required key is missing
+            raise ConfigError(f"incomplete model config: {e}", where=where) from e
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, for incremental decoding.
+
+    One ``[batch, heads, max_length, head_dim]`` buffer per layer for keys and one for values;
+    ``length`` positions are filled. The model appends the new positions of a forward pass and
+    then advances ``length``, so positions continue where the last call stopped.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_heads: int,
+        head_dim: int,
+        max_length: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        shape = (batch_size, num_heads, max_length, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_length = max_length
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, model: GPT, batch_size: int, max_length: int | None = None) -> KVCache:
+        """A cache shaped for ``model`` (its parameters' dtype and device)."""
+        cfg = model.config
+        p = model.embedding.word_embeddings.weight
+        return cls(
+            cfg.num_layers,
+            batch_size,
+            cfg.num_attention_heads,
+            cfg.kv_channels,
+            max_length or cfg.max_position_embeddings,
+            dtype=p.dtype,
+            device=p.device,
+        )
+
+    def update(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key``/``value`` [b, heads, s, d] after the filled positions; return all."""
+        end = self.length + key.shape[2]
+        self.keys[layer][:, :, self.length : end] = key
+        self.values[layer][:, :, self.length : end] = value
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+class SelfAttention(nn.Module):
+    """Multi-head causal self-attention: fused QKV projection, SDPA core, output projection."""
+
+    def __init__(self, config: GPTConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads  # per TP partition once TP > 1
+        self.head_dim = config.kv_channels
+        self.attention_dropout = config.attention_dropout
+        self.recompute_core = config.recompute_granularity == "selective"
+        h = config.hidden_size
+        self.query_key_value = ColumnParallelLinear(
+            h,
+            3 * h,
+            bias=config.bias,
+            gather_output=False,
+            init_method=init_method_normal(config.init_method_std),
+        )
+        self.dense = RowParallelLinear(
+            h,
+            h,
+            bias=config.bias,
+            input_is_parallel=True,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = True,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.query_key_value(x).view(b, s, self.num_heads, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, heads, s, head_dim], views
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_index, k, v)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if self.recompute_core and torch.is_grad_enabled():
+            # Selective recompute: keep only q, k, v; redo softmax(QK^T)V in backward.
+            # Non-reentrant checkpoint restores the RNG state, so dropout masks repeat exactly.
+            context = checkpoint(
+                _core_attention, q, k, v, attention_mask, is_causal, dropout_p, use_reentrant=False
+            )
+        else:
+            context = _core_attention(q, k, v, attention_mask, is_causal, dropout_p)
+        return self.dense(context.transpose(1, 2).reshape(b, s, -1))
+
+
+def _core_attention(q, k, v, attention_mask, is_causal, dropout_p):
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, is_causal=is_causal
+    )
+
+
+class MLP(nn.Module):
+    """h -> ffn_hidden (GELU, tanh approximation) -> h."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        h, ffn = config.hidden_size, config.ffn_hidden_size
+        self.dense_h_to_4h = ColumnParallelLinear(
+            h,
+            ffn,
+            bias=config.bias,
+            gather_output=False,
+            init_method=init_method_normal(config.init_method_std),
+        )
+        self.dense_4h_to_h = RowParallelLinear(
+            ffn,
+            h,
+            bias=config.bias,
+            input_is_parallel=True,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN block: ``x + drop(attn(ln(x)))``, then ``x + drop(mlp(ln(x)))``."""
+
+    def __init__(self, config: GPTConfig, layer_index: int):
+        super().__init__()
+        h, eps = config.hidden_size, config.layernorm_epsilon
+        self.input_layernorm = nn.LayerNorm(h, eps=eps, bias=config.bias)
+        self.self_attention = SelfAttention(config, layer_index)
+        self.post_attention_layernorm = nn.LayerNorm(h, eps=eps, bias=config.bias)
+        self.mlp = MLP(config)
+        self.hidden_dropout = config.hidden_dropout
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = True,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(x), attention_mask, is_causal, kv_cache)
+        x = x + self._dropout(attn)
+        return x + self._dropout(self.mlp(self.post_attention_layernorm(x)))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.hidden_dropout > 0:
+            return F.dropout(x, self.hidden_dropout, training=True)
+        return x
+
+
+class Embedding(nn.Module):
+    """Word embeddings (vocab-parallel, tied to the output layer) + learned positions + dropout."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        init = init_method_normal(config.init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, init_method=init
+        )
+        # Positions are replicated across TP ranks, not split.
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        init(self.position_embeddings.weight.data)
+        self.hidden_dropout = config.hidden_dropout
+
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None, offset: int = 0
+    ) -> torch.Tensor:
+        x = self.word_embeddings(tokens)
+        if position_ids is None:  # positions offset..offset+s: a slice, no gather needed
+            x = x + self.position_embeddings.weight[offset : offset + tokens.shape[1]]
+        else:
+            x = x + self.position_embeddings(position_ids)
+        if self.training and self.hidden_dropout > 0:
+            x = F.dropout(x, self.hidden_dropout, training=True)
+        return x
+
+
+class GPT(nn.Module):
+    """GPT-2 language model. See the module docstring for structure and parameter names."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = Embedding(config)
+        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
+        self.final_layernorm = nn.LayerNorm(
+            config.hidden_size, eps=config.layernorm_epsilon, bias=config.bias
+        )
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[b, s, vocab_size]``, or with ``labels`` the per-token loss ``[b, s]`` (fp32).
+
+        ``labels[b, t]`` is the token that should follow ``tokens[b, t]`` (already shifted, as in
+        Megatron-LM); the caller applies its loss mask. ``attention_mask`` is a bool tensor
+        broadcastable to ``[b, 1, s, keys]`` with True where a query may attend to a key (causal
+        masking is then the caller's job); without it attention is causal. With ``kv_cache`` the
+        tokens continue the cached positions (keys = cached + s) and the cache is advanced.
+        """
+        cfg = self.config
+        b, s = tokens.shape
+        offset = kv_cache.length if kv_cache is not None else 0
+        if position_ids is None and offset + s > cfg.max_position_embeddings:
+            raise ConfigError(
+                f"{offset + s} positions exceed max_position_embeddings="
+                f"{cfg.max_position_embeddings}",
+                where="GPT.forward",
+                fix="shorten the input (or the number of tokens to generate)",
+            )
+        is_causal = attention_mask is None
+        if is_causal and offset > 0:
+            is_causal = False
+            if s > 1:  # new queries see all cached keys and, causally, each other
+                keys = torch.arange(offset + s, device=tokens.device)
+                queries = torch.arange(offset, offset + s, device=tokens.device)
+                attention_mask = keys[None, :] <= queries[:, None]
+
+        x = self.embedding(tokens, position_ids, offset)
+        training_pass = torch.is_grad_enabled() and kv_cache is None
+        recompute = self._recompute_layers() if training_pass else 0
+        for i, layer in enumerate(self.layers):
+            if i < recompute:
+                # The layer's own RNG calls (dropout) replay identically: RNG state is restored.
+                x = checkpoint(layer, x, attention_mask, is_causal, None, use_reentrant=False)
+            else:
+                x = layer(x, attention_mask, is_causal, kv_cache)
+        x = self.final_layernorm(x)
+        if kv_cache is not None:
+            kv_cache.length += s
+
+        # Tied output layer over the real vocabulary only: padded ids never get probability.
+        weight = self.embedding.word_embeddings.weight[: cfg.orig_vocab_size]
+        logits = F.linear(x, weight)
+        if labels is not None:
+            return vocab_parallel_cross_entropy(logits, labels)
+        if cfg.orig_vocab_size < cfg.vocab_size:
+            logits = F.pad(logits, (0, cfg.vocab_size - cfg.orig_vocab_size), value=-math.inf)
+        return logits
+
+    def _recompute_layers(self) -> int:
+        """How many layers, from the first, to recompute whole in backward."""
+        cfg = self.config
+        if cfg.recompute_granularity != "full":
+            return 0
+        return cfg.num_layers if cfg.recompute_num_layers is None else cfg.recompute_num_layers
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count; the tied embedding counts once (it is one parameter).
+
+        ``exclude_embeddings`` leaves out the word and position embeddings.
+        """
+        skip = set(map(id, self.embedding.parameters())) if exclude_embeddings else set()
+        return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+
+def print_num_parameters(model: GPT, rank: int = 0) -> int:
+    """Print Megatron-LM's parameter-count line for this model-parallel rank; return the count."""
+    n = model.num_parameters()
+    print(f" > number of parameters on model parallel rank {rank}: {n}", flush=True)
+    return n

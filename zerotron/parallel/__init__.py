@@ -1,0 +1,1 @@
+"""Parallelism: tensor (and later sequence, data and pipeline) parallel building blocks."""
