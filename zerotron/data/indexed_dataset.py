@@ -104,6 +104,11 @@ class MMapIndexedDatasetBuilder:
         self._sizes.append(arr.size)
         self.num_tokens += arr.size
 
+    @property
+    def num_documents(self) -> int:
+        """Documents completed so far."""
+        return len(self._doc_idx) - 1
+
     def end_document(self) -> None:
         self._doc_idx.append(len(self._sizes))
 
@@ -118,6 +123,22 @@ class MMapIndexedDatasetBuilder:
                 self.add_item(arr[start : start + n])
                 start += n
         self.end_document()
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append many one-sequence documents at once: ``tokens`` concatenated, ``lengths`` each.
+
+        The fast path of preprocessing: one write and two array extends per batch.
+        """
+        tokens = np.ascontiguousarray(tokens, dtype=self.dtype)
+        lengths = np.ascontiguousarray(lengths, dtype=np.int32)
+        if int(lengths.sum(dtype=np.int64)) != tokens.size:
+            raise ValueError(f"lengths sum to {lengths.sum()}, but there are {tokens.size} tokens")
+        with disk_full_is_clear(self._tmp_bin):
+            self._bin.write(tokens.data)
+        first = len(self._sizes)
+        self._sizes.frombytes(lengths.tobytes())
+        self._doc_idx.extend(range(first + 1, first + 1 + lengths.size))
+        self.num_tokens += tokens.size
 
     def add_index(self, prefix: str | os.PathLike) -> None:
         """Append a whole existing dataset (used by merge-datasets)."""
@@ -195,9 +216,15 @@ class MMapIndexedDataset:
                     fix="pass the prefix without .bin/.idx, e.g. my-corpus_text_document; "
                     "make it with `zerotron preprocess`",
                 )
+        # np.memmap refuses empty files, so look at the size first.
+        if os.path.getsize(idx_path) < HEADER.size:
+            raise DataError(
+                f"index file is truncated ({os.path.getsize(idx_path)} bytes, header alone "
+                f"is {HEADER.size})",
+                where=str(idx_path),
+                fix="re-run the preprocessing that wrote it",
+            )
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
-        if len(self._index) < HEADER.size:
-            raise DataError("index file is truncated", where=str(idx_path))
         magic, version, code, n_seq, n_doc = HEADER.unpack(self._index[: HEADER.size].tobytes())
         if magic != MAGIC:
             raise DataError(
@@ -222,6 +249,12 @@ class MMapIndexedDataset:
         self.sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=off)
         self.pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=off + 4 * n_seq)
         self.doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_doc, offset=off + 12 * n_seq)
+        if n_doc < 1 or self.doc_idx[0] != 0 or self.doc_idx[-1] != n_seq:
+            raise DataError(
+                f"corrupt document index: {n_doc} entries, must run from 0 to {n_seq}",
+                where=str(idx_path),
+                fix="re-run the preprocessing that wrote it",
+            )
         nbytes = os.path.getsize(bin_path)
         need = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n_seq else 0
         if nbytes < need:
