@@ -23,7 +23,14 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def known_flags(self) -> list[str]:
-        return [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        """Flags to suggest: those --help shows (hidden ones exist only to explain themselves)."""
+        return [
+            s
+            for a in self._actions
+            if a.help != argparse.SUPPRESS
+            for s in a.option_strings
+            if s.startswith("--")
+        ]
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         ns, extras = self.parse_known_args(args, namespace)

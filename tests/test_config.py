@@ -1,0 +1,477 @@
+"""The config layer: schema defaults, Megatron flags, YAML/JSON files, validation messages."""
+
+import json
+import math
+import shlex
+
+import pydantic
+import pytest
+
+from zerotron.config import (
+    Config,
+    build_parser,
+    format_config,
+    load_config,
+    parse_megatron_args,
+    parse_split,
+    write_config_file,
+)
+from zerotron.errors import ConfigError, UnsupportedError
+
+BASE = shlex.split(
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 4 --lr 1e-3 --train-iters 100"
+)
+
+
+def without(*flags: str) -> list[str]:
+    """BASE less some of its flags (each takes one value)."""
+    out = list(BASE)
+    for f in flags:
+        i = out.index(f)
+        del out[i : i + 2]
+    return out
+
+
+def parse(*extra: str, world_size: int = 1) -> Config:
+    return parse_megatron_args([*BASE, *extra], world_size=world_size)
+
+
+def write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# ---- defaults
+
+
+def test_defaults_match_megatron():
+    """Values of megatron/training/arguments.py (NVIDIA/Megatron-LM main, 2025), checked there."""
+    megatron = {
+        "make_vocab_size_divisible_by": 128,
+        "layernorm_epsilon": 1e-5,  # --norm-epsilon
+        "init_method_std": 0.02,
+        "hidden_dropout": 0.1,
+        "attention_dropout": 0.1,
+        "weight_decay": 0.01,
+        "clip_grad": 1.0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_eps": 1e-08,
+        "optimizer": "adam",
+        "seed": 1234,
+        "eval_interval": 1000,
+        "eval_iters": 100,
+        "log_interval": 100,
+        "lr_decay_style": "linear",
+        "lr_warmup_iters": 0,
+        "lr_warmup_fraction": None,
+        "lr_warmup_init": 0.0,
+        "min_lr": 0.0,
+        "loss_scale": None,
+        "initial_loss_scale": 2**32,
+        "min_loss_scale": 1.0,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "num_workers": 2,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "distributed_timeout_minutes": 10,
+        "ddp_bucket_size": None,
+        "recompute_granularity": None,
+        "exit_interval": None,
+        "save_interval": None,
+    }
+    flat = parse().flat()
+    for name, value in megatron.items():
+        assert flat[name] == value, name
+    # Megatron's legacy default split is the string '969, 30, 1'.
+    assert parse().data.split_fractions == parse_split("969, 30, 1")
+    assert parse().data.split_fractions == (0.969, 0.03, 0.001)
+
+
+def test_megatron_derivations():
+    cfg = parse(world_size=2)
+    assert cfg.model.ffn_hidden_size == 4 * 64
+    assert cfg.model.max_position_embeddings == 32
+    # no --global-batch-size: micro batch x data-parallel size, one micro-batch
+    assert cfg.training.global_batch_size == 4 * 2
+    assert cfg.training.num_micro_batches == 1
+    assert cfg.scheduler.lr_decay_iters == 100
+    assert cfg.parallel.data_parallel_size == 2
+
+
+# ---- precedence: flag > file > default
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        (
+            "run.yaml",
+            "model:\n  hidden-size: 128\n  num_attention_heads: 8\n"
+            "optimizer:\n  lr: 3e-4\nseed: 7\nweight-decay: 0.1\n",
+        ),
+        (
+            "run.json",
+            json.dumps(
+                {
+                    "hidden_size": 128,
+                    "num-attention-heads": 8,
+                    "lr": 3e-4,
+                    "training": {"seed": 7},
+                    "optimizer": {"weight_decay": 0.1},
+                }
+            ),
+        ),
+    ],
+)
+def test_precedence_flag_over_file_over_default(tmp_path, name, text):
+    path = write(tmp_path, name, text)
+    argv = without("--num-attention-heads", "--lr")
+    cfg = parse_megatron_args([*argv, "--config", path, "--seed", "9", "--hidden-size", "256"])
+    assert cfg.training.seed == 9  # flag beats file
+    assert cfg.model.hidden_size == 256  # flag beats file
+    assert cfg.model.num_attention_heads == 8  # file (no flag)
+    assert cfg.optimizer.weight_decay == 0.1  # file beats default
+    assert cfg.optimizer.lr == 3e-4  # file (YAML reads 3e-4 as a string)
+    assert cfg.training.eval_iters == 100  # default
+    cfg = parse_megatron_args([*argv, "--config", path, "--lr", "0.5", "--weight-decay", "0"])
+    assert (cfg.optimizer.lr, cfg.optimizer.weight_decay) == (0.5, 0.0)
+
+
+def test_config_file_alone(tmp_path):
+    path = write(tmp_path, "c.yaml", "num_layers: 4\nhidden_size: 32\nmicro_batch_size: 2\n")
+    cfg = load_config(path, world_size=2)
+    assert (cfg.model.num_layers, cfg.training.global_batch_size) == (4, 4)
+
+
+# ---- errors people meet
+
+
+def test_unknown_flag_suggests_closest():
+    with pytest.raises(ConfigError) as e:
+        parse("--hiden-size", "64")
+    assert e.value.what == "unknown flag --hiden-size"
+    assert e.value.fix.startswith("did you mean --hidden-size")
+    assert not isinstance(e.value, UnsupportedError)
+
+
+def test_unknown_config_key_names_file_line_and_suggestion(tmp_path):
+    path = write(tmp_path, "c.yaml", "num_layers: 2\n\nhiden-size: 64\n")
+    with pytest.raises(ConfigError) as e:
+        parse("--config", path)
+    assert e.value.where == f"{path}:3"
+    assert e.value.what == "unknown key 'hiden-size'"
+    assert e.value.fix == "did you mean 'hidden_size'?"
+
+    path = write(tmp_path, "d.json", '{\n  "model": {\n    "num_layer": 2\n  }\n}\n')
+    with pytest.raises(ConfigError) as e:
+        parse("--config", path)
+    assert (e.value.where, e.value.what) == (f"{path}:3", "unknown key 'model.num_layer'")
+    assert e.value.fix == "did you mean 'num_layers'?"
+
+
+def test_key_in_wrong_section(tmp_path):
+    path = write(tmp_path, "c.yaml", "model:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match="'lr' belongs to section 'optimizer', not 'model'"):
+        parse("--config", path)
+
+
+def test_unsupported_flags_say_so(tmp_path):
+    with pytest.raises(UnsupportedError) as e:
+        parse("--use-flash-attn")
+    assert e.value.what.startswith("--use-flash-attn is not supported: ")
+    with pytest.raises(UnsupportedError, match="--num-experts 8 is not supported: mixture"):
+        parse("--num-experts", "8")
+    with pytest.raises(UnsupportedError, match="WSD is not supported"):
+        parse("--lr-decay-style", "WSD")
+    # The value that asks for what zerotron does anyway is fine.
+    assert parse("--context-parallel-size", "1").parallel.data_parallel_size == 1
+    # The same names in a file.
+    path = write(tmp_path, "c.yaml", "num_layers: 2\nuse_flash_attn: true\n")
+    with pytest.raises(UnsupportedError) as e:
+        parse("--config", path)
+    assert e.value.where == f"{path}:2"
+
+
+def test_ignored_flag_warns():
+    cfg = parse("--use-mcore-models", "--no-bias-gelu-fusion")
+    assert len(cfg.warnings) == 2 and "--use-mcore-models has no effect" in cfg.warnings[0]
+
+
+def test_launcher_local_rank_is_accepted():
+    assert parse("--local_rank=3").training.seed == 1234
+    assert parse("--local-rank", "0").training.seed == 1234
+
+
+def test_missing_required_flags():
+    with pytest.raises(ConfigError) as e:
+        parse_megatron_args(["--num-layers", "2", "--lr", "0.1"])
+    assert e.value.what == (
+        "missing required flags: --hidden-size, --num-attention-heads, --seq-length, "
+        "--micro-batch-size, --train-iters (or --train-samples)"
+    )
+    # --train-iters 0 (print the configuration and exit) needs no learning rate.
+    assert parse_megatron_args(BASE[:10] + ["--train-iters", "0"]).optimizer.lr is None
+
+
+def test_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--help"])
+    assert e.value.code == 0
+    assert "--global-batch-size" in capsys.readouterr().out
+
+
+def test_yaml_and_json_syntax_errors_name_the_line(tmp_path):
+    path = write(tmp_path, "bad.yaml", "num_layers: 2\nhidden_size: 64\nlr: [0.1\nseed: 1\n")
+    with pytest.raises(ConfigError) as e:
+        parse("--config", path)
+    assert e.value.where.startswith(f"{path}:") and e.value.what.startswith("YAML syntax error")
+    assert int(e.value.where.rsplit(":", 1)[1]) in (3, 4)
+    path = write(tmp_path, "bad.json", '{\n  "num_layers": 2,\n  "lr": ,\n}\n')
+    with pytest.raises(ConfigError) as e:
+        parse("--config", path)
+    assert e.value.where == f"{path}:3" and e.value.what.startswith("JSON syntax error")
+    path = write(tmp_path, "dup.yaml", "seed: 1\nseed: 2\n")
+    with pytest.raises(ConfigError, match="given twice") as e:
+        parse("--config", path)
+    assert e.value.where == f"{path}:2"
+
+
+def test_bad_value_names_key_path_and_origin(tmp_path):
+    path = write(tmp_path, "c.yaml", "training:\n  eval_iters: lots\n")
+    with pytest.raises(ConfigError) as e:
+        parse("--config", path)
+    assert e.value.where == f"{path}:2"
+    assert e.value.what.startswith("training.eval_iters = 'lots': expected an integer")
+    with pytest.raises(ConfigError) as e:
+        parse("--hidden-dropout", "1.5")
+    assert e.value.where == "--hidden-dropout"
+    assert e.value.what.startswith("model.hidden_dropout = 1.5: input should be less than 1")
+
+
+# ---- batch arithmetic and the process grid
+
+
+def test_batch_arithmetic_errors_show_the_arithmetic():
+    with pytest.raises(ConfigError) as e:
+        parse("--global-batch-size", "10")
+    assert e.value.what == (
+        "global_batch_size 10 is not divisible by micro_batch_size 4 × data_parallel_size 1 = 4"
+    )
+    assert e.value.where == "training.global_batch_size"
+    with pytest.raises(ConfigError) as e:
+        parse("--global-batch-size", "12", "--tensor-model-parallel-size", "2", world_size=4)
+    assert e.value.what == (
+        "global_batch_size 12 is not divisible by micro_batch_size 4 × data_parallel_size 2 = 8"
+    )
+    data = {"micro_batch_size": 4, "global_batch_size": 24, "num_micro_batches": 2}
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict(data)
+    assert e.value.what == (
+        "global_batch_size 24 != micro_batch_size 4 × data_parallel_size 1 × "
+        "num_micro_batches 2 = 8"
+    )
+
+
+@pytest.mark.parametrize("world, tp, pp, mbs, gbs", [(1, 1, 1, 4, 32), (8, 2, 2, 2, 16)])
+def test_num_micro_batches(world, tp, pp, mbs, gbs):
+    cfg = parse(
+        *f"--micro-batch-size {mbs} --global-batch-size {gbs} --tensor-model-parallel-size {tp} "
+        f"--pipeline-model-parallel-size {pp}".split(),
+        world_size=world,
+    )
+    dp = world // (tp * pp)
+    assert cfg.parallel.data_parallel_size == dp
+    assert cfg.training.num_micro_batches == gbs // (mbs * dp)
+    assert mbs * dp * cfg.training.num_micro_batches == gbs
+
+
+def test_any_two_batch_sizes_give_the_third():
+    cfg = Config.from_dict({"global_batch_size": 32, "num_micro_batches": 4, "world_size": 2})
+    assert cfg.training.micro_batch_size == 32 // (4 * 2)
+    cfg = Config.from_dict({"micro_batch_size": 3, "num_micro_batches": 5, "world_size": 2})
+    assert cfg.training.global_batch_size == 3 * 2 * 5
+
+
+def test_world_size_must_divide_by_tp_times_pp():
+    with pytest.raises(ConfigError) as e:
+        parse("--tensor-model-parallel-size", "4", world_size=6)
+    assert e.value.what == (
+        "world_size 6 is not divisible by tensor_model_parallel_size 4 × "
+        "pipeline_model_parallel_size 1 = 4"
+    )
+    assert e.value.where == "parallel.world_size"
+
+
+def test_with_world_size_revalidates():
+    cfg = parse("--global-batch-size", "16", "--tensor-model-parallel-size", "2", world_size=2)
+    assert (cfg.parallel.data_parallel_size, cfg.training.num_micro_batches) == (1, 4)
+    bigger = cfg.with_world_size(4)
+    assert (bigger.parallel.data_parallel_size, bigger.training.num_micro_batches) == (2, 2)
+    assert bigger.training.global_batch_size == 16
+    with pytest.raises(ConfigError, match="world_size 3 is not divisible"):
+        cfg.with_world_size(3)
+    with pytest.raises(ConfigError, match="global_batch_size 16 is not divisible by"):
+        cfg.with_world_size(16)  # dp 8: 4 x 8 = 32 does not divide 16
+    # Without --global-batch-size it follows the data-parallel size, as in Megatron.
+    assert parse().with_world_size(4).training.global_batch_size == 16
+
+
+def test_tensor_and_pipeline_shape_checks():
+    with pytest.raises(ConfigError, match="num_attention_heads 4 is not divisible by tensor"):
+        parse("--tensor-model-parallel-size", "8", world_size=8)
+    with pytest.raises(ConfigError, match="num_layers 2 is not divisible by pipeline"):
+        parse("--pipeline-model-parallel-size", "4", world_size=4)
+    cfg = parse(*shlex.split("--num-layers 8 --pipeline-model-parallel-size 2"), world_size=2)
+    cfg = cfg.replace(num_layers_per_virtual_pipeline_stage=2, global_batch_size=8)
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == (8 // 2) // 2
+    with pytest.raises(ConfigError, match="interleaved schedule needs num_micro_batches 3"):
+        cfg.replace(global_batch_size=12)
+    cfg = parse("--sequence-parallel")
+    assert cfg.parallel.sequence_parallel is False and "sequence_parallel" in cfg.warnings[0]
+
+
+# ---- model, precision, schedule checks
+
+
+def test_model_and_precision_checks():
+    with pytest.raises(ConfigError) as e:
+        parse("--hidden-size", "66")
+    assert e.value.what == "hidden_size 66 is not divisible by num_attention_heads 4"
+    with pytest.raises(ConfigError) as e:
+        parse("--fp16", "--bf16")
+    assert e.value.what == "fp16 and bf16 are both set"
+    with pytest.raises(ConfigError, match="max_position_embeddings 16 is less than seq_length 32"):
+        parse("--max-position-embeddings", "16")
+    with pytest.raises(ConfigError, match="recompute_num_layers is set but"):
+        parse("--recompute-num-layers", "1")
+    cfg = parse("--recompute-granularity", "full")
+    assert (cfg.model.recompute_method, cfg.model.recompute_num_layers) == ("uniform", 1)
+    assert parse("--recompute-activations").model.recompute_granularity == "selective"
+    assert parse("--bf16").precision.params_dtype == "bf16"
+    with pytest.raises(ConfigError, match="save_interval"):
+        parse("--save", "/tmp/x")
+
+
+def test_warmup_and_decay_options():
+    with pytest.raises(ConfigError) as e:
+        parse("--lr-warmup-iters", "10", "--lr-warmup-fraction", "0.1")
+    assert e.value.what == "lr_warmup_fraction 0.1 and lr_warmup_iters 10 are both set"
+    with pytest.raises(ConfigError, match="lr_decay_samples 10 is set, but training is iter"):
+        parse("--lr-decay-samples", "10")
+    with pytest.raises(ConfigError, match="min_lr 0.1 is above lr 0.001"):
+        parse("--min-lr", "0.1")
+    cfg = parse("--lr-warmup-iters", "10", "--lr-decay-iters", "80")
+    gbs = cfg.training.global_batch_size
+    assert (cfg.lr_warmup_steps, cfg.lr_decay_steps) == (10 * gbs, 80 * gbs)
+    with pytest.raises(ConfigError, match="warmup .* is not shorter than the decay"):
+        parse("--lr-warmup-iters", "100")
+
+
+def test_train_samples_to_iters_like_megatron():
+    argv = without("--train-iters")
+    cfg = parse_megatron_args(
+        [
+            *argv,
+            "--global-batch-size",
+            "32",
+            "--train-samples",
+            "1000",
+            "--lr-warmup-fraction",
+            "0.1",
+        ]
+    )
+    # megatron/training/training.py update_train_iters: train_samples // global_batch_size
+    assert cfg.training.train_iters == 1000 // 32
+    assert cfg.lr_decay_steps == 1000  # lr_decay_samples defaults to train_samples
+    assert cfg.lr_warmup_steps == pytest.approx(0.1 * 1000)
+    assert "training runs 31 iterations (992 samples)" in cfg.warnings[0]
+    with pytest.raises(ConfigError, match="lr_warmup_iters 5 is set, but training is sample"):
+        parse_megatron_args([*argv, "--train-samples", "1000", "--lr-warmup-iters", "5"])
+
+
+# ---- value formats
+
+
+def test_numbers_like_5e8(tmp_path):
+    argv = without("--train-iters", "--lr")
+    cfg = parse_megatron_args([*argv, "--train-samples", "5e8", "--lr", "1"])
+    assert cfg.training.train_samples == 5 * 10**8
+    path = write(tmp_path, "c.yaml", "train_samples: 5e8\nddp_bucket_size: 4e7\nlr: 1e-4\n")
+    cfg = parse_megatron_args([*argv, "--config", path])
+    assert (cfg.training.train_samples, cfg.parallel.ddp_bucket_size) == (5 * 10**8, 4 * 10**7)
+    assert cfg.optimizer.lr == 1e-4
+    path = write(tmp_path, "c.json", '{"train_samples": 5e8, "lr": 1}')
+    assert parse_megatron_args([*argv, "--config", path]).training.train_samples == 5 * 10**8
+    with pytest.raises(ConfigError, match="training.train_samples = 2.5: expected an integer"):
+        Config.from_dict({"micro_batch_size": 1, "train_samples": 2.5})
+    with pytest.raises(ConfigError, match="invalid int value: '1.5e0'"):
+        parse("--seed", "1.5e0")
+
+
+def test_blended_data_paths(tmp_path):
+    assert parse("--data-path", "0.3", "A", "0.7", "B").data.blend == (["A", "B"], [0.3, 0.7])
+    assert parse("--data-path", "A").data.blend == (["A"], None)
+    assert parse("--data-path", "A", "B").data.blend == (["A", "B"], None)
+    assert parse().data.blend is None
+    path = write(tmp_path, "c.yaml", "data_path: 0.25 /d/x_text_document 0.75 /d/y\n")
+    cfg = parse("--config", path)
+    assert cfg.data.blend == (["/d/x_text_document", "/d/y"], [0.25, 0.75])
+    with pytest.raises(ConfigError, match="a blend alternates weights and prefixes"):
+        parse("--data-path", "0.3", "A", "B", "C")
+    with pytest.raises(ConfigError, match="a blend needs a weight before every prefix"):
+        parse("--data-path", "0.3", "A", "B")
+
+
+def test_split_formats():
+    assert parse("--split", "90/5/5").data.split_fractions == (0.9, 0.05, 0.05)
+    assert parse("--split", "98,2").data.split_fractions == (0.98, 0.02, 0.0)
+    with pytest.raises(ConfigError, match="split '1,x' is not"):
+        parse("--split", "1,x")
+
+
+# ---- round trips and printing
+
+
+def test_to_dict_from_dict_round_trip(tmp_path):
+    cfg = parse(
+        *shlex.split(
+            "--global-batch-size 16 --bf16 --lr-decay-style cosine --lr-warmup-fraction 0.01 "
+            "--data-path 0.5 A 0.5 B --tensor-model-parallel-size 2 --save /ckpt "
+            "--save-interval 10 --recompute-granularity full"
+        ),
+        world_size=4,
+    )
+    data = cfg.to_dict()
+    assert json.loads(json.dumps(data)) == data  # JSON-safe
+    again = Config.from_dict(data)
+    assert again == cfg and again.flat() == cfg.flat()
+    assert data["training"]["num_micro_batches"] is None  # inputs, not derived values
+    for name in ("c.yaml", "c.json"):
+        write_config_file(data, tmp_path / name)
+        assert load_config(tmp_path / name, world_size=4).flat() == cfg.flat()
+    assert cfg != cfg.replace(seed=1)
+
+
+def test_config_is_frozen():
+    cfg = parse()
+    with pytest.raises(pydantic.ValidationError):
+        cfg.model.hidden_size = 128
+    assert cfg.replace(hidden_size=128).model.ffn_hidden_size == 512
+
+
+def test_format_config_is_megatrons_block():
+    cfg = parse()
+    lines = format_config(cfg).splitlines()
+    assert lines[0] == "------------------------ arguments ------------------------"
+    assert lines[-1] == "-------------------- end of arguments ---------------------"
+    body = lines[1:-1]
+    assert body == sorted(body, key=str.lower)
+    assert "  num_layers " + "." * (48 - len("num_layers")) + " 2" in body
+    assert "  params_dtype " + "." * (48 - len("params_dtype")) + " torch.float32" in body
+    assert len(body) == len(cfg.flat())
+    assert cfg.describe() == format_config(cfg)
+    assert math.isclose(cfg.flat()["lr"], 1e-3)

@@ -1,0 +1,394 @@
+"""Megatron-LM's command line onto the schema: ``zerotron pretrain --num-layers 12 ...``.
+
+The flags are generated from the schema (one per field, Megatron's name in dash style), so the
+two never drift apart. ``--config FILE`` reads the same names from YAML or JSON.
+Precedence: a flag on the command line > the config file > the schema's default; every flag
+defaults to ``argparse.SUPPRESS`` so only the flags actually given override the file.
+
+Megatron-LM has hundreds of flags. The ones zerotron implements are listed by ``--help``; the
+common ones it knows but does not implement raise :class:`UnsupportedError` saying so (not
+"unknown flag"); a few that only tune Megatron's CUDA kernels are accepted and ignored, with a
+warning in :attr:`Config.warnings`; anything else is an unknown flag and the error suggests the
+closest valid one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+from pydantic.fields import FieldInfo
+
+from zerotron.config.args import ArgumentParser
+from zerotron.config.files import Locate, read_config_file
+from zerotron.config.schema import (
+    FIELD_SECTION,
+    SECTIONS,
+    Config,
+    _to_int,
+    check_choice,
+    flag,
+    nest_keys,
+    normalize_key,
+    unknown_key_error,
+)
+from zerotron.errors import ConfigError, UnsupportedError
+
+PROG = "zerotron pretrain"
+
+NOT_FLAGS = {
+    "world_size": "set by the launcher",
+    "data_parallel_size": "derived: world_size / (tensor x pipeline parallel size)",
+    "virtual_pipeline_model_parallel_size": "derived from --num-layers-per-virtual-pipeline-stage",
+    "num_micro_batches": "derived: global / (micro batch size x data-parallel size)",
+}
+"""Schema fields that have no flag (a config file may still give them, to be checked)."""
+
+ALIASES = {"layernorm_epsilon": ("--norm-epsilon",)}
+"""Other Megatron spellings of a flag (newer Megatron renamed --layernorm-epsilon)."""
+
+UNSUPPORTED_CHOICES = {
+    "lr_decay_style": ("inverse-square-root", "WSD"),
+    "optimizer": ("muon", "dist_muon"),
+}
+"""Megatron values of a supported flag that zerotron does not implement."""
+
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
+"""What `zerotron pretrain` cannot run without (Megatron asserts the same)."""
+
+
+class Known(NamedTuple):
+    """A Megatron flag zerotron recognizes without implementing it."""
+
+    takes_value: bool
+    why: str
+    ok: tuple[str, ...] = ()
+    """values that ask for what zerotron does anyway (e.g. --context-parallel-size 1)"""
+
+
+_GPT2 = "zerotron implements the GPT-2 architecture"
+UNSUPPORTED: dict[str, Known] = {
+    "--use-flash-attn": Known(
+        False,
+        "attention is torch's scaled_dot_product_attention, which picks a FlashAttention "
+        "kernel by itself where the GPU has one; remove the flag",
+    ),
+    "--num-experts": Known(True, "mixture-of-experts models are not implemented", ("0",)),
+    "--expert-model-parallel-size": Known(True, "expert parallelism is not implemented", ("1",)),
+    "--context-parallel-size": Known(
+        True,
+        "context parallelism is not implemented; for long sequences use tensor parallelism "
+        "with --sequence-parallel",
+        ("1",),
+    ),
+    "--swiglu": Known(False, f"SwiGLU is not implemented: {_GPT2} (GELU MLP)"),
+    "--squared-relu": Known(False, f"squared ReLU is not implemented: {_GPT2} (GELU MLP)"),
+    "--group-query-attention": Known(False, "grouped-query attention is not implemented"),
+    "--num-query-groups": Known(True, "grouped-query attention is not implemented"),
+    "--untie-embeddings-and-output-weights": Known(
+        False, f"untied output weights are not implemented: {_GPT2} (tied embeddings)"
+    ),
+    "--position-embedding-type": Known(
+        True, f"only learned absolute position embeddings exist: {_GPT2}", ("learned_absolute",)
+    ),
+    "--use-rotary-position-embeddings": Known(
+        False, f"rotary embeddings are not implemented: {_GPT2}"
+    ),
+    "--normalization": Known(True, f"only LayerNorm is implemented: {_GPT2}", ("LayerNorm",)),
+    "--disable-bias-linear": Known(False, f"linear layers always have biases: {_GPT2}"),
+    "--apply-residual-connection-post-layernorm": Known(
+        False, f"only pre-LayerNorm blocks are implemented: {_GPT2}"
+    ),
+    "--transformer-impl": Known(
+        True, "Transformer Engine is not used: the layers are plain PyTorch", ("local",)
+    ),
+    "--fp8-format": Known(True, "FP8 training is not implemented; use --bf16 or --fp16"),
+    "--use-distributed-optimizer": Known(
+        False, "Megatron's distributed optimizer is not implemented (ZeRO stage 1 is the same idea)"
+    ),
+    "--overlap-param-gather": Known(False, "needs the distributed optimizer, not implemented"),
+    "--use-torch-fsdp2": Known(False, "FSDP2 is not used (ZeRO stage 3 is the same idea)"),
+    "--tp-comm-overlap": Known(False, "TP communication/GEMM overlap is not implemented"),
+    "--rampup-batch-size": Known(True, "batch-size ramp-up is not implemented"),
+    "--mock-data": Known(
+        False, "mock data is not implemented; tokenize a corpus with `zerotron preprocess`"
+    ),
+    "--train-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
+    "--valid-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
+    "--test-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
+    "--dataloader-type": Known(
+        True, "only Megatron's default single-pass sampler is implemented", ("single",)
+    ),
+    "--ckpt-format": Known(
+        True, "checkpoints use Megatron's torch layout (--ckpt-format torch) only", ("torch",)
+    ),
+    "--use-dist-ckpt": Known(False, "distributed checkpoints are not implemented"),
+    "--tokenizer-model": Known(True, "SentencePiece/HF tokenizer models are not supported"),
+    "--vocab-size": Known(True, "the vocabulary size comes from the tokenizer"),
+    "--checkpoint-activations": Known(
+        False, "removed from Megatron-LM; use --recompute-granularity full"
+    ),
+    "--batch-size": Known(True, "removed from Megatron-LM; use --micro-batch-size"),
+    "--warmup": Known(True, "removed from Megatron-LM; use --lr-warmup-fraction"),
+    "--model-parallel-size": Known(
+        True, "removed from Megatron-LM; use --tensor-model-parallel-size"
+    ),
+    "--deepspeed": Known(False, "DeepSpeed configs are not supported yet"),
+    "--deepspeed_config": Known(True, "DeepSpeed configs are not supported yet"),
+    "--zero-stage": Known(True, "ZeRO is not supported yet"),
+}
+"""Megatron (and DeepSpeed-Megatron) flags zerotron knows but does not implement."""
+
+_NO_KERNELS = "zerotron has no fused kernels to switch"
+IGNORED: dict[str, Known] = {
+    "--use-mcore-models": Known(False, "zerotron has one GPT implementation"),
+    "--use-legacy-models": Known(False, "zerotron has one GPT implementation"),
+    "--no-masked-softmax-fusion": Known(False, _NO_KERNELS),
+    "--no-bias-gelu-fusion": Known(False, _NO_KERNELS),
+    "--no-bias-dropout-fusion": Known(False, _NO_KERNELS),
+    "--no-gradient-accumulation-fusion": Known(False, _NO_KERNELS),
+    "--no-persist-layer-norm": Known(False, _NO_KERNELS),
+    "--no-async-tensor-model-parallel-allreduce": Known(False, "deprecated in Megatron-LM too"),
+    "--attention-softmax-in-fp32": Known(False, "softmax runs inside scaled_dot_product_attention"),
+    "--use-cpu-initialization": Known(
+        False, "weights are always initialized whole and then split across tensor-parallel ranks"
+    ),
+    "--distributed-backend": Known(True, "the backend follows the device: nccl on CUDA, gloo"),
+    "--overlap-grad-reduce": Known(
+        False, "data-parallel buckets are always reduced while backward runs"
+    ),
+    "--log-throughput": Known(False, "tokens/s and TFLOP/s are always logged"),
+    "--timing-log-level": Known(True, "the timers line is always logged"),
+    "--empty-unused-memory-level": Known(True, "the CUDA cache is left to PyTorch"),
+}
+"""Megatron flags that only tune what zerotron does not have; accepted with a warning."""
+
+
+# --------------------------------------------------------------------------------------------
+# The parser
+
+
+def _int(text: str) -> int:
+    return _to_int(text)
+
+
+_int.__name__ = "int"  # argparse names the type in "invalid int value: 'x'"
+
+
+def _choice(name: str, choices: tuple[str, ...]):
+    def parse(text: str) -> str:
+        check_choice(flag(name), text, choices, UNSUPPORTED_CHOICES.get(name, ()))
+        return text
+
+    return parse
+
+
+def _base_type(annotation: Any) -> Any:
+    """``Int | None`` -> int, ``Literal[...] | None`` -> the Literal, and so on."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation
+
+
+def _argument(name: str, info: FieldInfo) -> dict[str, Any]:
+    """add_argument keywords for a schema field."""
+    base = _base_type(info.annotation)
+    default = "" if info.default is None else f" (default: {info.default})"
+    kwargs: dict[str, Any] = {"dest": name, "help": f"{info.description}{default}"}
+    if base is bool:
+        assert info.default is False, f"{name}: a store_true flag must default to False"
+        kwargs["action"] = "store_true"
+    elif typing.get_origin(base) is Literal:
+        choices = typing.get_args(base)
+        kwargs.update(type=_choice(name, choices), metavar="{" + ",".join(choices) + "}")
+    elif typing.get_origin(base) is list:
+        kwargs.update(nargs="*", metavar="PATH")
+    elif base is int:
+        kwargs.update(type=_int, metavar="N")
+    elif base is float:
+        kwargs.update(type=float, metavar="X")
+    else:
+        kwargs.update(metavar=name.split("_")[-1].upper())
+    return kwargs
+
+
+class _Refuse(argparse.Action):
+    """A known Megatron flag zerotron does not implement: raise unless the value is harmless."""
+
+    def __init__(self, option_strings, dest, known: Known, **kwargs):
+        self.known = known
+        super().__init__(option_strings, dest, nargs="*" if known.takes_value else 0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _refuse(option_string, " ".join(values) if values else None, self.known, PROG)
+
+
+class _Ignore(argparse.Action):
+    """A Megatron flag without effect here: remember a warning, set nothing."""
+
+    def __init__(self, option_strings, dest, known: Known, **kwargs):
+        self.known = known
+        super().__init__(option_strings, dest, nargs=1 if known.takes_value else 0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        notes = getattr(namespace, "_notes", [])
+        notes.append(_ignored_note(option_string, self.known))
+        namespace._notes = notes
+
+
+def _refuse(name: str, value: str | None, known: Known, where: str) -> None:
+    if value is not None and value in known.ok:
+        return
+    shown = f"{name} {value}" if value else name
+    raise UnsupportedError(f"{shown} is not supported: {known.why}", where=where)
+
+
+def _ignored_note(name: str, known: Known) -> str:
+    return f"{name} has no effect in zerotron ({known.why}); ignored"
+
+
+def build_parser() -> ArgumentParser:
+    """The ``zerotron pretrain`` parser: every schema field as its Megatron flag."""
+    parser = ArgumentParser(
+        prog=PROG,
+        description="Pretrain a GPT model with Megatron-LM's flags.",
+        argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.HelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML or JSON file with the same names as the flags (dash or underscore style, "
+        "flat or grouped by section); flags given on the command line override it",
+    )
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for name, info in cls.model_fields.items():
+            if name not in NOT_FLAGS:
+                group.add_argument(flag(name), *ALIASES.get(name, ()), **_argument(name, info))
+        if section == "model":
+            group.add_argument(
+                "--recompute-activations",
+                action="store_const",
+                const="selective",
+                dest="recompute_granularity",
+                help="same as --recompute-granularity selective (Megatron's shorthand)",
+            )
+    parser.add_argument(
+        "--local-rank",
+        "--local_rank",
+        type=int,
+        dest="local_rank",
+        help="passed by launchers; ignored (the rank comes from the environment)",
+    )
+    for name, known in UNSUPPORTED.items():
+        parser.add_argument(name, action=_Refuse, known=known, help=argparse.SUPPRESS)
+    for name, known in IGNORED.items():
+        parser.add_argument(name, action=_Ignore, known=known, help=argparse.SUPPRESS)
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# Flags + file -> Config
+
+
+def parse_megatron_args(argv: Sequence[str], world_size: int = 1) -> Config:
+    """Parse ``zerotron pretrain`` flags (and ``--config FILE``) into a validated Config.
+
+    ``world_size`` is the number of processes (the launcher's WORLD_SIZE). Raises
+    :class:`ConfigError` for bad or missing values and unknown flags, :class:`UnsupportedError`
+    for Megatron features zerotron does not implement; ``--help`` raises SystemExit(0).
+    """
+    given = vars(build_parser().parse_args(list(argv)))
+    notes = given.pop("_notes", [])
+    given.pop("local_rank", None)
+    config_path = given.pop("config", None)
+    return _build(given, config_path, world_size, notes, require=True)
+
+
+def load_config(path: str | os.PathLike, world_size: int = 1) -> Config:
+    """A Config from a YAML/JSON file alone (defaults for everything it leaves out)."""
+    return _build({}, str(path), world_size, [], require=False)
+
+
+def _build(
+    given: dict[str, Any], config_path: str | None, world_size: int, notes: list, require: bool
+) -> Config:
+    nested: dict[str, dict[str, Any]] = {}
+    origin: dict[tuple[str, str], str] = {}
+    if config_path is not None:
+        data, locate = read_config_file(config_path)
+        keys = nest_keys(data, where=locate)
+        notes += _screen_unknown(keys.unknown, locate)
+        written = keys.nested.get("parallel", {}).pop("world_size", None)
+        if written is not None and written != world_size:  # the launcher knows better
+            notes.append(
+                f"{keys.origin[('parallel', 'world_size')]}: world_size {written} is replaced by "
+                f"the {world_size} processes launched"
+            )
+        nested, origin = keys.nested, keys.origin
+    for name, value in given.items():  # the command line wins over the file
+        section = FIELD_SECTION[name]
+        nested.setdefault(section, {})[name] = value
+        origin[(section, name)] = flag(name)
+    nested.setdefault("parallel", {})["world_size"] = world_size
+    origin[("parallel", "world_size")] = "launcher"
+    if require:
+        _check_required(nested, config_path)
+    cfg = Config.from_dict(nested, origin=origin)
+    cfg._warnings.extend(notes)
+    return cfg
+
+
+def _screen_unknown(unknown: dict[tuple[str, ...], Any], locate: Locate) -> list[str]:
+    """Keys of a config file the schema lacks: Megatron's unsupported or no-op flags, else an
+    unknown-key error naming the file, line and the closest key."""
+    notes = []
+    for path, value in unknown.items():
+        name = flag(normalize_key(path[-1]))
+        if name in UNSUPPORTED:
+            known = UNSUPPORTED[name]
+            if value is not None and value is not False:
+                text = None if value is True else " ".join(map(str, _as_list(value)))
+                _refuse(name, text, known, locate(path))
+        elif name in IGNORED:
+            notes.append(_ignored_note(name, IGNORED[name]))
+        elif name not in ("--local-rank",):
+            raise unknown_key_error(path, locate(path))
+    return notes
+
+
+def _is_zero(value: Any) -> bool:
+    try:
+        return value is not None and _to_int(value) == 0
+    except ValueError:
+        return False  # not a number: validation reports it
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _check_required(nested: dict[str, dict[str, Any]], config_path: str | None) -> None:
+    def value(name: str) -> Any:
+        return nested.get(FIELD_SECTION[name], {}).get(name)
+
+    missing = [flag(name) for name in REQUIRED if value(name) is None]
+    iters = value("train_iters")
+    if iters is None and value("train_samples") is None:
+        missing.append("--train-iters (or --train-samples)")
+    elif value("lr") is None and not _is_zero(iters):
+        missing.append("--lr")
+    if missing:
+        where = f"{PROG} (and {config_path})" if config_path else PROG
+        raise ConfigError(
+            f"missing required flag{'s' if len(missing) > 1 else ''}: {', '.join(missing)}",
+            where=where,
+            fix="give them on the command line or in the --config file",
+        )
