@@ -202,13 +202,15 @@ class MixedPrecisionOptimizer:
 
     def zero_grad(self) -> None:
         """Drop all gradients: ``.grad`` to None, ``main_grad`` buffers to zero (kept)."""
-        for i, (p, m) in enumerate(zip(self.model_params, self.master_params)):
+        main_grads = []
+        for p, m in zip(self.model_params, self.master_params):
             p.grad = None
             m.grad = None
-            main_grad = getattr(p, "main_grad", None)
-            if main_grad is not None:
-                main_grad.zero_()
-            self._got_grad[i] = False
+            if getattr(p, "main_grad", None) is not None:
+                main_grads.append(p.main_grad)
+        if main_grads:
+            torch._foreach_zero_(main_grads)
+        self._got_grad = [False] * len(self.model_params)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
