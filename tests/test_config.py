@@ -475,3 +475,29 @@ def test_format_config_is_megatrons_block():
     assert len(body) == len(cfg.flat())
     assert cfg.describe() == format_config(cfg)
     assert math.isclose(cfg.flat()["lr"], 1e-3)
+
+
+def test_weight_decay_increment_like_megatron():
+    cfg = parse("--weight-decay", "0.1")
+    assert (cfg.optimizer.start_weight_decay, cfg.optimizer.end_weight_decay) == (0.1, 0.1)
+    cfg = parse(
+        *shlex.split(
+            "--weight-decay-incr-style linear --start-weight-decay 0 --end-weight-decay 0.1"
+        )
+    )
+    assert (cfg.optimizer.start_weight_decay, cfg.optimizer.end_weight_decay) == (0.0, 0.1)
+    # Megatron increments weight decay over train_iters x global_batch_size samples.
+    assert cfg.training.train_samples == 100 * 4
+    with pytest.raises(ConfigError, match="needs start_weight_decay and end_weight_decay"):
+        parse("--weight-decay-incr-style", "cosine", "--start-weight-decay", "0")
+    with pytest.raises(ConfigError, match="start_weight_decay is set but"):
+        parse("--start-weight-decay", "0")
+    assert parse("--lr-decay-style", "inverse-square-root").scheduler.lr_decay_style == (
+        "inverse-square-root"
+    )
+
+
+def test_train_valid_test_num_samples_like_megatron():
+    cfg = parse("--eval-interval", "30", "--eval-iters", "5", "--global-batch-size", "8")
+    # megatron/training/training.py get_train_valid_test_num_samples
+    assert cfg.train_valid_test_num_samples == (100 * 8, (100 // 30 + 1) * 5 * 8, 5 * 8)

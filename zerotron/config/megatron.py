@@ -52,7 +52,7 @@ ALIASES = {"layernorm_epsilon": ("--norm-epsilon",)}
 """Other Megatron spellings of a flag (newer Megatron renamed --layernorm-epsilon)."""
 
 UNSUPPORTED_CHOICES = {
-    "lr_decay_style": ("inverse-square-root", "WSD"),
+    "lr_decay_style": ("WSD",),
     "optimizer": ("muon", "dist_muon"),
 }
 """Megatron values of a supported flag that zerotron does not implement."""

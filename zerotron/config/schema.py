@@ -12,11 +12,19 @@ A Config holds two kinds of values:
   ``validate_args`` does: ``ffn_hidden_size`` (4h), ``max_position_embeddings`` (seq_length),
   ``global_batch_size`` / ``micro_batch_size`` / ``num_micro_batches`` (any two give the third),
   ``data_parallel_size`` (world / (tp·pp)), ``train_iters`` from ``train_samples`` and back,
-  ``lr_decay_iters`` (train_iters), ``lr_decay_samples``, ``virtual_pipeline_model_parallel_size``.
+  ``lr_decay_iters`` (train_iters), ``lr_decay_samples``, ``lr_warmup_samples``,
+  ``start/end_weight_decay`` (weight_decay), ``virtual_pipeline_model_parallel_size``,
+  ``recompute_method`` / ``recompute_num_layers`` (uniform, 1).
 
 So after validation every field the training loop reads is set, and re-validating the inputs
 with another world size (:meth:`Config.with_world_size`) derives everything afresh. A Config is
 frozen: change it with :meth:`Config.replace`, which validates the result.
+
+DeepSpeed's JSON maps onto the same fields (train_batch_size -> global_batch_size,
+train_micro_batch_size_per_gpu -> micro_batch_size, gradient_accumulation_steps ->
+num_micro_batches, fp16.initial_scale_power p -> initial_loss_scale 2**p, gradient_clipping ->
+clip_grad, steps_per_print -> log_interval); what Megatron has no flag for (ZeRO, offload,
+monitors) becomes new sections in :data:`SECTIONS`, which the flag parser picks up by itself.
 """
 
 from __future__ import annotations
@@ -261,6 +269,16 @@ class OptimizerConfig(_Section):
     lr: Float | None = Field(None, ge=0, description="Peak learning rate.")
     min_lr: Float = Field(0.0, ge=0, description="Learning rate at the end of decay.")
     weight_decay: Float = Field(0.01, ge=0, description="Decoupled weight decay.")
+    start_weight_decay: Float | None = Field(
+        None, ge=0, description="Weight decay at the start (with an increment style)."
+    )
+    end_weight_decay: Float | None = Field(
+        None, ge=0, description="Weight decay at the end of training (with an increment style)."
+    )
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="How weight decay goes from start to end; constant keeps weight_decay.",
+    )
     clip_grad: Float = Field(1.0, ge=0, description="Clip the global grad L2 norm (0: off).")
     adam_beta1: Float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
     adam_beta2: Float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
@@ -271,7 +289,7 @@ class OptimizerConfig(_Section):
 class SchedulerConfig(_Section):
     """Learning-rate schedule: linear warmup, then decay to min_lr (Megatron's semantics)."""
 
-    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = Field(
         "linear", description="Decay after warmup."
     )
     lr_decay_iters: Int | None = Field(
@@ -696,6 +714,17 @@ class Config(BaseModel):
             return s.lr_warmup_fraction * decay
         return s.lr_warmup_samples
 
+    @property
+    def train_valid_test_num_samples(self) -> tuple[int, int, int] | None:
+        """Samples each split must supply, as Megatron asks its datasets for them: training,
+        validation at every eval_interval plus once at the end, and one test evaluation."""
+        t = self.training
+        if t.train_iters is None:
+            return None
+        valid_iters = (t.train_iters // t.eval_interval + 1) * t.eval_iters
+        gbs = t.global_batch_size
+        return t.train_samples, valid_iters * gbs, t.eval_iters * gbs
+
     def flat(self) -> dict[str, Any]:
         """Every resolved value under its flat (Megatron) name, plus params_dtype."""
         out: dict[str, Any] = {}
@@ -958,6 +987,7 @@ class Config(BaseModel):
                 where="optimizer.min_lr",
                 fix="set --min-lr at or below --lr",
             )
+        self._resolve_weight_decay()
         if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
             raise ConfigError(
                 "override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are both set",
@@ -1016,6 +1046,26 @@ class Config(BaseModel):
                 where="scheduler",
                 fix="shorten --lr-warmup-iters / --lr-warmup-samples / --lr-warmup-fraction, or "
                 "lengthen --lr-decay-iters / --lr-decay-samples",
+            )
+
+    def _resolve_weight_decay(self) -> None:
+        """Megatron: a constant style takes weight_decay; the others need start and end."""
+        o = self.optimizer
+        given = [n for n in ("start_weight_decay", "end_weight_decay") if getattr(o, n) is not None]
+        if o.weight_decay_incr_style == "constant":
+            if given:
+                raise ConfigError(
+                    f"{given[0]} is set but weight_decay_incr_style is 'constant'",
+                    where=f"optimizer.{given[0]}",
+                    fix="use --weight-decay, or set --weight-decay-incr-style linear/cosine",
+                )
+            _fill(o, start_weight_decay=o.weight_decay, end_weight_decay=o.weight_decay)
+        elif len(given) < 2:
+            raise ConfigError(
+                f"weight_decay_incr_style {o.weight_decay_incr_style!r} needs "
+                "start_weight_decay and end_weight_decay",
+                where="optimizer.weight_decay_incr_style",
+                fix="set --start-weight-decay and --end-weight-decay",
             )
 
     def _check_unused(self, mode: str, **expected: Any) -> None:
