@@ -157,7 +157,9 @@ IGNORED: dict[str, Known] = {
     "--use-cpu-initialization": Known(
         False, "weights are always initialized whole and then split across tensor-parallel ranks"
     ),
-    "--distributed-backend": Known(True, "the backend follows the device: nccl on CUDA, gloo"),
+    "--distributed-backend": Known(
+        True, "the backend follows the device: nccl on CUDA, gloo on CPU"
+    ),
     "--overlap-grad-reduce": Known(
         False, "data-parallel buckets are always reduced while backward runs"
     ),
