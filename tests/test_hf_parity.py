@@ -66,6 +66,19 @@ def test_import_from_in_memory_state_dict_matches_transformers():
     check_parity(hf_model, to_ours(hf_model))
 
 
+def test_import_of_unprefixed_keys_with_old_attention_buffers():
+    # The original OpenAI checkpoints on the Hub: no "transformer." prefix, causal-mask buffers.
+    hf_model = random_hf_model(seed=9)
+    sd = {k.removeprefix("transformer."): v for k, v in hf_model.state_dict().items()}
+    for i in range(2):
+        sd[f"h.{i}.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
+        sd[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    cfg, ours_sd = from_hf_state_dict(sd, hf_model.config.to_dict(), PADDED)
+    ours = GPT(cfg).eval()
+    ours.load_state_dict(ours_sd, strict=True)
+    check_parity(hf_model, ours)
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin"])
 def test_import_from_directory_matches_transformers(tmp_path, fmt):
     hf_model = random_hf_model(seed=3)

@@ -415,7 +415,9 @@ class GPT(nn.Module):
             kv_cache.length += s
 
         # Tied output layer over the real vocabulary only: padded ids never get probability.
-        weight = self.embedding.word_embeddings.weight[: cfg.orig_vocab_size]
+        weight = self.embedding.word_embeddings.weight
+        if cfg.orig_vocab_size < cfg.vocab_size:
+            weight = weight[: cfg.orig_vocab_size]
         logits = F.linear(x, weight)
         if labels is not None:
             return vocab_parallel_cross_entropy(logits, labels)
