@@ -232,6 +232,18 @@ def test_seed_determines_order(tmp_path):
     assert sorted(map(tuple, _all_tokens(a)[:10])) != sorted(map(tuple, _all_tokens(c)[:10]))
 
 
+def test_seed_shuffles_samples_of_one_document(tmp_path):
+    # With one document only the sample shuffle can differ between seeds.
+    prefix = write_corpus(tmp_path / "one", unique_docs([400]))
+    orders = [
+        _all_tokens(
+            GPTDataset(MMapIndexedDataset(prefix), "train", range(1), 40, 8, seed, eod_token=EOD)
+        )[:, 0].tolist()
+        for seed in (5, 6)
+    ]
+    assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])
+
+
 def _cache_files(d):
     return {f for f in os.listdir(d) if f.endswith((".npy", ".json"))}
 
