@@ -12,28 +12,25 @@ sequences when preprocessing split sentences; splits are made over documents.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from zerotron.data import index_builder as ib
+from zerotron.data.index_builder import (  # noqa: F401 (re-exported)
+    DataPath,
+    blend_weights,
+    document_sizes,
+    parse_data_path,
+)
 from zerotron.data.indexed_dataset import MMapIndexedDataset
 from zerotron.errors import ConfigError, DataError
 
 INDEX_KEYS = ("doc_idx", "sample_idx", "shuffle_idx")
-
-
-def document_sizes(ds: MMapIndexedDataset) -> np.ndarray:
-    """Tokens per document (int64). Equals ``ds.sizes`` when each document is one sequence."""
-    sizes, doc_idx = ds.sizes, ds.doc_idx
-    if len(doc_idx) == len(sizes) + 1 and np.array_equal(doc_idx, np.arange(len(doc_idx))):
-        return sizes.astype(np.int64)
-    cum = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-    return cum[doc_idx[1:]] - cum[doc_idx[:-1]]
 
 
 def ltor_masks(
@@ -257,70 +254,10 @@ def _describe_documents(docs: np.ndarray) -> list[int] | str:
     """``[start, stop]`` for a contiguous range (the usual split), else a hash of the ids."""
     if docs.size and np.array_equal(docs, np.arange(docs[0], docs[0] + docs.size)):
         return [int(docs[0]), int(docs[0] + docs.size)]
-    import hashlib
-
     return "sha256:" + hashlib.sha256(docs.tobytes()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- --data-path / --split
-
-
-@dataclass
-class DataPath:
-    """A parsed ``--data-path``: prefixes and normalized weights (None for one prefix)."""
-
-    prefixes: list[str]
-    weights: list[float] | None
-
-    @property
-    def is_blend(self) -> bool:
-        return len(self.prefixes) > 1
-
-
-def parse_data_path(data_path: Sequence[str] | str) -> DataPath:
-    """Megatron's ``--data-path``: ``P``, ``W1 P1 W2 P2 ...`` or ``P1 P2 ...``.
-
-    Without weights several prefixes are mixed in proportion to their token counts (as if
-    concatenated); the weights are filled in by :func:`blend_weights`.
-    """
-    items = [data_path] if isinstance(data_path, str) else [str(x) for x in data_path]
-    if not items:
-        raise ConfigError("--data-path is empty", fix="--data-path PREFIX (no .bin/.idx)")
-    if len(items) == 1:
-        return DataPath([items[0]], None)
-    if len(items) % 2 == 0:
-        try:
-            raw = [float(x) for x in items[0::2]]
-        except ValueError:
-            raw = None
-        if raw is not None:
-            weights = ib.normalize_weights(raw)
-            return DataPath(items[1::2], [float(w) for w in weights])
-    if any(_looks_like_number(x) for x in items):
-        raise ConfigError(
-            f"cannot read --data-path {' '.join(items)}",
-            fix="give either one prefix, WEIGHT PREFIX pairs (0.3 A 0.7 B), or prefixes only",
-        )
-    return DataPath(items, None)
-
-
-def _looks_like_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def blend_weights(path: DataPath, datasets: Sequence[MMapIndexedDataset]) -> list[float]:
-    """The blend's weights: as given, or proportional to each dataset's tokens."""
-    if path.weights is not None:
-        return path.weights
-    tokens = [ds.num_tokens for ds in datasets]
-    for ds, n in zip(datasets, tokens):
-        if n == 0:
-            raise DataError("dataset has no tokens", where=str(ds.prefix))
-    return [float(w) for w in ib.normalize_weights(tokens)]
 
 
 def check_split(

@@ -23,11 +23,13 @@ samples needs, so a tiny corpus never runs dry.
 Blends use :func:`build_blending_indices`. Everything is vectorized numpy except the blend loop
 for three or more datasets, which is inherently sequential (see there).
 
-Caches are written by one rank and read by all: :func:`load_or_build`.
+Caches are written by one rank and read by all: :func:`load_or_build`. The torch-free parsing
+of Megatron's ``--split`` and ``--data-path`` lives here too, for ``zerotron dataset-info``.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -36,10 +38,12 @@ import os
 import re
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from zerotron.data.indexed_dataset import MMapIndexedDataset
 from zerotron.errors import ConfigError, DataError
 from zerotron.fileio import atomic_open, atomic_write_text
 
@@ -274,6 +278,76 @@ def _blend_loop(w: np.ndarray, size: int) -> bytearray:
     return out
 
 
+# --------------------------------------------------------------------------- --data-path
+
+
+def document_sizes(ds: MMapIndexedDataset) -> np.ndarray:
+    """Tokens per document (int64). Equals ``ds.sizes`` when each document is one sequence."""
+    sizes, doc_idx = ds.sizes, ds.doc_idx
+    if len(doc_idx) == len(sizes) + 1 and np.array_equal(doc_idx, np.arange(len(doc_idx))):
+        return sizes.astype(np.int64)
+    cum = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    return cum[doc_idx[1:]] - cum[doc_idx[:-1]]
+
+
+@dataclass
+class DataPath:
+    """A parsed ``--data-path``: prefixes and normalized weights (None for one prefix)."""
+
+    prefixes: list[str]
+    weights: list[float] | None
+
+    @property
+    def is_blend(self) -> bool:
+        return len(self.prefixes) > 1
+
+
+def parse_data_path(data_path: Sequence[str] | str) -> DataPath:
+    """Megatron's ``--data-path``: ``P``, ``W1 P1 W2 P2 ...`` or ``P1 P2 ...``.
+
+    Without weights several prefixes are mixed in proportion to their token counts (as if
+    concatenated); the weights are filled in by :func:`blend_weights`.
+    """
+    items = [data_path] if isinstance(data_path, str) else [str(x) for x in data_path]
+    if not items:
+        raise ConfigError("--data-path is empty", fix="--data-path PREFIX (no .bin/.idx)")
+    if len(items) == 1:
+        return DataPath([items[0]], None)
+    if len(items) % 2 == 0:
+        try:
+            raw = [float(x) for x in items[0::2]]
+        except ValueError:
+            raw = None
+        if raw is not None:
+            weights = normalize_weights(raw)
+            return DataPath(items[1::2], [float(w) for w in weights])
+    if any(_looks_like_number(x) for x in items):
+        raise ConfigError(
+            f"cannot read --data-path {' '.join(items)}",
+            fix="give either one prefix, WEIGHT PREFIX pairs (0.3 A 0.7 B), or prefixes only",
+        )
+    return DataPath(items, None)
+
+
+def _looks_like_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def blend_weights(path: DataPath, datasets: Sequence[MMapIndexedDataset]) -> list[float]:
+    """The blend's weights: as given, or proportional to each dataset's tokens."""
+    if path.weights is not None:
+        return path.weights
+    tokens = [ds.num_tokens for ds in datasets]
+    for ds, n in zip(datasets, tokens):
+        if n == 0:
+            raise DataError("dataset has no tokens", where=str(ds.prefix))
+    return [float(w) for w in normalize_weights(tokens)]
+
+
 # --------------------------------------------------------------------------- cache
 
 
@@ -371,7 +445,9 @@ def _build_and_save(
             with atomic_open(p, "wb") as f:
                 np.save(f, arrays[key], allow_pickle=False)
         atomic_write_text(desc_path, json.dumps(description, indent=1, sort_keys=True) + "\n")
-    except PermissionError as e:
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
         raise DataError(
             "cannot write the index cache",
             where=str(cache_dir),

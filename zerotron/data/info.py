@@ -11,7 +11,6 @@ import numpy as np
 
 from zerotron.config.args import ArgumentParser
 from zerotron.data import index_builder as ib
-from zerotron.data.gpt_dataset import blend_weights, document_sizes, parse_data_path
 from zerotron.data.indexed_dataset import MMapIndexedDataset
 from zerotron.errors import ConfigError
 
@@ -61,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    path = parse_data_path(args.data_path)
+    path = ib.parse_data_path(args.data_path)
     datasets = [MMapIndexedDataset(p) for p in path.prefixes]
-    weights = blend_weights(path, datasets) if path.is_blend else [1.0]
+    weights = ib.blend_weights(path, datasets) if path.is_blend else [1.0]
     console = Console(highlight=False)
-    sizes = [document_sizes(ds) for ds in datasets]
+    sizes = [ib.document_sizes(ds) for ds in datasets]
 
     if path.is_blend:
         console.print(f"[bold]blend of {len(datasets)} datasets[/]")
@@ -117,12 +116,15 @@ def main(argv: list[str] | None = None) -> int:
                     row.append("" if name != "train" else "-")
             splits.add_row(*row)
             if docs == 0:
-                warnings.append(f"{name} split of {ds.prefix.name} is empty")
+                of = f" of {ds.prefix.name}" if path.is_blend else ""
+                warnings.append(
+                    f"{name} split{of} is empty (asking for {name} samples is an error)"
+                )
     console.print(splits)
     if args.train_samples:
         console.print(
             f"train epochs: passes over the train split for {args.train_samples:,} samples"
         )
     for text in warnings:
-        console.print(f"[yellow]note:[/] {text}: requesting its samples is an error")
+        console.print(f"[yellow]note:[/] {text}")
     return 0
