@@ -179,6 +179,7 @@ def build_gpt_indices(
         )
     tokens_per_epoch = int(doc_sizes[documents].sum(dtype=np.int64))
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    seed %= 2**64  # SeedSequence takes non-negative integers only
     doc_rng = np.random.default_rng([seed, 0])
     shuffle_rng = np.random.default_rng([seed, 1])
     doc_idx = build_doc_idx(documents, num_epochs, doc_rng)
