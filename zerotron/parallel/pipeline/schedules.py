@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: which forward, backward, send and receive each stage runs, in order.
+"""Pipeline schedules as data: the forwards, backwards, sends and receives of each stage, in order.
 
 A schedule is a pure function ``(num_stages, num_microbatches, virtual_stages) -> Schedule``:
 one ordered list of actions per pipeline stage. The runtime executes the actions;
@@ -22,6 +22,17 @@ op in it is matched by the peer (a send completes only when the peer posts the r
 messages between an ordered pair of stages are matched first-in first-out, whatever their kind
 (NCCL has no tags), so sender and receiver must post them in the same order.
 
+How a runtime executes a stage's list, in order: ``Forward`` runs the chunk on the received
+activation (virtual stage 0 reads the micro-batch instead) and keeps the output for the send and
+the backward; ``Backward`` runs autograd from the received output gradient (the last virtual
+stage starts from the loss); a communication action posts all its ops at once
+(``batch_isend_irecv``) and waits for all of them. A sent output may be freed right after its
+batch completes (its autograd graph is kept). Tensor shapes are not part of the schedule.
+
+Where the p2p ops go is planned (see ``_with_communication``) so that no schedule can deadlock
+and, with backward = 2 × forward, blocking p2p waits no longer than pure data flow would: the
+simulated bubble is the theoretical one.
+
 Virtual stages (interleaved schedule): with p stages and v chunks per stage, model chunk c on
 stage s is virtual stage ``c * p + s``; activations flow through virtual stages 0, 1, ...,
 p·v − 1, wrapping from the last stage back to the first.
@@ -31,7 +42,6 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Union
 
 from zerotron.errors import ConfigError, DistributedError
 
@@ -114,7 +124,7 @@ class RecvGrad:
         return f"recv grad {self.mb}.{self.chunk} <- {self.peer}"
 
 
-P2POp = Union[SendActivation, RecvActivation, SendGrad, RecvGrad]  # noqa: UP007 (isinstance)
+P2POp = SendActivation | RecvActivation | SendGrad | RecvGrad
 SENDS = (SendActivation, SendGrad)
 RECVS = (RecvActivation, RecvGrad)
 
@@ -129,8 +139,8 @@ class CommBatch:
         return "[" + ", ".join(map(str, self.ops)) + "]"
 
 
-Compute = Union[Forward, Backward]  # noqa: UP007
-Action = Union[Forward, Backward, SendActivation, RecvActivation, SendGrad, RecvGrad, CommBatch]  # noqa: UP007
+Compute = Forward | Backward
+Action = Compute | P2POp | CommBatch
 Schedule = list[list[Action]]  # one ordered action list per pipeline stage
 
 

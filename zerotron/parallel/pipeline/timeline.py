@@ -58,7 +58,10 @@ def theoretical_bubble(num_stages: int, num_microbatches: int, virtual_stages: i
 
 def measure(schedule: Schedule, fwd_cost: float = 1.0, bwd_cost: float = 2.0) -> BubbleReport:
     """Simulate ``schedule`` and measure its bubble (see the module docstring)."""
-    timeline = simulate(schedule, fwd_cost, bwd_cost)
+    return _report(simulate(schedule, fwd_cost, bwd_cost))
+
+
+def _report(timeline: Timeline) -> BubbleReport:
     p, m, v = timeline.num_stages, timeline.num_microbatches, timeline.virtual_stages
     busy = sum(timeline.busy(s) for s in range(p))
     idle = p * timeline.makespan - busy
@@ -143,7 +146,7 @@ def draw(
     ax.tick_params(length=0)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    report = measure(schedule, fwd_cost, bwd_cost)
+    report = _report(timeline)
     ax.set_title(
         (title + "\n" if title else "")
         + f"p={p}, m={m}, v={v}: bubble {report.bubble:.4f} measured, "
