@@ -28,6 +28,8 @@ METADATA_FILE = "metadata.json"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 DEEPSPEED_TRACKER = "latest"
 RELEASE_TAG = "release"  # Megatron's tag for converted weights that carry no iteration
+# Megatron-LM's model_optim_rng.pt format version, stored in every model file.
+CHECKPOINT_VERSION = 3.0
 
 _ITER_TAG = re.compile(r"iter_(\d{7,})")
 

@@ -1,0 +1,323 @@
+"""The Engine: the one object a training loop talks to.
+
+It composes parts that live in their own modules — the model, master weights and loss scaling
+(``precision.mixed``), the LR schedule (``optim``), checkpoints (``checkpoint``) — and gives them
+DeepSpeed's engine API: ``engine(batch)``, ``backward(loss)``, ``step()``, ``train_batch()``,
+``eval_batch()``, ``save_checkpoint()``, ``load_checkpoint()``. The loop never touches loss
+scales, master weights or gradients: the Engine owns them. Later parallelism (data-parallel
+gradient reduction, ZeRO partitions, the pipeline runtime) plugs in here, not in the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zerotron.checkpoint import (
+    get_rng_state,
+    load_file,
+    load_model_state,
+    model_file,
+    read_metadata,
+    resolve_tag,
+    save_checkpoint,
+    set_rng_state,
+)
+from zerotron.checkpoint.layout import CHECKPOINT_VERSION
+from zerotron.errors import CheckpointError
+from zerotron.precision.mixed import MixedPrecisionOptimizer, StepResult
+
+LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
+
+
+class _NullTimer:
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+class Engine:
+    """Trains ``model`` with ``optimizer`` (a :class:`MixedPrecisionOptimizer`).
+
+    Args:
+        model: the module; its parameters already in the training dtype and on ``device``.
+        optimizer: master weights, loss scaling, clipping.
+        lr_scheduler: anything with ``step(increment)``, ``state_dict()``, ``load_state_dict()``.
+        loss_fn: ``loss_fn(module, batch) -> scalar loss``, used by :meth:`train_batch` and
+            :meth:`eval_batch`; :meth:`__call__` just calls the module.
+        micro_batch_size: samples per micro-batch on this rank.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        data_parallel_size: replicas; the global batch is micro × accumulation × this.
+        lr_increment: what one step advances the scheduler by (Megatron counts samples: the
+            global batch size); default 1.
+        checkpoint_metadata: written to every checkpoint's metadata.json (model config, vocab
+            sizes, tokenizer, layout), see ``checkpoint.build_metadata``.
+        vocab_keys / orig_vocab_size: let checkpoints with another vocab padding load.
+        compile: run the module's forward through ``torch.compile``.
+        timers: optional ``timers(name).start()/stop()`` (``training.timers.Timers``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: MixedPrecisionOptimizer,
+        lr_scheduler: Any = None,
+        *,
+        loss_fn: LossFn | None = None,
+        micro_batch_size: int = 1,
+        gradient_accumulation_steps: int = 1,
+        data_parallel_size: int = 1,
+        lr_increment: int = 1,
+        checkpoint_metadata: Mapping[str, Any] | None = None,
+        vocab_keys: Sequence[str] = (),
+        orig_vocab_size: int | None = None,
+        compile: bool = False,
+        timers: Callable[[str], Any] | None = None,
+    ):
+        self.module = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_fn = loss_fn
+        self._micro_batch_size = micro_batch_size
+        self._gas = gradient_accumulation_steps
+        self.data_parallel_size = data_parallel_size
+        self.lr_increment = lr_increment
+        self.checkpoint_metadata = dict(checkpoint_metadata or {})
+        self.vocab_keys = tuple(vocab_keys)
+        self.orig_vocab_size = orig_vocab_size
+        self.timers = timers or (lambda name: _NullTimer())
+        self.device = next(model.parameters()).device
+        # Compile the call, not the module: state-dict keys and parameters stay the module's.
+        self._forward = torch.compile(model) if compile else model
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.last_step: StepResult | None = None
+
+    # ---- sizes (DeepSpeed's names) --------------------------------------------------------
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._gas
+
+    def train_batch_size(self) -> int:
+        return self._micro_batch_size * self._gas * self.data_parallel_size
+
+    def zero_optimization_stage(self) -> int:
+        return 0
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.num_skipped_steps
+
+    @property
+    def cur_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    loss_scale = cur_scale
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps % self._gas == 0
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    # ---- one micro-batch at a time (DeepSpeed's loop) ---------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: Tensor) -> None:
+        """Backward of one micro-batch's loss: divided by the accumulation steps, then scaled."""
+        if self._gas > 1:
+            loss = loss / self._gas
+        self.optimizer.scale_loss(loss).backward()
+        self.micro_steps += 1
+
+    def step(self) -> StepResult | None:
+        """At an accumulation boundary: optimizer step (skipped on overflow), then scheduler."""
+        if not self.is_gradient_accumulation_boundary():
+            return None
+        result = self.optimizer.step()
+        if result.update_successful and self.lr_scheduler is not None:
+            self.lr_scheduler.step(self.lr_increment)
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.last_step = result
+        return result
+
+    # ---- whole batches (Megatron's loop, pipeline models) -----------------------------------
+
+    def _next_batch(self, data_iter: Iterator) -> Any:
+        timer = self.timers("batch-generator")
+        timer.start()
+        batch = _to_device(next(data_iter), self.device)
+        timer.stop()
+        return batch
+
+    def train_batch(self, data_iter: Iterator) -> Tensor:
+        """Forward and backward over one global batch's micro-batches, then step.
+
+        Returns the mean loss over the micro-batches (a detached scalar).
+        """
+        assert self.loss_fn is not None, "train_batch needs Engine(loss_fn=...)"
+        self.module.train()
+        losses = []
+        fb = self.timers("forward-backward")
+        for _ in range(self._gas):
+            batch = self._next_batch(data_iter)
+            fb.start()
+            loss = self.loss_fn(self._forward, batch)
+            self.backward(loss)
+            fb.stop()
+            losses.append(loss.detach())
+        opt = self.timers("optimizer")
+        opt.start()
+        self.step()
+        opt.stop()
+        return torch.stack(losses).float().mean()
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator) -> Tensor:
+        """Mean loss over one global batch's micro-batches, without gradients or dropout."""
+        assert self.loss_fn is not None, "eval_batch needs Engine(loss_fn=...)"
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            losses = [
+                self.loss_fn(self._forward, self._next_batch(data_iter)) for _ in range(self._gas)
+            ]
+        finally:
+            self.module.train(was_training)
+        return torch.stack(losses).float().mean()
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        *,
+        save_optimizer: bool = True,
+        save_rng: bool = True,
+    ) -> Path:
+        """Write ``<save_dir>/<tag>/`` (default tag ``global_step{N}``, DeepSpeed's).
+
+        ``client_state`` entries are stored beside the engine's own and come back from
+        :meth:`load_checkpoint`.
+        """
+        tag = tag or f"global_step{self.global_steps}"
+        state: dict[str, Any] = dict(client_state or {})
+        state.update(
+            model=self.module.state_dict(),
+            checkpoint_version=CHECKPOINT_VERSION,
+            global_steps=self.global_steps,
+            global_samples=self.global_samples,
+        )
+        if save_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+            if self.lr_scheduler is not None:
+                state["opt_param_scheduler"] = self.lr_scheduler.state_dict()
+        if save_rng:
+            state["rng_state"] = [get_rng_state()]
+        return save_checkpoint(
+            save_dir, tag, {model_file(): state}, self.checkpoint_metadata, save_latest=save_latest
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        *,
+        load_rng: bool = True,
+    ) -> tuple[str, dict[str, Any]]:
+        """Load a checkpoint; returns ``(path, client_state)`` as DeepSpeed does.
+
+        ``load_module_only`` (Megatron's ``--finetune``) loads weights and nothing else: step
+        counters stay at zero.
+        """
+        tag = resolve_tag(load_dir, tag)
+        where = str(Path(load_dir) / tag)
+        state = load_file(load_dir, tag, model_file())
+        if "model" not in state:
+            raise CheckpointError("no 'model' entry in the checkpoint", where=where)
+        meta = read_metadata(load_dir, tag)
+        load_model_state(
+            self.module,
+            state["model"],
+            vocab_keys=self.vocab_keys,
+            orig_vocab_size=meta.get("vocab", {}).get("size", self.orig_vocab_size),
+            vocab_size=self.orig_vocab_size,
+            ckpt_config=meta.get("model"),
+            model_config=self.checkpoint_metadata.get("model"),
+            where=where,
+        )
+        if load_module_only:
+            self.optimizer.reload_model_params()
+            return where, {}
+        if load_optimizer_states and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self.optimizer.reload_model_params()
+        scheduler_state = state.get("opt_param_scheduler")
+        if load_lr_scheduler_states and self.lr_scheduler is not None and scheduler_state:
+            self.lr_scheduler.load_state_dict(scheduler_state)
+        if load_rng and state.get("rng_state"):
+            set_rng_state(state["rng_state"][0], where=where)
+        self.global_steps = int(state.get("global_steps", 0))
+        self.global_samples = int(state.get("global_samples", 0))
+        own = {
+            "model",
+            "optimizer",
+            "opt_param_scheduler",
+            "rng_state",
+            "checkpoint_version",
+            "global_steps",
+            "global_samples",
+        }
+        return where, {k: v for k, v in state.items() if k not in own}
+
+
+@contextlib.contextmanager
+def eval_mode(engine: Engine) -> Iterator[None]:
+    """Run a block with dropout off, restoring the previous mode."""
+    was_training = engine.module.training
+    engine.module.eval()
+    try:
+        yield
+    finally:
+        engine.module.train(was_training)

@@ -1,0 +1,1 @@
+"""The pretraining loop, evaluation, logging, timers and throughput."""

@@ -1,0 +1,166 @@
+"""Build what a GPT run needs from a validated Config: tokenizer, model, optimizer, Engine.
+
+Shared by ``zerotron pretrain`` and the tests and benchmarks that want the same objects.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from zerotron.checkpoint import build_metadata
+from zerotron.config import Config
+from zerotron.data.tokenizer import GPT2BPETokenizer, build_tokenizer, vocab_size_with_padding
+from zerotron.engine import Engine
+from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
+from zerotron.optim import OptimizerParamScheduler, build_optimizer, get_param_groups
+from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed python, numpy and torch (all devices) alike, as Megatron's ``_set_random_seed``."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else (torch.device("cpu"))
+    )
+
+
+def gpt_config(cfg: Config, padded_vocab_size: int, orig_vocab_size: int) -> GPTConfig:
+    m = cfg.model
+    return GPTConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        seq_length=m.seq_length,
+        max_position_embeddings=m.max_position_embeddings,
+        vocab_size=padded_vocab_size,
+        orig_vocab_size=orig_vocab_size,
+        layernorm_epsilon=m.layernorm_epsilon,
+        init_method_std=m.init_method_std,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        recompute_granularity=m.recompute_granularity,
+        recompute_num_layers=m.recompute_num_layers if m.recompute_granularity == "full" else None,
+    )
+
+
+def lm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Megatron's GPT loss: per-token cross entropy averaged over the loss mask."""
+    losses = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch.get("attention_mask"),
+        labels=batch["labels"],
+    )
+    mask = batch["loss_mask"].float()
+    return (losses.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@dataclass
+class Run:
+    """Everything built for one training run."""
+
+    cfg: Config
+    tokenizer: GPT2BPETokenizer
+    model: GPT
+    engine: Engine
+
+
+def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = None) -> Run:
+    """Tokenizer, model (seeded, in the training dtype, on ``device``), optimizer, Engine."""
+    device = device or default_device()
+    d = cfg.data
+    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file)
+    padded = vocab_size_with_padding(
+        tokenizer.vocab_size,
+        cfg.model.make_vocab_size_divisible_by,
+        cfg.parallel.tensor_model_parallel_size,
+    )
+    set_random_seed(cfg.training.seed)
+    gcfg = gpt_config(cfg, padded, tokenizer.vocab_size)
+    dtype = DTYPES[cfg.precision.params_dtype]
+    model = GPT(gcfg).to(device=device, dtype=dtype)
+
+    o, p, s = cfg.optimizer, cfg.precision, cfg.scheduler
+    optimizer = build_optimizer(
+        get_param_groups(model, o.weight_decay),
+        o.optimizer,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+        momentum=o.sgd_momentum,
+    )
+    scaler = make_loss_scaler(
+        dtype,
+        loss_scale=p.loss_scale,
+        initial_scale=p.initial_loss_scale,
+        scale_window=p.loss_scale_window,
+        hysteresis=p.hysteresis,
+        consecutive_hysteresis=p.consecutive_hysteresis,
+        min_scale=p.min_loss_scale,
+        raise_error_at_min_scale=False,  # Megatron keeps going at the minimum scale
+    )
+    optimizer = MixedPrecisionOptimizer(optimizer, loss_scaler=scaler, clip_grad=o.clip_grad)
+    scheduler = None
+    if cfg.lr_decay_steps is not None:
+        scheduler = OptimizerParamScheduler(
+            optimizer,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_decay_steps=cfg.lr_decay_steps,
+            lr_decay_style=s.lr_decay_style,
+            lr_warmup_steps=cfg.lr_warmup_steps,
+            init_lr=s.lr_warmup_init,
+            start_wd=o.start_weight_decay,
+            end_wd=o.end_weight_decay,
+            wd_incr_steps=cfg.lr_decay_steps,
+            wd_incr_style=o.weight_decay_incr_style,
+            use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
+            override_opt_param_scheduler=s.override_opt_param_scheduler,
+        )
+    t = cfg.training
+    metadata = build_metadata(
+        model_config=gcfg.to_dict(),
+        vocab_size=tokenizer.vocab_size,
+        padded_vocab_size=padded,
+        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        data_parallel_size=cfg.parallel.data_parallel_size,
+        tokenizer={
+            "type": d.tokenizer_type,
+            "vocab_file": d.vocab_file,
+            "merge_file": d.merge_file,
+        },
+        params_dtype=cfg.precision.params_dtype,
+    )
+    engine = Engine(
+        model,
+        optimizer,
+        scheduler,
+        loss_fn=lm_loss,
+        micro_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.num_micro_batches,
+        data_parallel_size=cfg.parallel.data_parallel_size,
+        lr_increment=t.global_batch_size,
+        checkpoint_metadata=metadata,
+        vocab_keys=VOCAB_PADDED_KEYS,
+        orig_vocab_size=tokenizer.vocab_size,
+        compile=cfg.model.compile,
+        timers=timers,
+    )
+    return Run(cfg, tokenizer, model, engine)

@@ -1,0 +1,255 @@
+"""The pretraining loop: train_batch, log, evaluate, save, exit — Megatron's ``train()``.
+
+The loop talks only to the Engine (``train_batch``, ``eval_batch``, ``save_checkpoint``) and to
+data iterators; it never sees loss scales, master weights or process groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zerotron.checkpoint import tag_for_iteration
+from zerotron.training import log
+from zerotron.training.build import Run
+from zerotron.training.throughput import model_flops_per_token, tflops_per_second
+from zerotron.training.timers import Timers
+
+
+@dataclass
+class TrainState:
+    """Where a run is; saved in checkpoints as Megatron saves it."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+
+
+@dataclass
+class TrainSummary:
+    state: TrainState
+    losses: dict[int, float]  # iteration -> lm loss of that iteration
+    valid_loss: float | None = None
+    test_loss: float | None = None
+    last_checkpoint: Path | None = None
+    interval_lines: list[str] = field(default_factory=list)
+
+
+class _Interval:
+    """Accumulates what one --log-interval reports."""
+
+    def __init__(self) -> None:
+        self.loss_sum = 0.0
+        self.counted = 0
+        self.skipped = 0
+        self.nans = 0
+        self.iterations = 0
+        self.start = time.perf_counter()
+
+
+class _Output:
+    """Print log lines; with a terminal, under a progress bar with ETA."""
+
+    def __init__(self, total: int, done: int):
+        self.progress = None
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("training"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeRemainingColumn(),
+                transient=True,
+            )
+            self.task = self.progress.add_task("train", total=total, completed=done)
+
+    def __enter__(self) -> _Output:
+        if self.progress is not None:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def print(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(line, flush=True)
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            self.progress.advance(self.task)
+
+
+def evaluate(run: Run, data_iter: Iterator, state: TrainState) -> float:
+    """Mean lm loss over --eval-iters global batches of ``data_iter``."""
+    t = run.cfg.training
+    total = 0.0
+    for _ in range(t.eval_iters):
+        total += float(run.engine.eval_batch(data_iter))
+        state.consumed_valid_samples += t.global_batch_size
+    return total / t.eval_iters
+
+
+def save(run: Run, state: TrainState) -> Path:
+    c = run.cfg.checkpoint
+    client = {
+        "iteration": state.iteration,
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
+        "args": run.cfg.to_dict(),
+    }
+    return run.engine.save_checkpoint(
+        c.save,
+        tag_for_iteration(state.iteration),
+        client,
+        save_optimizer=not c.no_save_optim,
+        save_rng=not c.no_save_rng,
+    )
+
+
+def _tensorboard(run: Run):
+    if not run.cfg.training.tensorboard_dir:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=run.cfg.training.tensorboard_dir, max_queue=1000)
+
+
+def train(
+    run: Run,
+    state: TrainState,
+    train_iter: Iterator,
+    valid_iter: Iterator | None,
+    test_iter: Iterator | None,
+    timers: Timers,
+) -> TrainSummary:
+    cfg, engine = run.cfg, run.engine
+    t, c = cfg.training, cfg.checkpoint
+    m = cfg.model
+    gbs = t.global_batch_size
+    flops_per_token = model_flops_per_token(
+        run.model.num_parameters() - run.model.embedding.position_embeddings.weight.numel(),
+        m.num_layers,
+        m.hidden_size,
+        m.seq_length,
+    )
+    summary = TrainSummary(state=state, losses={})
+    writer = _tensorboard(run)
+    interval = _Interval()
+    reported_memory = False
+    saved_at = None
+    with _Output(t.train_iters, state.iteration) as out:
+        out.print(" training ...")
+        while state.iteration < t.train_iters:
+            loss = float(engine.train_batch(train_iter))
+            state.iteration += 1
+            state.consumed_train_samples += gbs
+            step = engine.last_step
+            summary.losses[state.iteration] = loss
+            interval.iterations += 1
+            if step is not None and not step.update_successful:
+                interval.skipped += 1
+            elif not math.isfinite(loss):
+                interval.nans += 1
+            else:
+                interval.loss_sum += loss
+                interval.counted += 1
+            out.advance()
+
+            if state.iteration % t.log_interval == 0:
+                elapsed = time.perf_counter() - interval.start
+                per_iter = elapsed / interval.iterations
+                lm = interval.loss_sum / max(interval.counted, 1)
+                tokens = interval.iterations * gbs * m.seq_length
+                line = log.iteration_line(
+                    iteration=state.iteration,
+                    train_iters=t.train_iters,
+                    consumed_samples=state.consumed_train_samples,
+                    ms_per_iteration=per_iter * 1000.0,
+                    learning_rate=engine.get_lr()[0],
+                    global_batch_size=gbs,
+                    losses={"lm loss": lm},
+                    loss_scale=engine.cur_scale,
+                    grad_norm=step.grad_norm if step is not None else None,
+                    skipped_iterations=interval.skipped,
+                    nan_iterations=interval.nans,
+                    tokens_per_second=tokens / elapsed,
+                    tflops=tflops_per_second(flops_per_token, tokens, elapsed),
+                )
+                out.print(line)
+                summary.interval_lines.append(line)
+                times = timers.log_line(
+                    ["forward-backward", "optimizer", "batch-generator"], interval.iterations
+                )
+                out.print(times)
+                if not reported_memory:
+                    out.print(log.memory_line(engine.device, state.iteration))
+                    reported_memory = True
+                if writer is not None:
+                    writer.add_scalar("lm loss", lm, state.iteration)
+                    writer.add_scalar("learning-rate", engine.get_lr()[0], state.iteration)
+                    writer.add_scalar("loss-scale", engine.cur_scale, state.iteration)
+                    if step is not None and step.grad_norm is not None:
+                        writer.add_scalar("grad-norm", step.grad_norm, state.iteration)
+                interval = _Interval()
+
+            if t.eval_interval and state.iteration % t.eval_interval == 0 and valid_iter:
+                value = evaluate(run, valid_iter, state)
+                line = log.eval_line(
+                    f"validation loss at iteration {state.iteration}", {"lm loss": value}
+                )
+                out.print(log.RULE + "\n" + line + "\n" + log.RULE)
+                if writer is not None:
+                    writer.add_scalar("lm loss validation", value, state.iteration)
+                interval.start = time.perf_counter()  # evaluation is not training time
+
+            if c.save and c.save_interval and state.iteration % c.save_interval == 0:
+                summary.last_checkpoint = save(run, state)
+                saved_at = state.iteration
+                out.print(f"  saved checkpoint at iteration {state.iteration} to {c.save}")
+                interval.start = time.perf_counter()
+
+            if t.exit_interval and state.iteration % t.exit_interval == 0:
+                out.print(f" exiting program at iteration {state.iteration}")
+                break
+
+    if c.save and saved_at != state.iteration:
+        summary.last_checkpoint = save(run, state)
+        print(f"  saved checkpoint at iteration {state.iteration} to {c.save}", flush=True)
+    if (
+        t.exit_interval
+        and state.iteration % t.exit_interval == 0
+        and state.iteration < t.train_iters
+    ):
+        return summary
+    for name, it in (("val", valid_iter), ("test", test_iter)):
+        if it is None:
+            continue
+        value = evaluate(run, it, state) if name == "val" else _evaluate_test(run, it)
+        line = log.eval_line(
+            f"validation loss at the end of training for {name} data", {"lm loss": value}
+        )
+        print(log.RULE + "\n" + line + "\n" + log.RULE, flush=True)
+        if name == "val":
+            summary.valid_loss = value
+        else:
+            summary.test_loss = value
+    if writer is not None:
+        with contextlib.suppress(Exception):
+            writer.close()
+    return summary
+
+
+def _evaluate_test(run: Run, data_iter: Iterator) -> float:
+    t = run.cfg.training
+    return sum(float(run.engine.eval_batch(data_iter)) for _ in range(t.eval_iters)) / t.eval_iters
