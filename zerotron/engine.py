@@ -24,13 +24,14 @@ from zerotron.checkpoint import (
     load_model_state,
     model_file,
     read_metadata,
+    repad_vocab,
     resolve_tag,
     save_checkpoint,
     set_rng_state,
 )
 from zerotron.checkpoint.layout import CHECKPOINT_VERSION
 from zerotron.errors import CheckpointError
-from zerotron.precision.mixed import MixedPrecisionOptimizer, StepResult
+from zerotron.precision.mixed import LOW_PRECISION, MixedPrecisionOptimizer, StepResult
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
 
@@ -276,11 +277,12 @@ class Engine:
         if "model" not in state:
             raise CheckpointError("no 'model' entry in the checkpoint", where=where)
         meta = read_metadata(load_dir, tag)
-        load_model_state(
+        ckpt_vocab_size = meta.get("vocab", {}).get("size", self.orig_vocab_size)
+        repadded = load_model_state(
             self.module,
             state["model"],
             vocab_keys=self.vocab_keys,
-            orig_vocab_size=meta.get("vocab", {}).get("size", self.orig_vocab_size),
+            orig_vocab_size=ckpt_vocab_size,
             vocab_size=self.orig_vocab_size,
             ckpt_config=meta.get("model"),
             model_config=self.checkpoint_metadata.get("model"),
@@ -290,6 +292,8 @@ class Engine:
             self.optimizer.reload_model_params()
             return where, {}
         if load_optimizer_states and "optimizer" in state:
+            if repadded:
+                self._repad_optimizer_state(state["optimizer"], repadded, ckpt_vocab_size)
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             self.optimizer.reload_model_params()
@@ -310,6 +314,34 @@ class Engine:
             "global_samples",
         }
         return where, {k: v for k, v in state.items() if k not in own}
+
+    def _repad_optimizer_state(
+        self, opt_state: dict[str, Any], repadded: Sequence[str], orig_vocab_size: int
+    ) -> None:
+        """Re-pad the optimizer's state of re-padded vocabulary tensors as their weights were.
+
+        Adam's moments and the fp32 master of such a tensor have the checkpoint's padded rows;
+        stepping them against the model's other row count would be wrong (fused kernels do not
+        even check). Real rows are kept, padding rows start at zero.
+        """
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        per_param = opt_state["optimizer"]["state"]
+        masters = opt_state.get("fp32_from_fp16_params") or []
+        flat = 0  # torch numbers state entries over all groups in order, as model_params
+        for g, group in enumerate(self.optimizer.param_groups):
+            low = 0  # position among this group's 16-bit params (fp32_from_fp16_params[g])
+            for _ in group["params"]:
+                param = self.optimizer.model_params[flat]
+                is_16bit = param.dtype in LOW_PRECISION
+                if names.get(id(param)) in repadded:
+                    rows = param.shape[0]
+                    for key, value in per_param.get(flat, {}).items():
+                        if isinstance(value, Tensor) and value.dim() == param.dim():
+                            per_param[flat][key] = repad_vocab(value, orig_vocab_size, rows)
+                    if is_16bit and g < len(masters) and low < len(masters[g]):
+                        masters[g][low] = repad_vocab(masters[g][low], orig_vocab_size, rows)
+                low += is_16bit
+                flat += 1
 
 
 @contextlib.contextmanager

@@ -117,7 +117,8 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
     )
     optimizer = MixedPrecisionOptimizer(optimizer, loss_scaler=scaler, clip_grad=o.clip_grad)
     scheduler = None
-    if cfg.lr_decay_steps is not None:
+    # --train-iters 0 only builds and prints: a schedule over 0 steps is not one to build.
+    if cfg.lr_decay_steps is not None and cfg.training.train_iters != 0:
         scheduler = OptimizerParamScheduler(
             optimizer,
             max_lr=o.lr,
