@@ -398,15 +398,19 @@ def build_parser() -> ArgumentParser:
     )
     g = p.add_argument_group("tokenizer")
     g.add_argument(
-        "--tokenizer-type", default="GPT2BPETokenizer", help="tokenizer to use (GPT2BPETokenizer)"
+        "--tokenizer-type",
+        default="GPT2BPETokenizer",
+        help="tokenizer to use; only GPT2BPETokenizer so far",
     )
     g.add_argument(
         "--vocab-file",
         default=None,
-        help="encoder.json / gpt2-vocab.json (default: packaged GPT-2)",
+        help="encoder.json / gpt2-vocab.json; unset: the packaged GPT-2 files",
     )
     g.add_argument(
-        "--merge-file", default=None, help="vocab.bpe / gpt2-merges.txt (default: packaged GPT-2)"
+        "--merge-file",
+        default=None,
+        help="vocab.bpe / gpt2-merges.txt; unset: the packaged GPT-2 files",
     )
     g.add_argument(
         "--tokenizer-json",
