@@ -10,7 +10,6 @@ gradient reduction, ZeRO partitions, the pipeline runtime) plugs in here, not in
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -342,14 +341,3 @@ class Engine:
                         masters[g][low] = repad_vocab(masters[g][low], orig_vocab_size, rows)
                 low += is_16bit
                 flat += 1
-
-
-@contextlib.contextmanager
-def eval_mode(engine: Engine) -> Iterator[None]:
-    """Run a block with dropout off, restoring the previous mode."""
-    was_training = engine.module.training
-    engine.module.eval()
-    try:
-        yield
-    finally:
-        engine.module.train(was_training)

@@ -41,16 +41,14 @@ class ArgumentParser(argparse.ArgumentParser):
     def unknown(self, extras: list[str]) -> NoReturn:
         flags = [e.split("=", 1)[0] for e in extras if e.startswith("-")]
         if not flags:
-            raise ConfigError(
-                f"unexpected argument {extras[0]!r}", where=self.prog, fix=f"see {self.prog} --help"
-            )
+            raise ConfigError(f"unexpected argument {extras[0]!r}", fix=f"see {self.prog} --help")
         flag = flags[0]
         close = difflib.get_close_matches(flag, self.known_flags(), n=3, cutoff=0.6)
         fix = f"did you mean {' or '.join(close)}?" if close else f"see {self.prog} --help"
-        raise ConfigError(f"unknown flag {flag}", where=self.prog, fix=fix)
+        raise ConfigError(f"unknown flag {flag}", fix=fix)
 
     def error(self, message: str) -> NoReturn:
-        raise ConfigError(message, where=self.prog, fix=f"see {self.prog} --help")
+        raise ConfigError(message, fix=f"see {self.prog} --help")
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         if message:

@@ -30,6 +30,7 @@ from pathlib import Path
 import regex
 import tiktoken
 
+from zerotron.config.schema import TOKENIZER_TYPES, UNSUPPORTED_TOKENIZER_TYPES
 from zerotron.errors import ConfigError, TokenizerError, UnsupportedError
 
 GPT2_DIR = Path(__file__).with_name("gpt2")
@@ -37,20 +38,6 @@ EOD_TOKEN = "<|endoftext|>"
 # OpenAI's pre-tokenizer: contractions, letters, numbers, other symbols (each optionally led by
 # one space), then whitespace that is not followed by a non-space, then any whitespace.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-SUPPORTED_TYPES = ("GPT2BPETokenizer",)
-# Megatron-LM tokenizer types zerotron knows about but does not implement.
-MEGATRON_TYPES = (
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "HuggingFaceTokenizer",
-    "Llama2Tokenizer",
-    "TikTokenizer",
-    "MultimodalTokenizer",
-    "NullTokenizer",
-)
 
 
 @functools.lru_cache(maxsize=1)
@@ -478,12 +465,12 @@ def build_tokenizer(
     tokenizer_json: str | os.PathLike | None = None,
 ) -> GPT2BPETokenizer:
     """The tokenizer Megatron's ``--tokenizer-type`` names (only GPT-2 BPE so far)."""
-    if tokenizer_type not in SUPPORTED_TYPES:
-        cls = UnsupportedError if tokenizer_type in MEGATRON_TYPES else ConfigError
+    if tokenizer_type not in TOKENIZER_TYPES:
+        cls = UnsupportedError if tokenizer_type in UNSUPPORTED_TOKENIZER_TYPES else ConfigError
         raise cls(
             f"tokenizer type {tokenizer_type!r} is not supported",
             where="--tokenizer-type",
-            fix=f"supported: {', '.join(SUPPORTED_TYPES)}",
+            fix=f"supported: {', '.join(TOKENIZER_TYPES)}",
         )
     if tokenizer_json is not None:
         if vocab_file is not None or merge_file is not None:

@@ -254,6 +254,7 @@ class MixedPrecisionOptimizer:
         """Restore what :meth:`state_dict` saved; the model's 16-bit params are set from the
         loaded masters, so the model equals the run that saved. A checkpoint without masters
         (saved in fp32) leaves the masters to be taken from the model's current weights."""
+        self._check_state_shapes(state.get("optimizer", {}))
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (KeyError, ValueError) as e:
@@ -271,6 +272,24 @@ class MixedPrecisionOptimizer:
         if self.loss_scaler is not None and state.get("grad_scaler") is not None:
             self.loss_scaler.load_state_dict(state["grad_scaler"])
         self.num_skipped_steps = int(state.get("num_skipped_steps", 0))
+
+    def _check_state_shapes(self, saved: dict[str, Any]) -> None:
+        # torch's load_state_dict does not compare per-parameter state shapes; a mismatch would
+        # surface as memory corruption inside a fused step, so refuse it here by name.
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for idx, entry in saved.get("state", {}).items():
+            param = params[idx] if isinstance(idx, int) and idx < len(params) else None
+            for key, value in entry.items():
+                if param is None or not isinstance(value, Tensor) or value.dim() == 0:
+                    continue
+                if value.shape != param.shape:
+                    raise CheckpointError(
+                        f"optimizer state {key!r} of parameter {idx} has shape "
+                        f"{list(value.shape)}, the parameter {list(param.shape)}",
+                        where="optimizer.state",
+                        fix="resume with the same model shape, or skip the optimizer state "
+                        "(--no-load-optim)",
+                    )
 
     def _load_masters(self, saved: list[list[Tensor]]) -> None:
         ours = self._16bit_masters_by_group()
