@@ -218,12 +218,28 @@ def _encode_in_worker(chunk: Chunk) -> ChunkResult:
     return _WORKER_ENCODER.encode_chunk(chunk)
 
 
+@contextlib.contextmanager
+def _default_sigterm() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def encode_chunks(chunks: Iterator[Chunk], encoder: Encoder, workers: int) -> Iterator[ChunkResult]:
     """Results of ``encoder.encode_chunk`` over ``chunks``, in order, on ``workers`` processes."""
     if workers <= 1:
         yield from map(encoder.encode_chunk, chunks)
         return
-    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,)) as pool:
+    with _default_sigterm():
+        # Workers must be born with SIGTERM's default action: one that inherited main()'s
+        # handler and was terminated before its initializer ran would ignore Pool.terminate().
+        pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,))
+    with pool:
         # apply_async with a bounded queue rather than imap: imap reads its whole input ahead.
         pending: deque = deque()
         for chunk in chunks:
