@@ -152,8 +152,12 @@ def loss_and_grads(cfg: GPTConfig, seed: int = 0):
 
 @pytest.mark.parametrize(
     "recompute",
-    [dict(recompute_granularity="full"), dict(recompute_granularity="full", recompute_num_layers=1)]
-    + [dict(recompute_granularity="selective")],
+    [
+        dict(recompute_granularity="full"),  # uniform, one layer per unit: every layer
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+        dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+        dict(recompute_granularity="selective"),
+    ],
 )
 def test_recompute_gives_identical_loss_and_grads_with_dropout(recompute, monkeypatch):
     base = dict(hidden_dropout=0.1, attention_dropout=0.1)
@@ -163,7 +167,8 @@ def test_recompute_gives_identical_loss_and_grads_with_dropout(recompute, monkey
     monkeypatch.setattr(gpt_module, "_core_attention", lambda *a: calls.append(1) or core(*a))
     loss_rc, grads_rc = loss_and_grads(config(**base, **recompute))
     # Recompute really happened: the attention core ran again in backward for recomputed layers.
-    recomputed = recompute.get("recompute_num_layers", 2)
+    block = recompute.get("recompute_method") == "block"
+    recomputed = recompute["recompute_num_layers"] if block else 2
     assert len(calls) == 2 + recomputed
     assert torch.equal(loss, loss_rc)
     for name in grads:

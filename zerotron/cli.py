@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except ZerotronError as e:
         if os.environ.get("ZEROTRON_TRACEBACK"):
             traceback.print_exc()
-        print(f"zerotron {name}: error: {e}", file=sys.stderr)
+        if e.where == f"zerotron {name}":  # already said by the prefix
+            e.where = None
+        print(f"zerotron {name}: error: {e.format()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"zerotron {name}: interrupted", file=sys.stderr)

@@ -20,7 +20,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--load", metavar="CKPT", help="a zerotron checkpoint directory")
     p.add_argument("--tag", help="checkpoint tag (default: --load's latest; 'release' on import)")
     p.add_argument("--to-hf", metavar="DIR", help="where to write the transformers directory")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument(
+        "--make-vocab-size-divisible-by", type=int, default=128, help="vocab padding on import"
+    )
     return p
 
 

@@ -10,6 +10,21 @@ from typing import NoReturn
 from zerotron.errors import ConfigError
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Show a flag's default when it says something (not None/False, not already in the help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, False, argparse.SUPPRESS)
+            or action.option_strings == []
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """An ``argparse.ArgumentParser`` that raises :class:`ConfigError` instead of exiting.
 
@@ -19,7 +34,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def known_flags(self) -> list[str]:

@@ -169,7 +169,7 @@ class DataConfig(_Section):
     )
     tokenizer_type: str = Field("GPT2BPETokenizer", description="Tokenizer.")
     vocab_file: str | None = Field(
-        None, description="GPT-2 encoder.json (or tokenizer.json); the bundled one if not given."
+        None, description="GPT-2 encoder.json (Megatron's --vocab-file); default: the bundled one."
     )
     merge_file: str | None = Field(
         None, description="GPT-2 vocab.bpe merges; the bundled one if not given."

@@ -73,7 +73,10 @@ class GPTConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     recompute_granularity: str | None = None  # None | "full" | "selective"
-    recompute_num_layers: int | None = None  # full: recompute the first N layers (None: all)
+    # full recompute, as Megatron: "uniform" checkpoints every recompute_num_layers layers as one
+    # unit (all layers recomputed); "block" recomputes only the first recompute_num_layers layers.
+    recompute_method: str | None = None  # -> "uniform" with full granularity
+    recompute_num_layers: int | None = None  # -> 1 (uniform) / num_layers (block)
     bias: bool = True
 
     def __post_init__(self) -> None:
@@ -126,6 +129,14 @@ class GPTConfig:
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
             raise bad(
                 "recompute_granularity", "must be full, selective or unset", "use full or selective"
+            )
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise bad("recompute_method", "must be uniform, block or unset", "use uniform or block")
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            raise bad(
+                "recompute_method",
+                "only applies to recompute_granularity=full",
+                "set recompute_granularity=full or drop recompute_method",
             )
         n = self.recompute_num_layers
         if n is not None:
@@ -355,6 +366,12 @@ class Embedding(nn.Module):
         return x
 
 
+def _run_unit(layers, x, attention_mask, is_causal):
+    for layer in layers:
+        x = layer(x, attention_mask, is_causal, None)
+    return x
+
+
 class GPT(nn.Module):
     """GPT-2 language model. See the module docstring for structure and parameter names."""
 
@@ -403,13 +420,7 @@ class GPT(nn.Module):
 
         x = self.embedding(tokens, position_ids, offset)
         training_pass = torch.is_grad_enabled() and kv_cache is None
-        recompute = self._recompute_layers() if training_pass else 0
-        for i, layer in enumerate(self.layers):
-            if i < recompute:
-                # The layer's own RNG calls (dropout) replay identically: RNG state is restored.
-                x = checkpoint(layer, x, attention_mask, is_causal, None, use_reentrant=False)
-            else:
-                x = layer(x, attention_mask, is_causal, kv_cache)
+        x = self._run_layers(x, attention_mask, is_causal, kv_cache, training_pass)
         x = self.final_layernorm(x)
         if kv_cache is not None:
             kv_cache.length += s
@@ -425,12 +436,30 @@ class GPT(nn.Module):
             logits = F.pad(logits, (0, cfg.vocab_size - cfg.orig_vocab_size), value=-math.inf)
         return logits
 
-    def _recompute_layers(self) -> int:
-        """How many layers, from the first, to recompute whole in backward."""
+    def _run_layers(self, x, attention_mask, is_causal, kv_cache, training_pass: bool):
+        """The transformer layers, with full recompute per ``recompute_method`` when training.
+
+        A checkpointed unit keeps only its input; backward reruns it. RNG state is restored on
+        rerun, so dropout masks repeat exactly.
+        """
         cfg = self.config
-        if cfg.recompute_granularity != "full":
-            return 0
-        return cfg.num_layers if cfg.recompute_num_layers is None else cfg.recompute_num_layers
+        if not training_pass or cfg.recompute_granularity != "full":
+            for layer in self.layers:
+                x = layer(x, attention_mask, is_causal, kv_cache)
+            return x
+        method = cfg.recompute_method or "uniform"
+        n = cfg.recompute_num_layers
+        if method == "block":
+            for i, layer in enumerate(self.layers):
+                recompute = i < (cfg.num_layers if n is None else n)
+                args = (x, attention_mask, is_causal, None)
+                x = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
+            return x
+        n = n or 1
+        for start in range(0, cfg.num_layers, n):
+            unit = self.layers[start : start + n]
+            x = checkpoint(_run_unit, unit, x, attention_mask, is_causal, use_reentrant=False)
+        return x
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameter count; the tied embedding counts once (it is one parameter).

@@ -86,9 +86,9 @@ class OptimizerParamScheduler:
         if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
             raise ConfigError(
                 "both use-checkpoint and override given for the LR scheduler",
-                where="--override-opt_param-scheduler",
-                fix="give at most one of --use-checkpoint-opt_param-scheduler and "
-                "--override-opt_param-scheduler",
+                where="--override-opt-param-scheduler",
+                fix="give at most one of --use-checkpoint-opt-param-scheduler and "
+                "--override-opt-param-scheduler",
             )
         self.optimizer = optimizer
         self.max_lr = float(max_lr)
@@ -268,8 +268,8 @@ class OptimizerParamScheduler:
             raise ConfigError(
                 f"scheduler {name} is {ours} here but {theirs} in the checkpoint",
                 where=f"opt_param_scheduler.{name}",
-                fix="pass --use-checkpoint-opt_param-scheduler to take the checkpoint's value or "
-                "--override-opt_param-scheduler to keep this run's",
+                fix="pass --use-checkpoint-opt-param-scheduler to take the checkpoint's value or "
+                "--override-opt-param-scheduler to keep this run's",
             )
         return theirs
 

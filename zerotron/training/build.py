@@ -54,6 +54,7 @@ def gpt_config(cfg: Config, padded_vocab_size: int, orig_vocab_size: int) -> GPT
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method if m.recompute_granularity == "full" else None,
         recompute_num_layers=m.recompute_num_layers if m.recompute_granularity == "full" else None,
     )
 
@@ -99,7 +100,7 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
     optimizer = build_optimizer(
         get_param_groups(model, o.weight_decay),
         o.optimizer,
-        lr=o.lr,
+        lr=o.lr if o.lr is not None else 0.0,  # --train-iters 0 may leave it unset
         weight_decay=o.weight_decay,
         betas=(o.adam_beta1, o.adam_beta2),
         eps=o.adam_eps,

@@ -39,6 +39,7 @@ class TrainSummary:
     test_loss: float | None = None
     last_checkpoint: Path | None = None
     interval_lines: list[str] = field(default_factory=list)
+    exited_early: bool = False  # --exit-interval or --exit-duration-in-mins stopped the run
 
 
 class _Interval:
@@ -148,6 +149,7 @@ def train(
     interval = _Interval()
     reported_memory = False
     saved_at = None
+    started = time.perf_counter()
     with _Output(t.train_iters, state.iteration) as out:
         out.print(" training ...")
         while state.iteration < t.train_iters:
@@ -221,17 +223,19 @@ def train(
 
             if t.exit_interval and state.iteration % t.exit_interval == 0:
                 out.print(f" exiting program at iteration {state.iteration}")
+                summary.exited_early = True
+                break
+            minutes = (time.perf_counter() - started) / 60.0
+            if t.exit_duration_in_mins and minutes > t.exit_duration_in_mins:
+                out.print(f" exiting program after {minutes:.2f} minutes")
+                summary.exited_early = True
                 break
 
     if c.save and saved_at != state.iteration:
         summary.last_checkpoint = save(run, state)
         print(f"  saved checkpoint at iteration {state.iteration} to {c.save}", flush=True)
-    if (
-        t.exit_interval
-        and state.iteration % t.exit_interval == 0
-        and state.iteration < t.train_iters
-    ):
-        return summary
+    if summary.exited_early and state.iteration < t.train_iters:
+        return summary  # Megatron skips the final evaluation when it exits early
     for name, it in (("val", valid_iter), ("test", test_iter)):
         if it is None:
             continue
