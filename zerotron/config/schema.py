@@ -458,11 +458,11 @@ def parse_data_path(items: list[str]) -> tuple[list[str], list[float] | None]:
             where=where,
             fix="write 'W1 PREFIX1 W2 PREFIX2 ...'",
         )
-    if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
+    if any(not (w > 0 and math.isfinite(w)) for w in weights):
         raise ConfigError(
-            f"blend weights must be non-negative with a positive sum, got {weights}",
+            f"blend weights must be positive numbers, got {weights}",
             where=where,
-            fix="give each prefix a weight >= 0",
+            fix="give each prefix a weight > 0 (leave out a prefix you do not want)",
         )
     return list(items[1::2]), weights
 

@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from zerotron.config import schema
 from zerotron.data.indexed_dataset import MMapIndexedDataset
 from zerotron.errors import ConfigError, DataError
 from zerotron.fileio import atomic_open, atomic_write_text
@@ -58,21 +58,7 @@ INDEX_FORMAT = 1  # bump when the meaning of the cached arrays changes
 
 def parse_split(split: str) -> list[float]:
     """``"949,50,1"`` (or ``"98/2/0"``, or fewer numbers) -> three weights summing to 1."""
-    parts = [p.strip() for p in re.split(r"[,/]", str(split))]
-    try:
-        values = [float(p) for p in parts if p != ""]
-    except ValueError:
-        values = []
-    if not values or len(values) > 3 or any(not math.isfinite(v) or v < 0 for v in values):
-        raise ConfigError(
-            f"invalid --split {split!r}",
-            fix="give up to three non-negative numbers for train,valid,test, e.g. 949,50,1",
-        )
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    if total <= 0:
-        raise ConfigError(f"--split {split!r} sums to zero", fix="e.g. --split 949,50,1")
-    return [v / total for v in values]
+    return list(schema.parse_split(str(split)))
 
 
 def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
@@ -306,36 +292,15 @@ class DataPath:
 def parse_data_path(data_path: Sequence[str] | str) -> DataPath:
     """Megatron's ``--data-path``: ``P``, ``W1 P1 W2 P2 ...`` or ``P1 P2 ...``.
 
-    Without weights several prefixes are mixed in proportion to their token counts (as if
-    concatenated); the weights are filled in by :func:`blend_weights`.
+    Parsed by the config's rules; weights are normalized here. Without weights several prefixes
+    are mixed in proportion to their token counts (as if concatenated); the weights are filled
+    in by :func:`blend_weights`.
     """
     items = [data_path] if isinstance(data_path, str) else [str(x) for x in data_path]
-    if not items:
-        raise ConfigError("--data-path is empty", fix="--data-path PREFIX (no .bin/.idx)")
-    if len(items) == 1:
-        return DataPath([items[0]], None)
-    if len(items) % 2 == 0:
-        try:
-            raw = [float(x) for x in items[0::2]]
-        except ValueError:
-            raw = None
-        if raw is not None:
-            weights = normalize_weights(raw)
-            return DataPath(items[1::2], [float(w) for w in weights])
-    if any(_looks_like_number(x) for x in items):
-        raise ConfigError(
-            f"cannot read --data-path {' '.join(items)}",
-            fix="give either one prefix, WEIGHT PREFIX pairs (0.3 A 0.7 B), or prefixes only",
-        )
-    return DataPath(items, None)
-
-
-def _looks_like_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    prefixes, weights = schema.parse_data_path(items)
+    if weights is None:
+        return DataPath(prefixes, None)
+    return DataPath(prefixes, [float(w) for w in normalize_weights(weights)])
 
 
 def blend_weights(path: DataPath, datasets: Sequence[MMapIndexedDataset]) -> list[float]:
