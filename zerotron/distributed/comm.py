@@ -1,0 +1,462 @@
+"""Every collective and point-to-point call of zerotron, with a ledger of the bytes it moves.
+
+This is the one module that calls ``torch.distributed`` communication functions. Each call takes
+a :class:`Group` (built by :mod:`zerotron.distributed.state`), returns immediately when the group
+has one rank (no torch call, nothing recorded), and otherwise records ``(group, op, bytes)`` in
+the module-level :data:`ledger` before it communicates. Tests assert exact traffic with
+``ledger.capture()``; benchmarks compare the totals with closed-form theory.
+
+Ledger conventions (bytes are ``numel * element_size`` of a tensor the caller passes):
+
+==================  ====================  ==============================================
+op                  group                 bytes recorded (per call, on this rank)
+==================  ====================  ==============================================
+``all_reduce``      the group's name      the tensor reduced
+``all_gather``      the group's name      this rank's input shard (output = size × that)
+``reduce_scatter``  the group's name      the full input (output = that / size)
+``broadcast``       the group's name      the tensor broadcast (same on every rank)
+``barrier``         the group's name      0
+``send``/``recv``   ``group_name`` arg    the tensor sent / received; default ``"pp"``
+==================  ====================  ==============================================
+
+The ledger records the *logical* operation, not how a backend carried it out: ``avg`` is a sum
+followed by a division on every backend, and where a backend lacks a fused all-gather or
+reduce-scatter the fallback (list all-gather; all-reduce then slice) still records one
+``all_gather`` of the shard or one ``reduce_scatter`` of the full input. These are the sizes
+the parallel algorithms are written in (Megatron's "4 all-reduces of b·s·h per layer"), so
+theory and measurement compare directly; wire bytes of a ring algorithm are a fixed factor
+(2(n-1)/n for all-reduce, (n-1)/n for the others) away.
+
+Asynchronous variants (``*_async``) return a :class:`Pending` whose ``wait()`` gives the result;
+they let data-parallel gradient buckets overlap with backward.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zerotron.errors import DistributedError
+
+GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding", "world")
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+# torch >= 2.13 names the fused single-tensor collectives *_single; older ones *_tensor.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or getattr(
+    dist, "all_gather_into_tensor", None
+)
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or getattr(
+    dist, "reduce_scatter_tensor", None
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Groups
+
+
+@dataclass(frozen=True)
+class Group:
+    """One process group as this rank sees it.
+
+    ``ranks`` are global ranks in group order; ``rank`` is this process's index in them (-1 when
+    it is not a member, e.g. a middle pipeline stage and the embedding group). ``pg`` is the
+    torch ProcessGroup, or None when the group has one rank (or the run has one process): then
+    every collective here returns at once.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    rank: int
+    pg: Any = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank >= 0
+
+    def global_rank(self, index: int) -> int:
+        """The global rank of the group's ``index``-th member."""
+        return self.ranks[index]
+
+    @classmethod
+    def single(cls, name: str, rank: int = 0) -> Group:
+        """A one-rank group holding global ``rank``: every collective on it is a no-op."""
+        return cls(name, (rank,), 0, None)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, ranks={list(self.ranks)}, rank={self.rank})"
+
+
+def _active(group: Group, op: str) -> bool:
+    """True when ``op`` must communicate; raise when this rank cannot take part."""
+    if group.size == 1 and group.is_member:
+        return False
+    if not group.is_member:
+        raise DistributedError(
+            f"{op} on the {group.name} group {list(group.ranks)}, which this rank is not in",
+            where=f"comm.{op}",
+            fix=f"call {op} only on ranks of the group (see ParallelState.{group.name})",
+        )
+    if group.pg is None:
+        raise DistributedError(
+            f"the {group.name} group {list(group.ranks)} has no process group",
+            where=f"comm.{op}",
+            fix="call init_distributed() and initialize_model_parallel() first",
+        )
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Ledger
+
+
+class Ledger:
+    """Collective calls recorded as ``(group, op, bytes)``.
+
+    ``total()``/``count()`` are exact for the whole life of the ledger. ``entries`` keeps the
+    calls themselves; the module-level ledger keeps only the most recent ``max_entries`` of
+    them (a long run makes millions of calls), ledgers from :meth:`capture` keep all.
+    """
+
+    def __init__(self, max_entries: int | None = None):
+        self.max_entries = max_entries
+        self.entries: list[tuple[str, str, int]] = []
+        self._totals: dict[tuple[str, str], list[int]] = {}
+        self._captures: list[Ledger] = []
+        # Gradient hooks may run on autograd's device threads.
+        self._lock = threading.Lock()
+
+    def record(self, group: str, op: str, nbytes: int) -> None:
+        """Add one call; active captures see it too."""
+        with self._lock:
+            self._add(group, op, nbytes)
+            for sub in self._captures:
+                sub._add(group, op, nbytes)
+
+    def _add(self, group: str, op: str, nbytes: int) -> None:
+        self.entries.append((group, op, nbytes))
+        if self.max_entries is not None and len(self.entries) > self.max_entries:
+            del self.entries[: len(self.entries) - self.max_entries // 2]
+        slot = self._totals.setdefault((group, op), [0, 0])
+        slot[0] += nbytes
+        slot[1] += 1
+
+    def reset(self) -> None:
+        """Forget everything recorded so far (active captures keep theirs)."""
+        with self._lock:
+            self.entries.clear()
+            self._totals.clear()
+
+    def total(self, group: str | None = None, op: str | None = None) -> int:
+        """Bytes recorded, optionally only for one group name and/or one op."""
+        return sum(v[0] for k, v in self._select(group, op))
+
+    def count(self, group: str | None = None, op: str | None = None) -> int:
+        """Number of calls recorded, filtered like :meth:`total`."""
+        return sum(v[1] for k, v in self._select(group, op))
+
+    def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``{(group, op): (bytes, calls)}`` over everything recorded."""
+        with self._lock:
+            return {k: (v[0], v[1]) for k, v in sorted(self._totals.items())}
+
+    def _select(self, group: str | None, op: str | None) -> list[tuple[tuple[str, str], list]]:
+        with self._lock:
+            return [
+                (k, list(v))
+                for k, v in self._totals.items()
+                if (group is None or k[0] == group) and (op is None or k[1] == op)
+            ]
+
+    @contextmanager
+    def capture(self) -> Iterator[Ledger]:
+        """A fresh ledger that records every call made inside the ``with`` block."""
+        sub = Ledger()
+        with self._lock:
+            self._captures.append(sub)
+        try:
+            yield sub
+        finally:
+            with self._lock:
+                self._captures.remove(sub)
+
+
+ledger = Ledger(max_entries=100_000)
+"""Every call made through this module, in this process."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------------------------
+# Pending results
+
+
+class Pending:
+    """A collective in flight; :meth:`wait` blocks until it is done and returns its result."""
+
+    def __init__(self, work: Any, finish: Callable[[], torch.Tensor]):
+        self._work = work
+        self._finish: Callable[[], torch.Tensor] | None = finish
+        self._result: torch.Tensor | None = None
+
+    @classmethod
+    def done(cls, result: torch.Tensor) -> Pending:
+        return cls(None, lambda: result)
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._result = self._finish()
+            self._finish = None
+        assert self._result is not None
+        return self._result
+
+
+def _torch_op(op: str) -> Any:
+    if op not in REDUCE_OPS:
+        raise DistributedError(f"unknown reduce op {op!r}", fix=f"use one of {REDUCE_OPS}")
+    # avg is a sum and a division everywhere: the same numerics on gloo and nccl.
+    return {
+        "sum": dist.ReduceOp.SUM,
+        "avg": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }[op]
+
+
+def _fused(fn: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
+    """Start the fused collective ``fn``; None when torch or the backend does not have it.
+
+    Only a refusal ("not supported", raised before any byte moves, on every rank alike) falls
+    back; a real failure such as a timeout propagates.
+    """
+    if fn is None:
+        return None
+    try:
+        return fn(*args, async_op=True, **kwargs)
+    except NotImplementedError:
+        return None
+    except RuntimeError as err:
+        text = str(err).lower()
+        if "not support" in text or "unsupported" in text:
+            return None
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Collectives
+
+
+def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
+    """Start reducing ``t`` in place over ``group``; ``wait()`` returns ``t``."""
+    torch_op = _torch_op(op)
+    if not _active(group, "all_reduce"):
+        return Pending.done(t)
+    ledger.record(group.name, "all_reduce", _nbytes(t))
+    buf = t if t.is_contiguous() else t.contiguous()
+    work = dist.all_reduce(buf, op=torch_op, group=group.pg, async_op=True)
+
+    def finish() -> torch.Tensor:
+        if op == "avg":
+            buf.div_(group.size)
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    return Pending(work, finish)
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """Reduce ``t`` in place over ``group`` (``sum``, ``avg``, ``max``, ``min``); return ``t``."""
+    return all_reduce_async(t, group, op).wait()
+
+
+def all_gather_async(t: torch.Tensor, group: Group, dim: int = 0) -> Pending:
+    """Start gathering every rank's ``t``; ``wait()`` returns them concatenated along ``dim``."""
+    if not _active(group, "all_gather"):
+        return Pending.done(t)
+    ledger.record(group.name, "all_gather", _nbytes(t))
+    shard = t.contiguous() if t.dim() else t.reshape(1)  # scalars gather into a vector
+    dim = _check_dim(shard, dim, "all_gather")
+    n = group.size
+    # Shards land one after another along dim 0 (the layout every backend's fused op takes).
+    gathered = torch.empty(
+        (n * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device
+    )
+    work = _fused(_ALL_GATHER_SINGLE, gathered, shard, group=group.pg)
+    if work is None:  # the backend has no fused all-gather: gather into a list of views
+        parts = list(gathered.chunk(n))
+        work = dist.all_gather(parts, shard, group=group.pg, async_op=True)
+
+    def finish() -> torch.Tensor:
+        return gathered if dim == 0 else torch.cat(gathered.chunk(n), dim=dim)
+
+    return Pending(work, finish)
+
+
+def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along ``dim``, in group order (``t`` itself at size 1)."""
+    return all_gather_async(t, group, dim).wait()
+
+
+def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0, op: str = "sum") -> Pending:
+    """Start reducing ``t`` over ``group``; ``wait()`` returns this rank's chunk along ``dim``."""
+    torch_op = _torch_op(op)
+    if not _active(group, "reduce_scatter"):
+        return Pending.done(t)
+    dim = _check_dim(t, dim, "reduce_scatter")
+    n = group.size
+    if t.shape[dim] % n:
+        raise DistributedError(
+            f"reduce_scatter of a tensor of shape {tuple(t.shape)}: dim {dim} ({t.shape[dim]}) "
+            f"is not divisible by the {group.name} group size {n}",
+            where="comm.reduce_scatter",
+            fix=f"pad dim {dim} to a multiple of {n}",
+        )
+    ledger.record(group.name, "reduce_scatter", _nbytes(t))
+    # The fused op scatters chunks of dim 0: bring the chunks of ``dim`` there first.
+    full = t.contiguous() if dim == 0 else torch.cat(t.chunk(n, dim=dim))
+    out = torch.empty((full.shape[0] // n, *full.shape[1:]), dtype=t.dtype, device=t.device)
+    work = _fused(_REDUCE_SCATTER_SINGLE, out, full, op=torch_op, group=group.pg)
+    result = out
+    if work is None:
+        # No fused reduce-scatter in this backend: everyone reduces everything and keeps its
+        # chunk (twice the traffic; the ledger still records the logical reduce_scatter).
+        reduced = full.clone()
+        work = dist.all_reduce(reduced, op=torch_op, group=group.pg, async_op=True)
+        result = reduced.chunk(n)[group.rank]
+
+    def finish() -> torch.Tensor:
+        return result.div_(n) if op == "avg" else result
+
+    return Pending(work, finish)
+
+
+def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, op: str = "sum") -> torch.Tensor:
+    """Reduce ``t`` over ``group`` and return chunk ``group.rank`` of the result along ``dim``.
+
+    ``t.shape[dim]`` must be divisible by the group size. At size 1, ``t`` itself.
+    """
+    return reduce_scatter_async(t, group, dim, op).wait()
+
+
+def broadcast(t: torch.Tensor, group: Group, src_rank_in_group: int = 0) -> torch.Tensor:
+    """Copy the group member ``src_rank_in_group``'s ``t`` into every member's ``t``."""
+    if not _active(group, "broadcast"):
+        return t
+    if not 0 <= src_rank_in_group < group.size:
+        raise DistributedError(
+            f"broadcast source {src_rank_in_group} is outside the {group.name} group of size "
+            f"{group.size}",
+            where="comm.broadcast",
+        )
+    ledger.record(group.name, "broadcast", _nbytes(t))
+    buf = t if t.is_contiguous() else t.contiguous()
+    dist.broadcast(buf, src=group.ranks[src_rank_in_group], group=group.pg)
+    if buf is not t:
+        t.copy_(buf)
+    return t
+
+
+def barrier(group: Group | None = None) -> None:
+    """Wait until every member of ``group`` (default: all ranks) gets here."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        group = world_group()
+    if not _active(group, "barrier"):
+        return
+    ledger.record(group.name, "barrier", 0)
+    dist.barrier(group=group.pg)
+
+
+def world_group() -> Group:
+    """All ranks (a one-rank group when no process group is initialized)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Group.single("world")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return Group.single("world")
+    return Group("world", tuple(range(world)), rank, dist.group.WORLD)
+
+
+# --------------------------------------------------------------------------------------------
+# Point to point (global ranks)
+
+
+class P2P(NamedTuple):
+    """One half of a point-to-point transfer for :func:`batch_isend_irecv`."""
+
+    op: str  # "send" or "recv"
+    tensor: torch.Tensor
+    peer: int  # global rank
+
+
+def _check_peer(t: torch.Tensor, peer: int, op: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistributedError(
+            f"{op} needs a process group", where=f"comm.{op}", fix="call init_distributed() first"
+        )
+    me, world = dist.get_rank(), dist.get_world_size()
+    if not 0 <= peer < world or peer == me:
+        raise DistributedError(
+            f"{op} peer {peer} is not another rank of 0..{world - 1}", where=f"comm.{op}"
+        )
+    if not t.is_contiguous():
+        raise DistributedError(f"{op} of a non-contiguous tensor", where=f"comm.{op}")
+
+
+def send(t: torch.Tensor, dst_global_rank: int, group_name: str = "pp") -> None:
+    """Send ``t`` to global rank ``dst_global_rank`` (blocking); recorded under ``group_name``."""
+    _check_peer(t, dst_global_rank, "send")
+    ledger.record(group_name, "send", _nbytes(t))
+    dist.send(t, dst_global_rank)
+
+
+def recv(t: torch.Tensor, src_global_rank: int, group_name: str = "pp") -> torch.Tensor:
+    """Receive into ``t`` from global rank ``src_global_rank`` (blocking); return ``t``."""
+    _check_peer(t, src_global_rank, "recv")
+    ledger.record(group_name, "recv", _nbytes(t))
+    dist.recv(t, src_global_rank)
+    return t
+
+
+def batch_isend_irecv(
+    ops: Sequence[P2P | tuple[str, torch.Tensor, int]], group_name: str = "pp"
+) -> None:
+    """Post all sends and receives of ``ops`` together and wait for all of them.
+
+    Posting both directions at once is what makes a pipeline's exchange of activations and
+    gradients deadlock-free: no rank waits in a send for a peer that is itself sending.
+    """
+    p2p_ops = []
+    for item in ops:
+        op, tensor, peer = item
+        if op not in ("send", "recv"):
+            raise DistributedError(f"unknown p2p op {op!r}", fix="use 'send' or 'recv'")
+        _check_peer(tensor, peer, op)
+        ledger.record(group_name, op, _nbytes(tensor))
+        p2p_ops.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, peer))
+    if not p2p_ops:
+        return
+    for work in dist.batch_isend_irecv(p2p_ops):
+        work.wait()
+
+
+def _check_dim(t: torch.Tensor, dim: int, op: str) -> int:
+    if not -t.dim() <= dim < t.dim():
+        raise DistributedError(f"{op} along dim {dim} of a {t.dim()}-d tensor", where=f"comm.{op}")
+    return dim % t.dim()

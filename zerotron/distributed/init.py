@@ -1,0 +1,155 @@
+"""Join the job's processes: env:// rendezvous, backend choice, device, timeout.
+
+``zerotron launch`` and ``torchrun`` start one process per rank and describe the job in the
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+:func:`init_distributed` reads it and creates the default process group; a plain
+``python script.py`` (no ``WORLD_SIZE``, or ``WORLD_SIZE=1``) is one process and creates none,
+so single-process code pays nothing and every collective in :mod:`zerotron.distributed.comm`
+is a no-op.
+
+Backend: nccl when the device is CUDA, gloo otherwise. The timeout
+(``--distributed-timeout-minutes``) bounds every collective: when a rank dies or raises, the
+others fail with a timeout or connection error instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zerotron.errors import DistributedError
+
+BACKENDS = ("gloo", "nccl")
+_LAUNCH_FIX = "start the job with `zerotron launch` or `torchrun`, which set these variables"
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists (False for a single-process run)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """Global rank of this process (0 without a process group)."""
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """Number of processes in the job (1 without a process group)."""
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def local_rank() -> int:
+    """Rank of this process on its node (``LOCAL_RANK``; 0 when unset)."""
+    return _env_int("LOCAL_RANK", default=0)
+
+
+def init_distributed(
+    backend: str | None = None, timeout_minutes: float = 10, device: str | None = None
+) -> tuple[int, int]:
+    """Create the default process group from the launcher's environment; return (rank, world).
+
+    ``device`` is ``"cuda"`` or ``"cpu"`` (default: cuda when available). ``backend`` defaults
+    to nccl for cuda and gloo for cpu. On cuda the current device becomes ``LOCAL_RANK``.
+    Calling it again returns the existing (rank, world size).
+    """
+    if is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if timeout_minutes <= 0:
+        raise DistributedError(
+            f"timeout must be positive, got {timeout_minutes} minutes",
+            where="--distributed-timeout-minutes",
+        )
+    device = _pick_device(device)
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if backend not in BACKENDS:
+        raise DistributedError(
+            f"unknown backend {backend!r}",
+            where="init_distributed",
+            fix=f"use one of {', '.join(BACKENDS)}",
+        )
+    if backend == "nccl" and device != "cuda":
+        raise DistributedError(
+            "the nccl backend needs CUDA tensors", where="init_distributed", fix="use gloo on CPU"
+        )
+    if device == "cuda":
+        _set_cuda_device()
+
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    world = _env_int("WORLD_SIZE")
+    if world == 1:
+        return 0, 1
+    rank = _env_int("RANK")
+    if not 0 <= rank < world:
+        raise DistributedError(f"RANK={rank} is outside 0..{world - 1}", where="environment")
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(var):
+            raise DistributedError(
+                f"{var} is not set (WORLD_SIZE={world})", where="environment", fix=_LAUNCH_FIX
+            )
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        world_size=world,
+        rank=rank,
+        timeout=timedelta(minutes=timeout_minutes),
+        # nccl: bind the communicator to this rank's GPU now, not at the first collective.
+        device_id=torch.device("cuda", local_rank()) if backend == "nccl" else None,
+    )
+    return rank, world
+
+
+def destroy() -> None:
+    """Tear down the model-parallel groups and the default process group (if any)."""
+    # Imported here: state builds on this module, not the other way round.
+    from zerotron.distributed.state import destroy_model_parallel
+
+    destroy_model_parallel()
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def _pick_device(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise DistributedError(f"unknown device {device!r}", fix="use 'cpu' or 'cuda'")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DistributedError(
+            "device 'cuda' asked for, but CUDA is not available",
+            where="init_distributed",
+            fix="run on CPU (gloo) or on a machine with GPUs",
+        )
+    return kind
+
+
+def _set_cuda_device() -> None:
+    index, count = local_rank(), torch.cuda.device_count()
+    if index >= count:
+        raise DistributedError(
+            f"LOCAL_RANK={index} but only {count} GPU(s) are visible",
+            where="environment",
+            fix=f"start at most {count} processes per node (--nproc_per_node)",
+        )
+    torch.cuda.set_device(index)
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise DistributedError(f"{name} is not set", where="environment", fix=_LAUNCH_FIX)
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise DistributedError(
+            f"{name}={value!r} is not an integer", where="environment", fix=_LAUNCH_FIX
+        ) from None
+    if number < 0 or (name == "WORLD_SIZE" and number < 1):
+        raise DistributedError(f"{name}={number} is out of range", where="environment")
+    return number
