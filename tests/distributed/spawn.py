@@ -66,9 +66,8 @@ def run_ranks(
     ctx.set_forkserver_preload(_PRELOAD)
     # The store every rank rendezvouses through, hosted here (port 0: the OS picks a free one).
     store = dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
-        wait_for_workers=False,
-    )  # fmt: skip
+        "127.0.0.1", 0, world_size, True, timedelta(seconds=timeout), wait_for_workers=False
+    )
     env = {
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),

@@ -236,6 +236,7 @@ def test_one_rank_groups_never_call_torch():
     with ledger.capture() as cap:
         assert comm.all_reduce(x, g, op="avg") is x and torch.equal(x, torch.arange(6.0).view(2, 3))
         assert comm.all_gather(x, g, dim=1) is x
+        assert torch.equal(comm.all_gather(torch.tensor(3.0), g), torch.tensor([3.0]))
         assert comm.reduce_scatter(x, g, dim=1) is x
         assert comm.broadcast(x, g) is x
         assert comm.all_reduce_async(x, g).wait() is x

@@ -24,8 +24,9 @@ followed by a division on every backend, and where a backend lacks a fused all-g
 reduce-scatter the fallback (list all-gather; all-reduce then slice) still records one
 ``all_gather`` of the shard or one ``reduce_scatter`` of the full input. These are the sizes
 the parallel algorithms are written in (Megatron's "4 all-reduces of b·s·h per layer"), so
-theory and measurement compare directly; wire bytes of a ring algorithm are a fixed factor
-(2(n-1)/n for all-reduce, (n-1)/n for the others) away.
+theory and measurement compare directly. What a ring algorithm puts on the wire per rank is a
+fixed factor away: 2(n-1)/n × the recorded bytes for all-reduce, (n-1)/n for reduce-scatter,
+(n-1) for all-gather (n = group size).
 
 Asynchronous variants (``*_async``) return a :class:`Pending` whose ``wait()`` gives the result;
 they let data-parallel gradient buckets overlap with backward.
@@ -44,7 +45,6 @@ import torch.distributed as dist
 
 from zerotron.errors import DistributedError
 
-GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding", "world")
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 # torch >= 2.13 names the fused single-tensor collectives *_single; older ones *_tensor.
@@ -287,10 +287,10 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
 def all_gather_async(t: torch.Tensor, group: Group, dim: int = 0) -> Pending:
     """Start gathering every rank's ``t``; ``wait()`` returns them concatenated along ``dim``."""
     if not _active(group, "all_gather"):
-        return Pending.done(t)
-    ledger.record(group.name, "all_gather", _nbytes(t))
+        return Pending.done(t if t.dim() else t.reshape(1))
     shard = t.contiguous() if t.dim() else t.reshape(1)  # scalars gather into a vector
     dim = _check_dim(shard, dim, "all_gather")
+    ledger.record(group.name, "all_gather", _nbytes(t))
     n = group.size
     # Shards land one after another along dim 0 (the layout every backend's fused op takes).
     gathered = torch.empty(
@@ -308,7 +308,10 @@ def all_gather_async(t: torch.Tensor, group: Group, dim: int = 0) -> Pending:
 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Every rank's ``t`` concatenated along ``dim``, in group order (``t`` itself at size 1)."""
+    """Every rank's ``t`` concatenated along ``dim``, in group order.
+
+    At size 1 that is ``t`` itself (no copy); a 0-d ``t`` gathers into a vector of group size.
+    """
     return all_gather_async(t, group, dim).wait()
 
 
