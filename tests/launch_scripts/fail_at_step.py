@@ -1,0 +1,39 @@
+"""Worker for tests/test_launch.py: rank --fail-rank breaks at step 2 while the others wait.
+
+--mode raise: the failing rank raises (Python exits with 1) and its peers are blocked in a gloo
+all-reduce that it never joins. --mode exit3: the failing rank dies with os._exit(3) and its
+peers sleep with SIGTERM ignored, so only the launcher's SIGKILL can end them.
+"""
+
+import argparse
+import atexit
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=None)
+parser.add_argument("--mode", choices=["raise", "exit3"], default="raise")
+parser.add_argument("--fail-rank", type=int, default=1)
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+# Without this, gloo's threads can abort the interpreter's exit after the traceback (SIGABRT).
+atexit.register(dist.destroy_process_group)
+rank = dist.get_rank()
+print(f"pid rank={rank} pid={os.getpid()}", flush=True)
+if args.mode == "exit3" and rank != args.fail_rank:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+for step in range(5):
+    if step == 2 and rank == args.fail_rank:
+        if args.mode == "exit3":
+            os._exit(3)
+        raise RuntimeError(f"rank {rank} gives up at step {step}")
+    if step == 2 and args.mode == "exit3":
+        time.sleep(600)
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    print(f"step {step} done", flush=True)

@@ -1,0 +1,346 @@
+"""zerotron launch: ranks and their environment, rank-prefixed output, per-rank logs, a failing
+rank taking the job down (named, with its traceback and exit code), two nodes on one machine,
+and bad flags.
+
+Real runs start the launcher as a subprocess (``python -m zerotron.launcher.launch``) on scripts
+in tests/launch_scripts/ that use plain torch.distributed (gloo).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from zerotron import cli
+from zerotron.errors import ConfigError, LaunchError
+from zerotron.launcher import launch
+from zerotron.launcher.failures import summarize_failures, traceback_start
+from zerotron.launcher.output import RankStreams
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "tests", "launch_scripts")
+ALLREDUCE = os.path.join(SCRIPTS, "allreduce.py")
+FAIL_AT_STEP = os.path.join(SCRIPTS, "fail_at_step.py")
+
+
+def _env(drop=(), **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(extra)
+    return env
+
+
+def _launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 60):
+    start = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "zerotron.launcher.launch", *args],
+        cwd=REPO,
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return r, time.monotonic() - start
+
+
+def _reports(stdout: str) -> dict[int, dict[str, str]]:
+    """rank -> fields of the 'report' line that rank printed (through its [rankN]: prefix)."""
+    out = {}
+    for line in stdout.splitlines():
+        m = re.match(r"\[rank(\d+)\]: report (.*?) argv=(.*)$", line)
+        if m:
+            fields = dict(kv.split("=", 1) for kv in m.group(2).split(" ") if "=" in kv)
+            fields["argv"] = m.group(3)
+            out[int(m.group(1))] = fields
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+# -- real runs ----------------------------------------------------------------------------------
+
+
+def test_three_ranks_allreduce_prefixed_output_logs_local_rank_omp(tmp_path):
+    n, logs = 3, tmp_path / "logs"
+    r, _ = _launch(
+        ["--nproc_per_node", str(n), "--log_dir", str(logs), ALLREDUCE, "--tag", "a b"],
+        env=_env(drop=("OMP_NUM_THREADS",)),
+    )
+    assert r.returncode == 0, r.stderr
+    omp = str(max(1, len(os.sched_getaffinity(0)) // n))
+    reports = _reports(r.stdout)
+    assert sorted(reports) == list(range(n))
+    for rank, f in reports.items():
+        assert f["rank"] == str(rank) and f["world"] == str(n)
+        assert float(f["sum"]) == sum(range(1, n + 1))  # all_reduce of rank + 1
+        assert f["local_rank_arg"] == f["local_rank_env"] == str(rank)
+        assert f["omp"] == omp
+        # --local_rank goes first; the script's own arguments follow untouched (no shell).
+        assert f["argv"] == repr([f"--local_rank={rank}", "--tag", "a b"])
+    # Every line the workers printed carries its rank; stderr lines too.
+    assert all(re.match(r"\[rank\d\]: ", line) for line in r.stdout.splitlines())
+    for rank in range(n):
+        assert f"[rank{rank}]: to stderr from rank {rank}\n" in r.stderr
+    # One log per rank, holding that rank's stdout and stderr, without prefixes.
+    assert sorted(os.listdir(logs)) == [f"rank{i}.log" for i in range(n)]
+    for rank in range(n):
+        text = (logs / f"rank{rank}.log").read_text()
+        assert text.startswith(f"report rank={rank} ")
+        assert f"to stderr from rank {rank}\n" in text
+        assert "[rank" not in text and len(text.splitlines()) == 2
+
+
+def test_module_form_without_local_rank_keeps_omp_setting():
+    r, _ = _launch(
+        ["--nproc_per_node", "2", "--no_local_rank", "-m", "tests.launch_scripts.allreduce"]
+        + ["--tag", "m"],
+        env=_env(OMP_NUM_THREADS="5"),
+    )
+    assert r.returncode == 0, r.stderr
+    reports = _reports(r.stdout)
+    assert sorted(reports) == [0, 1]
+    for rank, f in reports.items():
+        assert float(f["sum"]) == 3 and f["local_rank_arg"] == "None"
+        assert f["local_rank_env"] == str(rank) and f["omp"] == "5"
+        assert f["argv"] == repr(["--tag", "m"])
+
+
+def test_zerotron_cli_gets_no_local_rank_flag():
+    # A --local_rank in front of zerotron's subcommand would be an unknown command (exit 2).
+    r, _ = _launch(["--nproc_per_node", "2", "-m", "zerotron", "--help"])
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        assert f"[rank{rank}]: usage: zerotron <command>" in r.stdout
+
+
+def test_rank_raising_at_step_2_takes_the_job_down_and_is_named(tmp_path):
+    # Rank 1 raises at step 2 while rank 0 waits in that step's all-reduce.
+    r, seconds = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path), FAIL_AT_STEP])
+    assert seconds < 30
+    assert r.returncode == 1
+    summary = [
+        line.removeprefix("zerotron launch: ")
+        for line in r.stderr.splitlines()
+        if line.startswith("zerotron launch: ")
+    ]
+    assert summary[1] == "rank 1 failed first: exit code 1"
+    assert summary[2] == "rank 1's traceback:"
+    assert summary[3] == "  Traceback (most recent call last):"
+    assert summary[-3] == "  RuntimeError: rank 1 gives up at step 2"
+    assert summary[-2].startswith("then: rank 0 ")
+    assert summary[-1] == f"rank 1's full output: {tmp_path / 'rank1.log'}"
+    assert "[rank0]: step 1 done" in r.stdout and "step 2 done" not in r.stdout
+    pids = [int(p) for p in re.findall(r"pid rank=\d pid=(\d+)", r.stdout)]
+    assert len(pids) == 2 and all(_gone(p) for p in pids)
+
+
+def test_rank_dying_with_exit_3_is_named_and_sigterm_ignorers_are_killed():
+    # Rank 1 calls os._exit(3); rank 0 ignores SIGTERM and sleeps: the deadline must SIGKILL it
+    # (the agent alone would wait 30 s).
+    r, seconds = _launch(
+        ["--nproc_per_node", "2", "--shutdown_timeout", "1", FAIL_AT_STEP, "--mode", "exit3"]
+    )
+    assert r.returncode == 3
+    assert seconds < 15
+    assert "zerotron launch: rank 1 failed first: exit code 3\n" in r.stderr
+    assert "zerotron launch: rank 1 wrote nothing to stderr\n" in r.stderr
+    assert "zerotron launch: then: rank 0 killed by signal 9 (SIGKILL)\n" in r.stderr
+    pids = [int(p) for p in re.findall(r"pid rank=\d pid=(\d+)", r.stdout)]
+    assert len(pids) == 2 and all(_gone(p) for p in pids)
+
+
+def test_two_nodes_on_localhost_make_one_job_of_four_ranks():
+    port = str(_free_port())
+    common = ["--nnodes", "2", "--nproc_per_node", "2", "--master_port", port]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "zerotron.launcher.launch", *common, "--node_rank", "1", ALLREDUCE],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        r0, _ = _launch([*common, "--node_rank", "0", ALLREDUCE])
+        out1, err1 = node1.communicate(timeout=60)
+    finally:
+        node1.kill()
+    assert r0.returncode == 0 and node1.returncode == 0, r0.stderr + err1
+    node0, node1_reports = _reports(r0.stdout), _reports(out1)
+    assert sorted(node0) == [0, 1] and sorted(node1_reports) == [2, 3]
+    for rank, f in {**node0, **node1_reports}.items():
+        assert f["world"] == "4" and float(f["sum"]) == 1 + 2 + 3 + 4
+        assert f["local_rank_env"] == str(rank % 2)
+
+
+# -- bad flags ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, error, text",
+    [
+        (["--nproc_per_node", "0", ALLREDUCE], ConfigError, "--nproc_per_node must be at least 1"),
+        (["--nnodes", "2", "--node_rank", "2", ALLREDUCE], ConfigError, "--node_rank 2 is not"),
+        (["--master_port", "70000", ALLREDUCE], ConfigError, "--master_port must be in"),
+        (["--nproc_per_node", "2"], ConfigError, "script"),
+        (["--nproc_per_node", "2", "no/such/train.py"], LaunchError, "not found"),
+        (["-m", "no_such_module_xyz"], LaunchError, "no module named 'no_such_module_xyz'"),
+        (["--nproc_per_nod", "2", ALLREDUCE], ConfigError, "--nproc_per_node"),
+    ],
+)
+def test_bad_flags_raise_before_anything_starts(argv, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        launch.main(argv)
+
+
+def test_bad_flags_exit_2_through_the_cli(monkeypatch, capsys):
+    monkeypatch.setitem(cli.COMMANDS, "launch", ("zerotron.launcher.launch", "launch"))
+    assert cli.main(["launch", "--nproc_per_node", "0", ALLREDUCE]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zerotron launch: error: --nproc_per_node must be at least 1, got 0")
+    assert cli.main(["launch", "missing.py"]) == 2
+    assert "training script 'missing.py' not found" in capsys.readouterr().err
+
+
+# -- pieces -------------------------------------------------------------------------------------
+
+
+def test_worker_args_place_local_rank_after_the_program():
+    assert launch.worker_args("t.py", ["--x", "1"], module=False, no_local_rank=False) == [
+        "-u",
+        "t.py",
+        "--local_rank=${local_rank}",
+        "--x",
+        "1",
+    ]
+    assert launch.worker_args("pkg.t", ["a"], module=True, no_local_rank=True) == [
+        "-u",
+        "-m",
+        "pkg.t",
+        "a",
+    ]
+    assert launch.worker_args("zerotron", ["pretrain"], module=True, no_local_rank=False) == [
+        "-u",
+        "-m",
+        "zerotron",
+        "pretrain",
+    ]
+
+
+def _wait_for(predicate, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def test_rank_streams_prefix_lines_once_and_keep_stderr_tail(tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    streams = RankStreams(log_dir=str(tmp_path), stdout=out, stderr=err)
+    with streams:
+        dest = streams.reify({0: {"RANK": "5"}, 1: {"RANK": "6"}})
+        with open(dest.stdouts[0], "wb") as o, open(dest.stderrs[0], "wb") as e:
+            o.write(b"one\ntw")
+            o.flush()
+            _wait_for(lambda: "one" in out.getvalue())
+            e.write(b"[rank5]: Traceback\n")  # torch.distributed's own excepthook prefix
+            e.flush()
+            _wait_for(lambda: err.getvalue())
+            o.write(b"o\nthree")  # no newline at the end: still printed at the end
+        open(dest.stdouts[1], "wb").close()
+        open(dest.stderrs[1], "wb").close()
+    assert out.getvalue() == "[rank5]: one\n[rank5]: two\n[rank5]: three\n"
+    assert err.getvalue() == "[rank5]: Traceback\n"
+    assert [text for _, text in streams.tail(5)] == ["Traceback"] and streams.tail(6) == []
+    assert (tmp_path / "rank5.log").read_bytes() == b"one\n[rank5]: Traceback\ntwo\nthree\n"
+    assert (tmp_path / "rank6.log").read_bytes() == b""
+
+
+class _Tails:
+    """Stands in for RankStreams: stderr lines per rank, each with the time it arrived."""
+
+    def __init__(self, tails: dict[int, list[tuple[float, str]]]):
+        self.tails = tails
+
+    def tail(self, rank):
+        return self.tails.get(rank, [])
+
+    def log_path(self, rank):
+        return None
+
+
+def _failure(rank: int, pid: int, exitcode: int) -> ProcessFailure:
+    return ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode, error_file="/nonexistent")
+
+
+def _traceback(t: float, error: str) -> list[tuple[float, str]]:
+    return [(t, "Traceback (most recent call last):"), (t, '  File "x"'), (t, error)]
+
+
+def test_summary_names_the_rank_that_failed_first_not_the_lowest():
+    # Rank 2's traceback came first, though its process ended last (slow teardown); rank 0 failed
+    # on the broken connection; rank 1 was stopped by the launcher.
+    failures = {0: _failure(0, 100, 1), 1: _failure(1, 101, -15), 2: _failure(2, 102, 7)}
+    exit_times = {100: 2.0, 101: 2.5, 102: 3.0}
+    tails = {
+        0: _traceback(1.5, "RuntimeError: Connection closed by peer"),
+        2: [(0.5, "noise")] + _traceback(1.0, "ValueError: v"),
+    }
+    code, text = summarize_failures(failures, exit_times, _Tails(tails))
+    assert code == 7
+    assert text.splitlines() == [
+        "rank 2 failed first: exit code 7",
+        "rank 2's traceback:",
+        "  Traceback (most recent call last):",
+        '    File "x"',
+        "  ValueError: v",
+        "then: rank 0 exit code 1, rank 1 killed by signal 15 (SIGTERM)",
+    ]
+    # A rank that died without a word (exit time 1.2) is first if its peers' tracebacks came
+    # later; a signal N gives the shell's exit code 128 + N.
+    failures = {0: _failure(0, 100, 1), 3: _failure(3, 5, -9)}
+    tails = {0: _traceback(1.3, "RuntimeError: Connection reset"), 3: [(0.1, "a"), (0.2, "b")]}
+    code, text = summarize_failures(failures, {5: 1.2, 100: 1.4}, _Tails(tails))
+    assert code == 137
+    assert text.splitlines() == [
+        "rank 3 failed first: killed by signal 9 (SIGKILL)",
+        "rank 3's last lines on stderr:",
+        "  a",
+        "  b",
+        "then: rank 0 exit code 1",
+    ]
+
+
+def test_traceback_start_keeps_chained_exceptions_and_drops_older_ones():
+    lines = [
+        "Traceback (most recent call last):",
+        "OldError: handled long ago",
+        "step 7",
+        "Traceback (most recent call last):",
+        "KeyError: 1",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "Traceback (most recent call last):",
+        "ValueError: 2",
+    ]
+    assert traceback_start(lines) == 3
+    assert traceback_start(["no", "traceback"]) is None

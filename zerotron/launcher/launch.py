@@ -1,0 +1,419 @@
+"""``zerotron launch``: run one training program as many processes, on one node or many.
+
+    zerotron launch --nproc_per_node 8 -m zerotron pretrain --tensor-model-parallel-size 2 ...
+    zerotron launch --nnodes 2 --node_rank 0 --master_addr node0 --master_port 29500 train.py ...
+
+Each node runs one launcher. It starts PyTorch's elastic agent (the engine behind ``torchrun``)
+with a static rendezvous: node ``i`` of ``N`` gets global ranks ``i*P .. i*P+P-1``, and every
+worker finds its peers through the environment that ``torch.distributed``'s ``env://`` reads
+(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). On top of the agent:
+
+- every output line carries its rank (``[rank3]: ...``) and ``--log_dir`` keeps one file per rank
+  (:mod:`zerotron.launcher.output`);
+- ``OMP_NUM_THREADS`` defaults to cores / local processes, so ranks do not fight over cores;
+- when a rank fails, the agent stops the others at once (SIGTERM, then SIGKILL after
+  ``--shutdown_timeout``), and the launcher names the rank that failed *first*, shows its
+  traceback and exits with its exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from zerotron.config.args import ArgumentParser
+from zerotron.errors import ConfigError, LaunchError
+
+DEFAULT_MASTER_PORT = 29500
+RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
+# Commands of zerotron's own CLI read LOCAL_RANK from the environment; their first argument is a
+# subcommand, so a --local_rank in front of it would not parse.
+ZEROTRON_CLI_MODULES = ("zerotron", "zerotron.cli", "zerotron.__main__")
+_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+@dataclass
+class LaunchPlan:
+    """Everything one node's launcher needs, validated."""
+
+    nproc_per_node: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    entrypoint: str  # the program each worker runs (the Python interpreter)
+    worker_args: list[str]  # its arguments; ``${local_rank}`` is filled in per worker
+    log_dir: str | None
+    max_restarts: int
+    shutdown_timeout: int
+    rdzv_timeout: int
+    omp_num_threads: int | None  # None: OMP_NUM_THREADS is already set and left alone
+    verbose: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="zerotron launch",
+        description="Start a training program on several processes (and nodes) with "
+        "torch.distributed's environment set, built on the elastic agent of torchrun. "
+        "Everything after the script (or -m module) is passed to it untouched.",
+    )
+    p.add_argument(
+        "--nproc_per_node",
+        "--nproc-per-node",
+        "--num_gpus",
+        "--num-gpus",
+        dest="nproc_per_node",
+        type=int,
+        default=None,
+        help="processes on this node (default: the number of GPUs, or 1 without CUDA)",
+    )
+    p.add_argument(
+        "--nnodes",
+        "--num_nodes",
+        "--num-nodes",
+        dest="nnodes",
+        type=int,
+        default=1,
+        help="number of nodes; start one launcher per node",
+    )
+    p.add_argument(
+        "--node_rank",
+        "--node-rank",
+        dest="node_rank",
+        type=int,
+        default=0,
+        help="this node's index, 0 .. nnodes-1 (node 0 hosts the rendezvous)",
+    )
+    p.add_argument(
+        "--master_addr",
+        "--master-addr",
+        dest="master_addr",
+        default="127.0.0.1",
+        help="address of node 0, reachable from every node",
+    )
+    p.add_argument(
+        "--master_port",
+        "--master-port",
+        dest="master_port",
+        type=int,
+        default=None,
+        help=f"port on node 0 (default: a free port on one node, {DEFAULT_MASTER_PORT} on many)",
+    )
+    p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="SCRIPT is a module name, run as python -m MODULE",
+    )
+    p.add_argument(
+        "--no_local_rank",
+        "--no-local-rank",
+        dest="no_local_rank",
+        action="store_true",
+        help="do not pass --local_rank=N to the program (LOCAL_RANK is always in its "
+        "environment; zerotron's own commands never get the flag)",
+    )
+    p.add_argument(
+        "--log_dir",
+        "--log-dir",
+        dest="log_dir",
+        default=None,
+        help="also write each rank's stdout and stderr to DIR/rank{N}.log",
+    )
+    p.add_argument(
+        "--max_restarts",
+        "--max-restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        help="restart all local workers this many times after a failure",
+    )
+    p.add_argument(
+        "--shutdown_timeout",
+        "--shutdown-timeout",
+        dest="shutdown_timeout",
+        type=int,
+        default=15,
+        help="after a rank fails, seconds the others get to exit on SIGTERM before SIGKILL",
+    )
+    p.add_argument(
+        "--rdzv_timeout",
+        "--rdzv-timeout",
+        dest="rdzv_timeout",
+        type=int,
+        default=900,
+        help="seconds to wait for all nodes to join",
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="show the elastic agent's own log messages"
+    )
+    p.add_argument("script", help="the training script (or, with -m, the module) to run")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def plan_from_args(argv: list[str]) -> LaunchPlan:
+    """Parse and check the flags; raises ConfigError (bad values) or LaunchError (no program)."""
+    args = build_parser().parse_args(argv)
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else _default_nproc()
+    if nproc < 1:
+        raise ConfigError(
+            f"--nproc_per_node must be at least 1, got {nproc}",
+            fix="give the number of processes to start on this node, e.g. --nproc_per_node 2",
+        )
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes must be at least 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(
+            f"--node_rank {args.node_rank} is not in 0 .. {args.nnodes - 1} "
+            f"(--nnodes {args.nnodes})",
+            fix="number the nodes 0 .. nnodes-1; node 0 hosts the rendezvous",
+        )
+    if args.master_port is None:
+        # One node: a free port, so jobs (and tests) started side by side do not collide. Many
+        # nodes must agree on the port without talking, hence the well-known default.
+        port = _free_port() if args.nnodes == 1 else DEFAULT_MASTER_PORT
+    else:
+        port = args.master_port
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--master_port must be in 1 .. 65535, got {port}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    if args.shutdown_timeout < 0 or args.rdzv_timeout < 1:
+        raise ConfigError("--shutdown_timeout must be >= 0 and --rdzv_timeout >= 1 seconds")
+    if (
+        args.log_dir is not None
+        and os.path.exists(args.log_dir)
+        and not os.path.isdir(args.log_dir)
+    ):
+        raise ConfigError(f"--log_dir {args.log_dir} exists and is not a directory")
+    _check_program(args.script, args.module)
+    omp = None
+    if "OMP_NUM_THREADS" not in os.environ:
+        omp = max(1, _cores() // nproc)
+    return LaunchPlan(
+        nproc_per_node=nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=port,
+        entrypoint=sys.executable,
+        worker_args=worker_args(args.script, args.script_args, args.module, args.no_local_rank),
+        log_dir=args.log_dir,
+        max_restarts=args.max_restarts,
+        shutdown_timeout=args.shutdown_timeout,
+        rdzv_timeout=args.rdzv_timeout,
+        omp_num_threads=omp,
+        verbose=args.verbose,
+    )
+
+
+def worker_args(
+    script: str, script_args: list[str], module: bool, no_local_rank: bool
+) -> list[str]:
+    """The interpreter arguments of every worker, with ``${local_rank}`` for the agent to fill.
+
+    ``--local_rank=N`` goes right after the script, before its own arguments (the convention of
+    DeepSpeed's launcher and torch.distributed.launch), so a script whose parser collects trailing
+    arguments still sees it as a flag. zerotron's own CLI never gets it: it reads LOCAL_RANK.
+    """
+    from torch.distributed.elastic.utils import macros
+
+    head = ["-u", "-m", script] if module else ["-u", script]  # -u: lines reach us as written
+    pass_local_rank = not no_local_rank and not (module and script in ZEROTRON_CLI_MODULES)
+    local_rank = [f"--local_rank={macros.local_rank}"] if pass_local_rank else []
+    return head + local_rank + list(script_args)
+
+
+def _check_program(script: str, module: bool) -> None:
+    if module:
+        # Only the top-level package is looked up: finding a submodule would import its parents
+        # here, in the launcher. Workers run with the current directory on sys.path (python -m).
+        top = script.split(".")[0]
+        if not top or (importlib.util.find_spec(top) is None and not _in_cwd(top)):
+            raise LaunchError(
+                f"no module named {top!r}",
+                where="zerotron launch -m",
+                fix="check the module name, the current directory and the environment",
+            )
+    elif not os.path.isfile(script):
+        raise LaunchError(
+            f"training script {script!r} not found",
+            where="zerotron launch",
+            fix="give the path of a Python script, or -m MODULE to run a module",
+        )
+
+
+def _in_cwd(top: str) -> bool:
+    return os.path.isdir(top) or os.path.isfile(f"{top}.py")
+
+
+def _default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def run(plan: LaunchPlan) -> int:
+    """Start this node's workers, wait for them, and return the job's exit code."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    from zerotron.launcher.failures import Watchdog, summarize_failures
+    from zerotron.launcher.output import RankStreams
+
+    rdzv = rdzv_registry.get_rendezvous_handler(
+        RendezvousParameters(
+            backend="static",
+            endpoint=f"{plan.master_addr}:{plan.master_port}",
+            run_id=RUN_ID,
+            min_nodes=plan.nnodes,
+            max_nodes=plan.nnodes,
+            rank=plan.node_rank,
+            timeout=plan.rdzv_timeout,
+        )
+    )
+    spec = WorkerSpec(
+        role="worker",
+        local_world_size=plan.nproc_per_node,
+        rdzv_handler=rdzv,
+        entrypoint=plan.entrypoint,
+        args=tuple(plan.worker_args),
+        max_restarts=plan.max_restarts,
+        monitor_interval=0.1,
+        master_addr=plan.master_addr,
+        master_port=plan.master_port,
+    )
+    streams = RankStreams(log_dir=plan.log_dir)
+    agent = LocalElasticAgent(spec, logs_specs=streams, shutdown_timeout=plan.shutdown_timeout)
+    _say(_banner(plan))
+    where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}:{plan.master_port}"
+    with _launcher_state(plan), streams, Watchdog(agent, plan.shutdown_timeout) as watchdog:
+        try:
+            result = agent.run()
+        except SignalException as e:
+            _say(f"stopped by {signal.Signals(e.sigval).name}; all local ranks were shut down")
+            return 128 + int(e.sigval)
+        except RendezvousError as e:
+            raise LaunchError(
+                f"the nodes did not meet: {e}",
+                where=where,
+                fix="start every node with the same --nnodes, --master_addr and --master_port",
+            ) from e
+        except DistError as e:
+            raise LaunchError(
+                f"could not open the rendezvous: {_first_line(e)}",
+                where=where,
+                fix="on node 0 pick a free --master_port; on the others check that node 0 is "
+                "up and --master_addr/--master_port reach it",
+            ) from e
+    if result is None or not result.is_failed():  # None: the rendezvous closed gracefully
+        return 0
+    code, report = summarize_failures(result.failures, watchdog.exit_times, streams)
+    _say(report)
+    return code
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _banner(plan: LaunchPlan) -> str:
+    first = plan.node_rank * plan.nproc_per_node
+    ranks = (
+        f"rank {first}"
+        if plan.nproc_per_node == 1
+        else (f"ranks {first}-{first + plan.nproc_per_node - 1}")
+    )
+    omp = os.environ["OMP_NUM_THREADS"] if plan.omp_num_threads is None else plan.omp_num_threads
+    return (
+        f"node {plan.node_rank} of {plan.nnodes}: {ranks} of {plan.world_size}, "
+        f"rendezvous at {plan.master_addr}:{plan.master_port}, OMP_NUM_THREADS={omp}"
+    )
+
+
+def _say(text: str) -> None:
+    print(
+        "\n".join(f"zerotron launch: {line}" for line in text.splitlines()),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+@contextlib.contextmanager
+def _launcher_state(plan: LaunchPlan) -> Iterator[None]:
+    """Set what the agent reads from the launcher's process, and put it back afterwards.
+
+    The agent passes OMP_NUM_THREADS on from os.environ and installs its own signal handlers;
+    restoring both keeps ``run`` safe to call from a longer-lived Python program (the tuner).
+    """
+    saved_env = os.environ.get("OMP_NUM_THREADS")
+    if plan.omp_num_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(plan.omp_num_threads)
+    saved_handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in _HANDLED_SIGNALS:
+            if hasattr(signal, name):
+                saved_handlers[name] = signal.getsignal(getattr(signal, name))
+    elastic_log = logging.getLogger("torch.distributed.elastic")
+    saved_log = (elastic_log.propagate, list(elastic_log.handlers))
+    if not plan.verbose:
+        # The agent logs each step of a shutdown as a warning; the launcher's summary says it once.
+        elastic_log.propagate = False
+        elastic_log.handlers = [logging.NullHandler()]
+    try:
+        yield
+    finally:
+        elastic_log.propagate, elastic_log.handlers = saved_log
+        for name, handler in saved_handlers.items():
+            signal.signal(getattr(signal, name), handler)
+        if saved_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_env
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``zerotron launch [flags] script.py|-m module [args...]``; returns the job's exit code."""
+    plan = plan_from_args(list(sys.argv[1:] if argv is None else argv))
+    return run(plan)
+
+
+if __name__ == "__main__":
+    from zerotron import cli
+
+    # Go through the CLI for its error messages, even before cli.py lists this command.
+    cli.COMMANDS.setdefault("launch", ("zerotron.launcher.launch", "start a multi-process job"))
+    sys.exit(cli.main(["launch", *sys.argv[1:]]))

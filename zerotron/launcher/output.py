@@ -1,0 +1,206 @@
+"""Each worker's output, live on the console with its rank in front, and in one log file per rank.
+
+The elastic agent can only send a worker's stdout and stderr to named paths (torchrun's "tee"
+writes two files per rank and polls them every 0.1 s). We hand it named pipes instead: one for
+stdout and one for stderr per rank, read by one thread that
+
+- prints every line to the launcher's stdout or stderr as ``[rank3]: <line>``,
+- appends the raw line to ``<log_dir>/rank3.log`` (stdout and stderr interleaved as they came),
+- keeps the last lines of each rank's stderr, so the launcher can show a failed rank's traceback.
+
+Nothing is polled: lines appear as soon as the worker writes them (workers run ``python -u``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import selectors
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import BinaryIO, TextIO
+
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+TAIL_LINES = 200  # stderr lines kept per rank for the failure summary
+_READ_SIZE = 1 << 16
+
+
+@dataclass
+class _Stream:
+    """One pipe: a rank's stdout or stderr, with the bytes of its unfinished last line."""
+
+    rank: int
+    fd: int
+    console: TextIO
+    is_stderr: bool
+    partial: bytes = b""
+    log: BinaryIO | None = None  # the rank's log file, shared by its two streams
+
+
+class RankStreams(LogsSpecs):
+    """LogsSpecs for the elastic agent: per-rank pipes, rank-prefixed console, per-rank logs.
+
+    Use as a context manager around ``agent.run()``; leaving it drains what the workers wrote last
+    and closes everything. ``tail(rank)`` returns that rank's last stderr lines.
+    """
+
+    def __init__(
+        self, log_dir: str | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None
+    ):
+        super().__init__(log_dir=log_dir)
+        if log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+        self._log_dir = log_dir
+        self._stdout = stdout or sys.stdout
+        self._stderr = stderr or sys.stderr
+        self._tmp = tempfile.mkdtemp(prefix="zerotron-launch-")
+        self._selector = selectors.DefaultSelector()
+        self._pending: list[_Stream] = []  # registered by the pump thread, not by reify's caller
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tails: dict[int, collections.deque[tuple[float, str]]] = {}
+        self._logs: dict[int, BinaryIO] = {}
+        self._console_ok = True
+
+    # -- LogsSpecs -------------------------------------------------------------------------------
+
+    @property
+    def root_log_dir(self) -> str:
+        return self._log_dir or self._tmp
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Make the pipes of one attempt's workers (called by the agent before it starts them)."""
+        dest = LogsDest()
+        attempt = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
+        for local_rank, env in envs.items():
+            rank = int(env["RANK"])
+            paths = {}
+            for name in ("stdout", "stderr"):
+                path = os.path.join(self._tmp, f"a{attempt}.rank{rank}.{name}")
+                os.mkfifo(path, 0o600)
+                # Opening the read end first (non-blocking) lets the agent open the write end
+                # without blocking; the pump only sees end-of-file after a writer came and went.
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                self._add(rank, fd, is_stderr=name == "stderr", attempt=int(attempt))
+                paths[name] = path
+            dest.stdouts[local_rank] = paths["stdout"]
+            dest.stderrs[local_rank] = paths["stderr"]
+            error_file = os.path.join(self._tmp, f"a{attempt}.rank{rank}.error.json")
+            dest.error_files[local_rank] = error_file
+            env["TORCHELASTIC_ERROR_FILE"] = error_file  # written by @record-decorated workers
+        return dest
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> RankStreams:
+        self._thread = threading.Thread(
+            target=self._pump, name="zerotron-launch-output", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Copy what is left in the pipes (workers have exited by now), then release everything."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._register_pending()
+        for key in list(self._selector.get_map().values()):
+            self._drain(key.data)
+            self._finish(key.data)
+        self._selector.close()
+        for log in self._logs.values():
+            log.close()
+        self._logs.clear()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def tail(self, rank: int) -> list[tuple[float, str]]:
+        """A global rank's last stderr lines, as (time.monotonic() when read, text)."""
+        return list(self._tails.get(rank, ()))
+
+    def log_path(self, rank: int) -> str | None:
+        return os.path.join(self._log_dir, f"rank{rank}.log") if self._log_dir else None
+
+    # -- the pump --------------------------------------------------------------------------------
+
+    def _add(self, rank: int, fd: int, *, is_stderr: bool, attempt: int) -> None:
+        log = None
+        if self._log_dir is not None:
+            log = self._logs.get(rank)
+            if log is None:
+                # A restarted job keeps appending to the same file, under a marker line.
+                log = open(self.log_path(rank), "wb" if attempt == 0 else "ab")  # noqa: SIM115
+                self._logs[rank] = log
+                if attempt:
+                    log.write(f"--- zerotron launch: restart {attempt} ---\n".encode())
+        self._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
+        console = self._stderr if is_stderr else self._stdout
+        with self._lock:
+            self._pending.append(_Stream(rank, fd, console, is_stderr, log=log))
+
+    def _register_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for stream in pending:
+            self._selector.register(stream.fd, selectors.EVENT_READ, stream)
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            self._register_pending()
+            for key, _ in self._selector.select(timeout=0.02):
+                if self._read(key.data) is False:
+                    self._finish(key.data)
+
+    def _read(self, stream: _Stream) -> bool | None:
+        """Copy one chunk: True if there was data, None if the pipe is empty, False at its end."""
+        try:
+            chunk = os.read(stream.fd, _READ_SIZE)
+        except BlockingIOError:
+            return None
+        if not chunk:
+            return False
+        *lines, stream.partial = (stream.partial + chunk).split(b"\n")
+        self._emit(stream, lines)
+        return True
+
+    def _drain(self, stream: _Stream) -> None:
+        while self._read(stream):
+            pass
+
+    def _finish(self, stream: _Stream) -> None:
+        if stream.partial:
+            self._emit(stream, [stream.partial])
+            stream.partial = b""
+        self._selector.unregister(stream.fd)
+        os.close(stream.fd)
+
+    def _emit(self, stream: _Stream, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        if stream.log is not None:
+            stream.log.write(b"".join(line + b"\n" for line in lines))
+            stream.log.flush()
+        text = [line.decode("utf-8", errors="replace").rstrip("\r") for line in lines]
+        # torch.distributed prints uncaught exceptions with this same prefix: do not double it.
+        prefix = f"[rank{stream.rank}]: "
+        if stream.is_stderr:
+            now = time.monotonic()
+            self._tails[stream.rank].extend((now, t.removeprefix(prefix)) for t in text)
+        if self._console_ok:
+            try:
+                stream.console.write(
+                    "".join(t + "\n" if t.startswith(prefix) else f"{prefix}{t}\n" for t in text)
+                )
+                stream.console.flush()
+            except (BrokenPipeError, ValueError):  # console gone: keep the logs going
+                self._console_ok = False
