@@ -142,7 +142,12 @@ def test_rank_raising_at_step_2_takes_the_job_down_and_is_named(tmp_path):
         for line in r.stderr.splitlines()
         if line.startswith("zerotron launch: ")
     ]
-    assert summary[1] == "rank 1 failed first: exit code 1"
+    # rank 1 may still be exiting when the launcher stops it: it still raised, exit code 1
+    assert re.fullmatch(
+        r"rank 1 failed first: (exit code 1|raised an exception, then was killed by signal 15 "
+        r"\(SIGTERM\) while exiting)",
+        summary[1],
+    )
     assert summary[2] == "rank 1's traceback:"
     assert summary[3] == "  Traceback (most recent call last):"
     assert summary[-3] == "  RuntimeError: rank 1 gives up at step 2"
@@ -166,6 +171,22 @@ def test_rank_dying_with_exit_3_is_named_and_sigterm_ignorers_are_killed():
     assert "zerotron launch: then: rank 0 killed by signal 9 (SIGKILL)\n" in r.stderr
     pids = [int(p) for p in re.findall(r"pid rank=\d pid=(\d+)", r.stdout)]
     assert len(pids) == 2 and all(_gone(p) for p in pids)
+
+
+def test_max_restarts_starts_the_workers_again_on_a_fresh_store(tmp_path):
+    # The first attempt fails at step 2; the restarted workers must rendezvous anew (a reused
+    # store hands them the dead attempt's addresses) and finish all 5 steps.
+    r, _ = _launch(
+        ["--nproc_per_node", "2", "--max_restarts", "1", "--log_dir", str(tmp_path)]
+        + [FAIL_AT_STEP, "--fail-attempts", "1"]
+    )
+    assert r.returncode == 0, r.stderr
+    assert "zerotron launch: a rank failed; restart 1\n" in r.stderr
+    log = (tmp_path / "rank1.log").read_text().splitlines()
+    marker = log.index("--- zerotron launch: restart 1 ---")
+    assert log[marker - 1] == "[rank1]: RuntimeError: rank 1 gives up at step 2"
+    assert log[marker + 2 :] == [f"step {i} done" for i in range(5)]
+    assert r.stdout.count("[rank0]: step 4 done") == 1
 
 
 def test_two_nodes_on_localhost_make_one_job_of_four_ranks():
@@ -275,13 +296,16 @@ def test_rank_streams_prefix_lines_once_and_keep_stderr_tail(tmp_path):
 
 
 class _Tails:
-    """Stands in for RankStreams: stderr lines per rank, each with the time it arrived."""
+    """Stands in for RankStreams: stderr lines per rank with arrival times, last output times."""
 
-    def __init__(self, tails: dict[int, list[tuple[float, str]]]):
-        self.tails = tails
+    def __init__(self, tails: dict[int, list[tuple[float, str]]], last: dict[int, float]):
+        self.tails, self.last = tails, last
 
     def tail(self, rank):
         return self.tails.get(rank, [])
+
+    def last_output(self, rank):
+        return self.last.get(rank, float("-inf"))
 
     def log_path(self, rank):
         return None
@@ -295,30 +319,39 @@ def _traceback(t: float, error: str) -> list[tuple[float, str]]:
     return [(t, "Traceback (most recent call last):"), (t, '  File "x"'), (t, error)]
 
 
-def test_summary_names_the_rank_that_failed_first_not_the_lowest():
-    # Rank 2's traceback came first, though its process ended last (slow teardown); rank 0 failed
-    # on the broken connection; rank 1 was stopped by the launcher.
-    failures = {0: _failure(0, 100, 1), 1: _failure(1, 101, -15), 2: _failure(2, 102, 7)}
-    exit_times = {100: 2.0, 101: 2.5, 102: 3.0}
+def test_summary_names_the_rank_that_failed_first_not_the_lowest_or_first_to_exit():
+    # Rank 2 raised first (t=4.0) but was still tearing down when rank 0 failed on the broken
+    # connection (t=4.5) and the launcher stopped it; rank 1 had handled an exception long
+    # before and kept printing (until 3.9), then was stopped too.
+    failures = {0: _failure(0, 100, 1), 1: _failure(1, 101, -15), 2: _failure(2, 102, -15)}
+    exit_times = {100: 4.6, 101: 4.7, 102: 4.8}
     tails = {
-        0: _traceback(1.5, "RuntimeError: Connection closed by peer"),
-        2: [(0.5, "noise")] + _traceback(1.0, "ValueError: v"),
+        0: _traceback(4.5, "RuntimeError: Connection closed by peer"),
+        1: _traceback(0.2, "KeyError: handled"),
+        2: [(0.5, "noise")] + _traceback(4.0, "ValueError: v"),
     }
-    code, text = summarize_failures(failures, exit_times, _Tails(tails))
-    assert code == 7
+    last = {0: 4.5, 1: 3.9, 2: 4.0}
+    code, text = summarize_failures(failures, exit_times, _Tails(tails, last))
+    assert code == 1
     assert text.splitlines() == [
-        "rank 2 failed first: exit code 7",
+        "rank 2 failed first: raised an exception, then was killed by signal 15 (SIGTERM) "
+        "while exiting",
         "rank 2's traceback:",
         "  Traceback (most recent call last):",
         '    File "x"',
         "  ValueError: v",
         "then: rank 0 exit code 1, rank 1 killed by signal 15 (SIGTERM)",
     ]
+    # Without rank 2, the handled exception of rank 1 does not count: rank 0 failed first.
+    del failures[2]
+    code, text = summarize_failures(failures, exit_times, _Tails(tails, last))
+    assert (code, text.splitlines()[0]) == (1, "rank 0 failed first: exit code 1")
     # A rank that died without a word (exit time 1.2) is first if its peers' tracebacks came
-    # later; a signal N gives the shell's exit code 128 + N.
+    # later; a signal N gives the shell's exit code 128 + N; an exit code is passed on as is.
     failures = {0: _failure(0, 100, 1), 3: _failure(3, 5, -9)}
     tails = {0: _traceback(1.3, "RuntimeError: Connection reset"), 3: [(0.1, "a"), (0.2, "b")]}
-    code, text = summarize_failures(failures, {5: 1.2, 100: 1.4}, _Tails(tails))
+    last = {0: 1.3, 3: 0.2}
+    code, text = summarize_failures(failures, {5: 1.2, 100: 1.4}, _Tails(tails, last))
     assert code == 137
     assert text.splitlines() == [
         "rank 3 failed first: killed by signal 9 (SIGKILL)",
@@ -327,6 +360,8 @@ def test_summary_names_the_rank_that_failed_first_not_the_lowest():
         "  b",
         "then: rank 0 exit code 1",
     ]
+    code, _ = summarize_failures({0: _failure(0, 100, 2)}, {}, _Tails({}, {}))
+    assert code == 2
 
 
 def test_traceback_start_keeps_chained_exceptions_and_drops_older_ones():

@@ -3,6 +3,7 @@
 --mode raise: the failing rank raises (Python exits with 1) and its peers are blocked in a gloo
 all-reduce that it never joins. --mode exit3: the failing rank dies with os._exit(3) and its
 peers sleep with SIGTERM ignored, so only the launcher's SIGKILL can end them.
+--fail-attempts N: fail only in the first N attempts (TORCHELASTIC_RESTART_COUNT < N).
 """
 
 import argparse
@@ -18,6 +19,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=None)
 parser.add_argument("--mode", choices=["raise", "exit3"], default="raise")
 parser.add_argument("--fail-rank", type=int, default=1)
+parser.add_argument("--fail-attempts", type=int, default=1 << 30)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -27,12 +29,13 @@ rank = dist.get_rank()
 print(f"pid rank={rank} pid={os.getpid()}", flush=True)
 if args.mode == "exit3" and rank != args.fail_rank:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+fails = int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < args.fail_attempts
 for step in range(5):
-    if step == 2 and rank == args.fail_rank:
+    if step == 2 and rank == args.fail_rank and fails:
         if args.mode == "exit3":
             os._exit(3)
         raise RuntimeError(f"rank {rank} gives up at step {step}")
-    if step == 2 and args.mode == "exit3":
+    if step == 2 and args.mode == "exit3" and fails:
         time.sleep(600)
     x = torch.ones(4)
     dist.all_reduce(x)

@@ -7,11 +7,13 @@ traceback and exits with its exit code. The agent cannot tell: it looks at its w
 
 A rank's failure moment is taken as
 
-- the moment its final traceback reached the launcher, if it exited on its own with an error
-  (its exception happened then; tearing the process down can take much longer, and meanwhile its
-  peers see the closed connections and exit first), else
-- the moment its process ended (``os._exit``, a crash, the OOM killer: nothing was printed),
-  seen by :class:`Watchdog` within microseconds.
+- the moment its last words reached the launcher: a traceback after which the rank printed
+  nothing more than ``LAST_WORDS_S`` seconds later. The exception happened then; tearing the
+  process down can take much longer (meanwhile its peers see the closed connections and exit
+  first, and the launcher may even stop it). A traceback followed by more output later was
+  handled, and is not the reason the rank ended.
+- otherwise the moment its process ended (``os._exit``, a crash, the OOM killer: nothing was
+  printed), seen by :class:`Watchdog` within microseconds.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
     from zerotron.launcher.output import RankStreams
 
+LAST_WORDS_S = 2.0  # output allowed after a fatal traceback (teardown messages)
 _TRACEBACK = "Traceback (most recent call last):"
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
@@ -108,19 +111,27 @@ def summarize_failures(
     """Name the rank that failed first and show what it printed; return (exit code, text).
 
     ``failures`` maps global rank -> the agent's ProcessFailure; ``exit_times`` maps pid -> when
-    it ended (:class:`Watchdog`); ``streams`` has each rank's last stderr lines with arrival times.
+    it ended (:class:`Watchdog`); ``streams`` has each rank's last stderr lines with arrival times
+    and the time of its last output line.
+
+    The exit code is the first rank's, a signal N counting as 128 + N, except when the rank's
+    last words were a traceback and a signal ended it while it was exiting (the launcher stopping
+    it, or an abort in a library's teardown): that rank failed by raising, which is exit code 1.
     """
     inf = float("inf")
 
-    def moment(rank: int, f: ProcessFailure) -> tuple[float, float, bool, int]:
-        ended = exit_times.get(f.pid, inf)
-        lines = streams.tail(rank)
-        start = traceback_start([text for _, text in lines])
-        said = lines[start][0] if start is not None and not _stopped_by_us(f) else inf
-        return (min(said, ended), f.timestamp, _stopped_by_us(f), rank)
+    def order(item: tuple[int, ProcessFailure]) -> tuple[float, float, bool, int]:
+        rank, f = item
+        said = _last_words_at(rank, streams)
+        return (min(said, exit_times.get(f.pid, inf)), f.timestamp, _stopped_by_us(f), rank)
 
-    (rank, first), *others = sorted(failures.items(), key=lambda item: moment(*item))
-    lines = [f"rank {rank} failed first: {_how(first.exitcode)}"]
+    (rank, first), *others = sorted(failures.items(), key=order)
+    raised = _last_words_at(rank, streams) < inf
+    code = _exit_code(first.exitcode)
+    how = _how(first.exitcode)
+    if raised and first.exitcode < 0:
+        code, how = 1, f"raised an exception, then was {how} while exiting"
+    lines = [f"rank {rank} failed first: {how}"]
     tail = [text for _, text in streams.tail(rank)]
     start = traceback_start(tail)
     if start is not None:
@@ -139,7 +150,16 @@ def summarize_failures(
     log = streams.log_path(rank)
     if log:
         lines.append(f"rank {rank}'s full output: {log}")
-    return _exit_code(first.exitcode), "\n".join(lines)
+    return code, "\n".join(lines)
+
+
+def _last_words_at(rank: int, streams: RankStreams) -> float:
+    """When the rank's final traceback arrived, if nothing came later (see above); else inf."""
+    lines = streams.tail(rank)
+    start = traceback_start([text for _, text in lines])
+    if start is None or streams.last_output(rank) - lines[start][0] > LAST_WORDS_S:
+        return float("inf")
+    return lines[start][0]
 
 
 def traceback_start(lines: list[str]) -> int | None:

@@ -29,6 +29,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 from zerotron.config.args import ArgumentParser
 from zerotron.errors import ConfigError, LaunchError
@@ -50,6 +51,7 @@ class LaunchPlan:
     node_rank: int
     master_addr: str
     master_port: int
+    port_given: bool  # False: the launcher picked master_port (one node only)
     entrypoint: str  # the program each worker runs (the Python interpreter)
     worker_args: list[str]  # its arguments; ``${local_rank}`` is filled in per worker
     log_dir: str | None
@@ -211,6 +213,7 @@ def plan_from_args(argv: list[str]) -> LaunchPlan:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=port,
+        port_given=args.master_port is not None,
         entrypoint=sys.executable,
         worker_args=worker_args(args.script, args.script_args, args.module, args.no_local_rank),
         log_dir=args.log_dir,
@@ -287,23 +290,18 @@ def run(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     from zerotron.launcher.failures import Watchdog, summarize_failures
     from zerotron.launcher.output import RankStreams
+    from zerotron.launcher.rendezvous import StaticRendezvous
 
-    rdzv = rdzv_registry.get_rendezvous_handler(
-        RendezvousParameters(
-            backend="static",
-            endpoint=f"{plan.master_addr}:{plan.master_port}",
-            run_id=RUN_ID,
-            min_nodes=plan.nnodes,
-            max_nodes=plan.nnodes,
-            rank=plan.node_rank,
-            timeout=plan.rdzv_timeout,
-        )
+    rdzv = StaticRendezvous(
+        plan.master_addr,
+        partial(_port_of_attempt, plan),
+        node_rank=plan.node_rank,
+        nnodes=plan.nnodes,
+        run_id=RUN_ID,
+        timeout_s=plan.rdzv_timeout,
     )
     spec = WorkerSpec(
         role="worker",
@@ -312,26 +310,18 @@ def run(plan: LaunchPlan) -> int:
         entrypoint=plan.entrypoint,
         args=tuple(plan.worker_args),
         max_restarts=plan.max_restarts,
-        monitor_interval=0.1,
-        master_addr=plan.master_addr,
-        master_port=plan.master_port,
+        monitor_interval=0.1,  # master_addr/port: the rendezvous gives them, per attempt
     )
     streams = RankStreams(log_dir=plan.log_dir)
     agent = LocalElasticAgent(spec, logs_specs=streams, shutdown_timeout=plan.shutdown_timeout)
     _say(_banner(plan))
-    where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}:{plan.master_port}"
+    where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}"
     with _launcher_state(plan), streams, Watchdog(agent, plan.shutdown_timeout) as watchdog:
         try:
             result = agent.run()
         except SignalException as e:
             _say(f"stopped by {signal.Signals(e.sigval).name}; all local ranks were shut down")
             return 128 + int(e.sigval)
-        except RendezvousError as e:
-            raise LaunchError(
-                f"the nodes did not meet: {e}",
-                where=where,
-                fix="start every node with the same --nnodes, --master_addr and --master_port",
-            ) from e
         except DistError as e:
             raise LaunchError(
                 f"could not open the rendezvous: {_first_line(e)}",
@@ -344,6 +334,15 @@ def run(plan: LaunchPlan) -> int:
     code, report = summarize_failures(result.failures, watchdog.exit_times, streams)
     _say(report)
     return code
+
+
+def _port_of_attempt(plan: LaunchPlan, attempt: int) -> int:
+    """The rendezvous port of attempt 0, 1, ...: every node computes the same one on its own."""
+    if attempt == 0:
+        return plan.master_port
+    if plan.nnodes == 1 and not plan.port_given:
+        return _free_port()
+    return (plan.master_port + attempt - 1) % 65535 + 1  # 1 .. 65535
 
 
 def _first_line(e: BaseException) -> str:

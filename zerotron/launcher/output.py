@@ -35,6 +35,7 @@ class _Stream:
     """One pipe: a rank's stdout or stderr, with the bytes of its unfinished last line."""
 
     rank: int
+    attempt: int  # TORCHELASTIC_RESTART_COUNT of the worker writing into it
     fd: int
     console: TextIO
     is_stderr: bool
@@ -67,6 +68,8 @@ class RankStreams(LogsSpecs):
         self._tails: dict[int, collections.deque[tuple[float, str]]] = {}
         self._logs: dict[int, BinaryIO] = {}
         self._console_ok = True
+        self._announced = 0  # the last restart said on the console
+        self._last_output: dict[int, float] = {}
 
     # -- LogsSpecs -------------------------------------------------------------------------------
 
@@ -128,6 +131,10 @@ class RankStreams(LogsSpecs):
         """A global rank's last stderr lines, as (time.monotonic() when read, text)."""
         return list(self._tails.get(rank, ()))
 
+    def last_output(self, rank: int) -> float:
+        """time.monotonic() when the rank's latest line (stdout or stderr) arrived; -inf: none."""
+        return self._last_output.get(rank, float("-inf"))
+
     def log_path(self, rank: int) -> str | None:
         return os.path.join(self._log_dir, f"rank{rank}.log") if self._log_dir else None
 
@@ -138,21 +145,37 @@ class RankStreams(LogsSpecs):
         if self._log_dir is not None:
             log = self._logs.get(rank)
             if log is None:
-                # A restarted job keeps appending to the same file, under a marker line.
                 log = open(self.log_path(rank), "wb" if attempt == 0 else "ab")  # noqa: SIM115
                 self._logs[rank] = log
-                if attempt:
-                    log.write(f"--- zerotron launch: restart {attempt} ---\n".encode())
-        self._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
         console = self._stderr if is_stderr else self._stdout
         with self._lock:
-            self._pending.append(_Stream(rank, fd, console, is_stderr, log=log))
+            self._pending.append(_Stream(rank, attempt, fd, console, is_stderr, log=log))
 
     def _register_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
         for stream in pending:
+            if not stream.is_stderr:  # once per rank and attempt
+                self._start_attempt(stream)
             self._selector.register(stream.fd, selectors.EVENT_READ, stream)
+
+    def _start_attempt(self, stream: _Stream) -> None:
+        """A (re)started worker: finish its predecessor's output, then mark the restart."""
+        for key in list(self._selector.get_map().values()):
+            old = key.data
+            if old.rank == stream.rank and old.attempt < stream.attempt:
+                self._drain(old)  # the old worker is gone: its pipe holds all it wrote
+                self._finish(old)
+        self._tails[stream.rank] = collections.deque(maxlen=TAIL_LINES)
+        self._last_output.pop(stream.rank, None)
+        if not stream.attempt:
+            return
+        marker = f"--- zerotron launch: restart {stream.attempt} ---"
+        if stream.log is not None:
+            stream.log.write(f"{marker}\n".encode())
+        if stream.attempt > self._announced:
+            self._announced = stream.attempt
+            self._write(self._stderr, f"zerotron launch: a rank failed; restart {stream.attempt}\n")
 
     def _pump(self) -> None:
         while not self._stop.is_set():
@@ -193,14 +216,19 @@ class RankStreams(LogsSpecs):
         text = [line.decode("utf-8", errors="replace").rstrip("\r") for line in lines]
         # torch.distributed prints uncaught exceptions with this same prefix: do not double it.
         prefix = f"[rank{stream.rank}]: "
+        now = self._last_output[stream.rank] = time.monotonic()
         if stream.is_stderr:
-            now = time.monotonic()
             self._tails[stream.rank].extend((now, t.removeprefix(prefix)) for t in text)
-        if self._console_ok:
-            try:
-                stream.console.write(
-                    "".join(t + "\n" if t.startswith(prefix) else f"{prefix}{t}\n" for t in text)
-                )
-                stream.console.flush()
-            except (BrokenPipeError, ValueError):  # console gone: keep the logs going
-                self._console_ok = False
+        self._write(
+            stream.console,
+            "".join(t + "\n" if t.startswith(prefix) else f"{prefix}{t}\n" for t in text),
+        )
+
+    def _write(self, console: TextIO, text: str) -> None:
+        if not self._console_ok:
+            return
+        try:
+            console.write(text)
+            console.flush()
+        except (BrokenPipeError, ValueError):  # the console is gone: keep the logs going
+            self._console_ok = False
