@@ -27,10 +27,24 @@ Vocabulary padding: the embedding has ``vocab_size`` rows, padded for efficient 
 ``-inf``, so neither training nor sampling ever sees them.
 
 Tensors are batch-first: tokens ``[b, s]``, hidden states ``[b, s, h]``.
+
+Tensor parallelism (the TP group of ``zerotron.distributed.state()`` when the model is built):
+each TP rank holds ``num_attention_heads / tp`` whole heads (a column split of
+``query_key_value``), the MLP is split column then row, the word embedding and the tied output
+layer by vocabulary rows, and the loss is the vocab-parallel cross entropy. Dropout inside a TP
+region (attention probabilities) draws from the model-parallel RNG stream
+(``get_rng_tracker().fork()``, set up by ``model_parallel_seed``); dropout on the replicated
+residual stream draws from the default stream, identical on all TP ranks. With
+``sequence_parallel`` the residual stream, LayerNorms and their dropout run on sequence shards
+``[b, s/tp, h]`` (forked stream); the LayerNorms, row-parallel biases and position embeddings are
+marked ``sequence_parallel`` and their gradients must be summed across TP with
+``zerotron.parallel.tensor.allreduce_sequence_parallel_grads(model)`` once per step.
+At TP=1 none of this runs: the model is the plain single-process one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -40,12 +54,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zerotron.errors import ConfigError
+from zerotron.distributed.comm import Group
+from zerotron.distributed.rng import get_rng_tracker
+from zerotron.distributed.state import state
+from zerotron.errors import ConfigError, UnsupportedError
 from zerotron.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
     init_method_normal,
+    mark_sequence_parallel,
     scaled_init_method_normal,
     vocab_parallel_cross_entropy,
 )
@@ -78,6 +99,8 @@ class GPTConfig:
     recompute_method: str | None = None  # -> "uniform" with full granularity
     recompute_num_layers: int | None = None  # -> 1 (uniform) / num_layers (block)
     bias: bool = True
+    # Megatron's --sequence-parallel: only takes effect with a tensor-parallel size > 1.
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -212,7 +235,7 @@ class KVCache:
         return cls(
             cfg.num_layers,
             batch_size,
-            cfg.num_attention_heads,
+            cfg.num_attention_heads // model.tp_group.size,  # this TP rank's heads
             cfg.kv_channels,
             max_length or cfg.max_position_embeddings,
             dtype=p.dtype,
@@ -232,20 +255,25 @@ class KVCache:
 class SelfAttention(nn.Module):
     """Multi-head causal self-attention: fused QKV projection, SDPA core, output projection."""
 
-    def __init__(self, config: GPTConfig, layer_index: int):
+    def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_attention_heads  # per TP partition once TP > 1
+        self.tp_group = tp_group
+        # Whole heads per TP rank: qkv rows are [heads, (q, k, v), head_dim].
+        self.num_heads = _divide_heads(config.num_attention_heads, tp_group.size)
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
         self.recompute_core = config.recompute_granularity == "selective"
         h = config.hidden_size
+        sp = _sequence_parallel(config, tp_group)
         self.query_key_value = ColumnParallelLinear(
             h,
             3 * h,
             bias=config.bias,
             gather_output=False,
             init_method=init_method_normal(config.init_method_std),
+            sequence_parallel=sp,
+            tp_group=tp_group,
         )
         self.dense = RowParallelLinear(
             h,
@@ -253,6 +281,8 @@ class SelfAttention(nn.Module):
             bias=config.bias,
             input_is_parallel=True,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            sequence_parallel=sp,
+            tp_group=tp_group,
         )
 
     def forward(
@@ -262,21 +292,54 @@ class SelfAttention(nn.Module):
         is_causal: bool = True,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.query_key_value(x).view(b, s, self.num_heads, 3, self.head_dim)
+        qkv = self.query_key_value(x)  # [b, s, 3 * h / tp]; s is the full sequence under SP
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, self.num_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, heads, s, head_dim], views
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_index, k, v)
         dropout_p = self.attention_dropout if self.training else 0.0
-        if self.recompute_core and torch.is_grad_enabled():
-            # Selective recompute: keep only q, k, v; redo softmax(QK^T)V in backward.
-            # Non-reentrant checkpoint restores the RNG state, so dropout masks repeat exactly.
-            context = checkpoint(
-                _core_attention, q, k, v, attention_mask, is_causal, dropout_p, use_reentrant=False
-            )
-        else:
-            context = _core_attention(q, k, v, attention_mask, is_causal, dropout_p)
+        # Each TP rank holds other heads: their dropout draws from the model-parallel stream.
+        with _model_parallel_rng(self.tp_group, dropout_p > 0):
+            if self.recompute_core and torch.is_grad_enabled():
+                # Selective recompute: keep only q, k, v; redo softmax(QK^T)V in backward.
+                # Non-reentrant checkpoint stashes the RNG state in effect here (the forked
+                # stream under TP) and restores it on rerun: dropout masks repeat exactly.
+                context = checkpoint(
+                    _core_attention,
+                    q,
+                    k,
+                    v,
+                    attention_mask,
+                    is_causal,
+                    dropout_p,
+                    use_reentrant=False,
+                )
+            else:
+                context = _core_attention(q, k, v, attention_mask, is_causal, dropout_p)
         return self.dense(context.transpose(1, 2).reshape(b, s, -1))
+
+
+def _divide_heads(heads: int, tp: int) -> int:
+    if heads % tp:
+        raise UnsupportedError(
+            f"num_attention_heads {heads} is not divisible by the tensor-parallel size {tp}",
+            where="GPT",
+            fix="choose a tensor-parallel size that divides the number of heads",
+        )
+    return heads // tp
+
+
+def _sequence_parallel(config: GPTConfig, tp_group: Group) -> bool:
+    return config.sequence_parallel and tp_group.size > 1
+
+
+def _model_parallel_rng(tp_group: Group, draws: bool):
+    """``get_rng_tracker().fork()`` where TP ranks must draw differently, else nothing.
+
+    At TP=1 nothing is forked, so a single-process model draws exactly what it always did.
+    """
+    return get_rng_tracker().fork() if draws and tp_group.size > 1 else contextlib.nullcontext()
 
 
 def _core_attention(q, k, v, attention_mask, is_causal, dropout_p):
@@ -288,15 +351,18 @@ def _core_attention(q, k, v, attention_mask, is_causal, dropout_p):
 class MLP(nn.Module):
     """h -> ffn_hidden (GELU, tanh approximation) -> h."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group: Group):
         super().__init__()
         h, ffn = config.hidden_size, config.ffn_hidden_size
+        sp = _sequence_parallel(config, tp_group)
         self.dense_h_to_4h = ColumnParallelLinear(
             h,
             ffn,
             bias=config.bias,
             gather_output=False,
             init_method=init_method_normal(config.init_method_std),
+            sequence_parallel=sp,
+            tp_group=tp_group,
         )
         self.dense_4h_to_h = RowParallelLinear(
             ffn,
@@ -304,6 +370,8 @@ class MLP(nn.Module):
             bias=config.bias,
             input_is_parallel=True,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            sequence_parallel=sp,
+            tp_group=tp_group,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -313,14 +381,21 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-LN block: ``x + drop(attn(ln(x)))``, then ``x + drop(mlp(ln(x)))``."""
 
-    def __init__(self, config: GPTConfig, layer_index: int):
+    def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group):
         super().__init__()
         h, eps = config.hidden_size, config.layernorm_epsilon
         self.input_layernorm = nn.LayerNorm(h, eps=eps, bias=config.bias)
-        self.self_attention = SelfAttention(config, layer_index)
+        self.self_attention = SelfAttention(config, layer_index, tp_group)
         self.post_attention_layernorm = nn.LayerNorm(h, eps=eps, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp_group)
         self.hidden_dropout = config.hidden_dropout
+        self.tp_group = tp_group
+        # Under SP the residual stream is split along the sequence: LayerNorms see a shard and
+        # dropout must draw differently on each rank.
+        self.sequence_parallel = _sequence_parallel(config, tp_group)
+        if self.sequence_parallel:
+            mark_sequence_parallel(self.input_layernorm.parameters())
+            mark_sequence_parallel(self.post_attention_layernorm.parameters())
 
     def forward(
         self,
@@ -335,35 +410,73 @@ class TransformerLayer(nn.Module):
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
-            return F.dropout(x, self.hidden_dropout, training=True)
+            with _model_parallel_rng(self.tp_group, self.sequence_parallel):
+                return F.dropout(x, self.hidden_dropout, training=True)
         return x
 
 
 class Embedding(nn.Module):
     """Word embeddings (vocab-parallel, tied to the output layer) + learned positions + dropout."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group: Group):
         super().__init__()
         init = init_method_normal(config.init_method_std)
+        self.tp_group = tp_group
+        self.sequence_parallel = _sequence_parallel(config, tp_group)
+        # Under SP the word embeddings come out reduce-scattered: [b, s/tp, h].
         self.word_embeddings = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, init_method=init
+            config.vocab_size,
+            config.hidden_size,
+            init_method=init,
+            sequence_parallel=self.sequence_parallel,
+            tp_group=tp_group,
         )
         # Positions are replicated across TP ranks, not split.
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         init(self.position_embeddings.weight.data)
+        if self.sequence_parallel:  # each rank adds only its shard's positions
+            mark_sequence_parallel(self.position_embeddings.parameters())
         self.hidden_dropout = config.hidden_dropout
 
     def forward(
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None, offset: int = 0
     ) -> torch.Tensor:
         x = self.word_embeddings(tokens)
+        s = x.shape[1]  # this rank's sequence shard under SP
+        if self.sequence_parallel:
+            first = self.tp_group.rank * s
+            offset += first
+            if position_ids is not None:
+                position_ids = position_ids[:, first : first + s]
         if position_ids is None:  # positions offset..offset+s: a slice, no gather needed
-            x = x + self.position_embeddings.weight[offset : offset + tokens.shape[1]]
+            x = x + self.position_embeddings.weight[offset : offset + s]
         else:
             x = x + self.position_embeddings(position_ids)
         if self.training and self.hidden_dropout > 0:
-            x = F.dropout(x, self.hidden_dropout, training=True)
+            with _model_parallel_rng(self.tp_group, self.sequence_parallel):
+                x = F.dropout(x, self.hidden_dropout, training=True)
         return x
+
+
+def _checkpoint_with_tracker(fn, *args, use_reentrant: bool = False):
+    """``checkpoint`` that also restores the RNG tracker's streams when it reruns ``fn``."""
+    return checkpoint(fn, *args, use_reentrant=use_reentrant, context_fn=_tracker_contexts)
+
+
+def _tracker_contexts():
+    saved = get_rng_tracker().get_states()  # called as the checkpointed forward starts
+
+    @contextlib.contextmanager
+    def replay():
+        tracker = get_rng_tracker()
+        now = tracker.get_states()
+        tracker.set_states(saved)
+        try:
+            yield
+        finally:
+            tracker.set_states(now)
+
+    return contextlib.nullcontext(), replay()
 
 
 def _run_unit(layers, x, attention_mask, is_causal):
@@ -375,14 +488,20 @@ def _run_unit(layers, x, attention_mask, is_causal):
 class GPT(nn.Module):
     """GPT-2 language model. See the module docstring for structure and parameter names."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group: Group | None = None):
         super().__init__()
         self.config = config
-        self.embedding = Embedding(config)
-        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
+        self.tp_group = state().tp if tp_group is None else tp_group
+        self.sequence_parallel = _sequence_parallel(config, self.tp_group)
+        self.embedding = Embedding(config, self.tp_group)
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, i, self.tp_group) for i in range(config.num_layers)
+        )
         self.final_layernorm = nn.LayerNorm(
             config.hidden_size, eps=config.layernorm_epsilon, bias=config.bias
         )
+        if self.sequence_parallel:
+            mark_sequence_parallel(self.final_layernorm.parameters())
 
     def forward(
         self,
@@ -410,6 +529,14 @@ class GPT(nn.Module):
                 where="GPT.forward",
                 fix="shorten the input (or the number of tokens to generate)",
             )
+        if self.sequence_parallel and s % self.tp_group.size:
+            raise UnsupportedError(
+                f"sequence parallelism splits the {s} input positions across "
+                f"{self.tp_group.size} tensor-parallel ranks, which does not divide them",
+                where="GPT.forward",
+                fix="use a sequence length divisible by the tensor-parallel size, or build the "
+                "model without sequence_parallel (e.g. for generation)",
+            )
         is_causal = attention_mask is None
         if is_causal and offset > 0:
             is_causal = False
@@ -425,6 +552,8 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.length += s
 
+        if self.tp_group.size > 1:
+            return self._parallel_output(x, labels)
         # Tied output layer over the real vocabulary only: padded ids never get probability.
         weight = self.embedding.word_embeddings.weight
         if cfg.orig_vocab_size < cfg.vocab_size:
@@ -435,6 +564,26 @@ class GPT(nn.Module):
         if cfg.orig_vocab_size < cfg.vocab_size:
             logits = F.pad(logits, (0, cfg.vocab_size - cfg.orig_vocab_size), value=-math.inf)
         return logits
+
+    def _parallel_output(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The tied output layer on this rank's vocabulary rows, then the loss or all logits.
+
+        Padded ids (``>= orig_vocab_size``, on the last rank(s)) get ``-inf`` logits: no
+        probability in the loss or in sampling, and zero gradient.
+        """
+        g = self.tp_group
+        if self.sequence_parallel:  # [b, s/tp, h] -> [b, s, h]; backward reduce-scatters
+            x = gather_from_sequence_parallel_region(x, g)
+        else:  # backward sums the ranks' partial input gradients
+            x = copy_to_tensor_model_parallel_region(x, g)
+        emb = self.embedding.word_embeddings
+        logits = F.linear(x, emb.weight)  # [b, s, vocab_size / tp]
+        real = self.config.orig_vocab_size - emb.vocab_start_index  # real ids in this shard
+        if real < logits.shape[-1]:
+            logits[..., max(real, 0) :] = -math.inf
+        if labels is not None:
+            return vocab_parallel_cross_entropy(logits, labels, g)
+        return gather_from_tensor_model_parallel_region(logits, g)
 
     def _run_layers(self, x, attention_mask, is_causal, kv_cache, training_pass: bool):
         """The transformer layers, with full recompute per ``recompute_method`` when training.
@@ -447,18 +596,21 @@ class GPT(nn.Module):
             for layer in self.layers:
                 x = layer(x, attention_mask, is_causal, kv_cache)
             return x
+        # Under TP the layers also draw from the tracker's model-parallel stream, which torch's
+        # checkpoint does not know: replay it from its state at the forward.
+        ckpt = checkpoint if self.tp_group.size == 1 else _checkpoint_with_tracker
         method = cfg.recompute_method or "uniform"
         n = cfg.recompute_num_layers
         if method == "block":
             for i, layer in enumerate(self.layers):
                 recompute = i < (cfg.num_layers if n is None else n)
                 args = (x, attention_mask, is_causal, None)
-                x = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
+                x = ckpt(layer, *args, use_reentrant=False) if recompute else layer(*args)
             return x
         n = n or 1
         for start in range(0, cfg.num_layers, n):
             unit = self.layers[start : start + n]
-            x = checkpoint(_run_unit, unit, x, attention_mask, is_causal, use_reentrant=False)
+            x = ckpt(_run_unit, unit, x, attention_mask, is_causal, use_reentrant=False)
         return x
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

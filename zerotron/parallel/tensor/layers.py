@@ -1,20 +1,31 @@
-"""Tensor-parallel layers (Megatron-LM's column/row split) and the vocab-parallel cross entropy.
+"""Tensor-parallel layers: Megatron-LM's column/row split of linear layers and embeddings.
 
 A linear layer ``Y = X A^T`` splits two ways (Megatron-LM paper, section 3):
 
 - :class:`ColumnParallelLinear` splits ``A`` along its output dimension: each rank computes a
   slice of ``Y``; ``gather_output`` all-gathers the slices.
 - :class:`RowParallelLinear` splits ``A`` along its input dimension: each rank multiplies its slice
-  of ``X`` and the partial results are all-reduced.
-- :class:`VocabParallelEmbedding` splits the embedding table by vocabulary rows.
+  of ``X`` and the partial results are all-reduced (the bias is added after the sum).
+- :class:`VocabParallelEmbedding` splits the embedding table by vocabulary rows; a rank looks up
+  the ids it holds, zeros the others, and the partial embeddings are all-reduced.
 
-Today only a tensor-parallel size of 1 is implemented, where these are plain ``F.linear`` /
-``F.embedding`` layers; the 3D-parallelism work adds the communication here, without touching the
-models. The shapes and initialization already follow the TP layout: a layer creates the *full*
-(master) weight with the caller's ``init_method`` and keeps this rank's partition, so a TP>1 layout
-assembles to the TP=1 weight for the same seed. Parameters carry Megatron-core's attributes
+Sequence parallelism (Korthikanti et al. 2022, ``sequence_parallel=True``): outside the TP
+regions activations are split along the sequence (dim 1 of ``[b, s, h]``). A column-parallel
+layer all-gathers its input along the sequence instead of copying it, a row-parallel layer and
+the embedding reduce-scatter their output along the sequence instead of all-reducing it. The
+parameters that then see only a sequence shard yet are replicated (LayerNorms, the row-parallel
+bias, position embeddings) carry ``sequence_parallel = True``; their gradients are partial and
+:func:`~zerotron.parallel.tensor.sequence_parallel.allreduce_sequence_parallel_grads` sums them.
+
+Initialization does not depend on the TP size: a layer creates the *full* (master) weight with
+the caller's ``init_method`` and keeps this rank's partition, so a TP>1 layout assembles to the
+TP=1 weight for the same seed. Parameters carry Megatron-core's attributes
 (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``) so optimizers, checkpoints and
 gradient clipping can find the split ones.
+
+The TP group is ``zerotron.distributed.state().tp`` unless ``tp_group`` is given; ``tp_size`` /
+``tp_rank``, if given, must agree with it. At TP=1 the layers are plain ``F.linear`` /
+``F.embedding`` (no communication, no extra autograd nodes).
 """
 
 from __future__ import annotations
@@ -25,7 +36,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerotron.distributed.comm import Group
+from zerotron.distributed.state import state
 from zerotron.errors import UnsupportedError
+from zerotron.parallel.tensor.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -40,13 +61,23 @@ def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
     return init_method_normal(std / (2.0 * num_layers) ** 0.5)
 
 
-def _check_tp(tp_size: int, tp_rank: int, layer: str) -> None:
-    if tp_size != 1 or tp_rank != 0:
+def resolve_tp_group(
+    tp_group: Group | None, tp_size: int | None, tp_rank: int | None, layer: str
+) -> Group:
+    """The TP group a layer talks to: ``tp_group`` or ``state().tp``, checked against the
+    ``tp_size`` / ``tp_rank`` the caller asked for."""
+    group = state().tp if tp_group is None else tp_group
+    size = group.size if tp_size is None else tp_size
+    rank = group.rank if tp_rank is None else tp_rank
+    if (size, rank) != (group.size, group.rank):
         raise UnsupportedError(
-            f"tensor parallelism (tp_size={tp_size}, tp_rank={tp_rank}) is not implemented yet",
+            f"tensor parallelism with tp_size={size}, tp_rank={rank} does not match the "
+            f"tensor-parallel group (size {group.size}, this rank {group.rank})",
             where=layer,
-            fix="use --tensor-model-parallel-size 1",
+            fix="call initialize_model_parallel(tp) first and leave tp_size/tp_rank unset, "
+            "or pass tp_group",
         )
+    return group
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
@@ -91,7 +122,12 @@ def _init_partition(
 
 
 class ColumnParallelLinear(nn.Module):
-    """``Y = X A^T + b`` with ``A`` split along its output dimension (rows of ``weight``)."""
+    """``Y = X A^T + b`` with ``A`` split along its output dimension (rows of ``weight``).
+
+    Input: the full ``X`` (replicated on the TP ranks), or with ``sequence_parallel`` this
+    rank's sequence shard ``[b, s/tp, in]``, all-gathered here. Output: this rank's columns
+    ``[..., out/tp]``, or all of them with ``gather_output``.
+    """
 
     def __init__(
         self,
@@ -102,13 +138,22 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = True,
         init_method: InitMethod | None = None,
         stride: int = 1,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        sequence_parallel: bool = False,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        tp_group: Group | None = None,
     ):
         super().__init__()
-        _check_tp(tp_size, tp_rank, "ColumnParallelLinear")
+        self.tp_group = resolve_tp_group(tp_group, tp_size, tp_rank, "ColumnParallelLinear")
+        tp_size, tp_rank = self.tp_group.size, self.tp_group.rank
         self.input_size, self.output_size = input_size, output_size
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        if self.sequence_parallel and gather_output:
+            raise UnsupportedError(
+                "ColumnParallelLinear with sequence_parallel and gather_output",
+                fix="keep the output split (gather_output=False) under sequence parallelism",
+            )
         self.output_size_per_partition = divide(output_size, tp_size, "output size")
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size))
         _init_partition(
@@ -122,8 +167,16 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        # TP>1: copy_to_tensor_model_parallel_region before, gather_from_... after if gather_output.
-        return F.linear(input_, self.weight, self.bias)
+        if self.tp_group.size == 1:
+            return F.linear(input_, self.weight, self.bias)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(input_, self.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(input_, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
+        return (
+            gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
+        )
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -132,7 +185,11 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``Y = X A^T + b`` with ``A`` split along its input dimension (columns of ``weight``).
 
-    The bias is not split: it is added once, after the partial products are summed.
+    Input: this rank's slice of ``X``'s last dim (``input_is_parallel``), else the full ``X``,
+    split here. The partial products are all-reduced (with ``sequence_parallel``
+    reduce-scattered along the sequence); the bias is not split and is added once, after the
+    sum (under sequence parallelism it then sees only this rank's tokens: its gradient is
+    marked ``sequence_parallel``).
     """
 
     def __init__(
@@ -144,13 +201,22 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = False,
         init_method: InitMethod | None = None,
         stride: int = 1,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        sequence_parallel: bool = False,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        tp_group: Group | None = None,
     ):
         super().__init__()
-        _check_tp(tp_size, tp_rank, "RowParallelLinear")
+        self.tp_group = resolve_tp_group(tp_group, tp_size, tp_rank, "RowParallelLinear")
+        tp_size, tp_rank = self.tp_group.size, self.tp_group.rank
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise UnsupportedError(
+                "RowParallelLinear with sequence_parallel needs input_is_parallel=True",
+                fix="feed it the output of a ColumnParallelLinear",
+            )
         self.input_size_per_partition = divide(input_size, tp_size, "input size")
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition))
         _init_partition(
@@ -159,19 +225,34 @@ class RowParallelLinear(nn.Module):
         set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size))
+            if self.sequence_parallel:
+                self.bias.sequence_parallel = True
         else:
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        # TP>1: scatter_to_... before unless input_is_parallel; reduce_from_... before the bias.
-        return F.linear(input_, self.weight, self.bias)
+        if self.tp_group.size == 1:
+            return F.linear(input_, self.weight, self.bias)
+        x = input_
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
 class VocabParallelEmbedding(nn.Module):
-    """An embedding table split by vocabulary rows: rank r holds ids ``[start, end)``."""
+    """An embedding table split by vocabulary rows: rank r holds ids ``[start, end)``.
+
+    Output: the full embeddings ``[b, s, h]`` on every TP rank, or with ``sequence_parallel``
+    this rank's sequence shard ``[b, s/tp, h]`` (reduce-scatter instead of all-reduce).
+    """
 
     def __init__(
         self,
@@ -179,12 +260,16 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         init_method: InitMethod | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        sequence_parallel: bool = False,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        tp_group: Group | None = None,
     ):
         super().__init__()
-        _check_tp(tp_size, tp_rank, "VocabParallelEmbedding")
+        self.tp_group = resolve_tp_group(tp_group, tp_size, tp_rank, "VocabParallelEmbedding")
+        tp_size, tp_rank = self.tp_group.size, self.tp_group.rank
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sequence_parallel = sequence_parallel and tp_size > 1
         per_partition = divide(num_embeddings, tp_size, "vocabulary size")
         self.vocab_start_index = tp_rank * per_partition
         self.vocab_end_index = self.vocab_start_index + per_partition
@@ -195,51 +280,14 @@ class VocabParallelEmbedding(nn.Module):
         set_tensor_model_parallel_attributes(self.weight, True, 0)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        # TP>1: mask ids outside [start, end), look up, zero the masked rows, all-reduce.
-        return F.embedding(input_, self.weight)
+        if self.tp_group.size == 1:
+            return F.embedding(input_, self.weight)
+        outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+        local = (input_ - self.vocab_start_index).masked_fill(outside, 0)
+        partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token ``logsumexp(logits) - logits[target]``, computed in place on ``logits``.
-
-    The logits buffer becomes the softmax, which backward turns into the gradient in place:
-    no full-vocabulary copy is made (3x faster than ``F.cross_entropy`` on CPU, which scatters
-    into a fresh zero tensor in backward). The caller's ``logits`` are consumed, and backward
-    can run once only (no ``retain_graph``). TP>1 adds three all-reduces: the max, the
-    predicted logit and the sum of exponentials.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits.sub_(logits.amax(dim=-1, keepdim=True))  # stability: exp never overflows
-        predicted = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        logits.exp_()
-        sum_exp = logits.sum(dim=-1)
-        loss = sum_exp.log() - predicted
-        logits.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(logits, target)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        softmax, target = ctx.saved_tensors
-        grad = softmax  # d loss / d logits = softmax - one_hot(target)
-        minus_one = torch.full_like(target, -1, dtype=grad.dtype).unsqueeze(-1)
-        grad.scatter_add_(-1, target.unsqueeze(-1), minus_one)
-        grad.mul_(grad_output.unsqueeze(-1))
-        return grad, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-token cross entropy in fp32: ``logits`` [..., V] (any float dtype), ``target`` [...].
-
-    ``logits`` are consumed when already fp32 (they become the saved softmax); pass a copy if
-    you still need them.
-    """
-    shape = target.shape
-    logits = logits.reshape(-1, logits.shape[-1]).float()
-    loss = _VocabParallelCrossEntropy.apply(logits, target.reshape(-1))
-    return loss.view(shape)
