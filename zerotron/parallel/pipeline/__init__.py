@@ -7,15 +7,28 @@
 - :mod:`~zerotron.parallel.pipeline.timeline`: the bubble (measured vs (p-1)/(v·m)), the
   timeline picture, and ``zerotron schedule``.
 - :mod:`~zerotron.parallel.pipeline.partition`: which layers each (virtual) stage holds.
-
-The runtime that executes schedules on process groups builds on these.
+- :mod:`~zerotron.parallel.pipeline.runtime`: :class:`PipelineRuntime`, which executes a
+  stage's actions on the pipeline group (batched p2p, shape headers, freed sent outputs).
+- :mod:`~zerotron.parallel.pipeline.gpt_stage`: a GPT cut into stage chunks, and the tied
+  embedding's gradient all-reduce.
 """
 
+from zerotron.parallel.pipeline.gpt_stage import (
+    GPTStage,
+    allreduce_embedding_grads,
+    build_gpt_stages,
+    layer_boundaries,
+)
 from zerotron.parallel.pipeline.partition import (
     partition_balanced,
     partition_uniform,
     stage_layers,
     virtual_stages_from_layers,
+)
+from zerotron.parallel.pipeline.runtime import (
+    HEADER_BYTES,
+    PipelineRuntime,
+    masked_mean_loss,
 )
 from zerotron.parallel.pipeline.schedules import (
     SCHEDULES,
@@ -52,23 +65,28 @@ from zerotron.parallel.pipeline.timeline import (
 )
 
 __all__ = [
-    "SCHEDULES",
     "Action",
     "Backward",
     "BubbleReport",
     "CommBatch",
     "Event",
     "Forward",
+    "GPTStage",
+    "HEADER_BYTES",
     "P2POp",
+    "PipelineRuntime",
     "RecvActivation",
     "RecvGrad",
+    "SCHEDULES",
     "Schedule",
     "ScheduleError",
     "SendActivation",
     "SendGrad",
     "Timeline",
     "activations_in_flight",
+    "allreduce_embedding_grads",
     "bubble",
+    "build_gpt_stages",
     "build_schedule",
     "comm_ops",
     "draw",
@@ -76,6 +94,8 @@ __all__ = [
     "gpipe",
     "idle_fraction",
     "interleaved_1f1b",
+    "layer_boundaries",
+    "masked_mean_loss",
     "measure",
     "one_f_one_b",
     "partition_balanced",

@@ -1,0 +1,260 @@
+"""Pipeline runtime on gloo ranks against the single-process GPT.
+
+Each layout (pp2 1F1B, pp2 interleaved v=2, pp4 GPipe, pp4 interleaved v=2 with m=8) trains a
+tiny GPT (fp32, dropout 0) for a few steps with plain AdamW on every stage's parameters after the
+tied-embedding all-reduce. The test process trains the same GPT (same seed, same micro-batches,
+loss averaged over micro-batches) in one process; losses, first-step gradients (by parameter
+name) and final weights must agree within 1e-5 relative. The p2p ledger of a step must equal
+the closed form: per boundary between consecutive virtual stages and micro-batch, b·s·h·4 bytes
+each way plus one activation header forward.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from zerotron.distributed.comm import ledger
+from zerotron.distributed.state import initialize_model_parallel
+from zerotron.errors import ConfigError, DataError
+from zerotron.models.gpt import GPT, GPTConfig
+from zerotron.parallel.pipeline import (
+    HEADER_BYTES,
+    PipelineRuntime,
+    allreduce_embedding_grads,
+    build_gpt_stages,
+    layer_boundaries,
+)
+from zerotron.parallel.pipeline.gpt_stage import TIED_COPY, WORD_EMBEDDING
+
+from .spawn import run_ranks
+
+B, S, H, VOCAB, ORIG_VOCAB = 2, 16, 64, 1024, 1000
+LR = 1e-3
+# The attention key bias has a mathematically zero gradient (softmax ignores a constant shift),
+# so float noise of ~1e-12 is all it gets; Adam's default eps 1e-8 would blow that noise up to
+# updates of ±lr whose signs no two summation orders share. eps 1e-6 keeps them negligible.
+ADAM_EPS = 1e-6
+ACT_BYTES = B * S * H * 4  # one fp32 activation or gradient [b, s, h]
+
+
+def make_gpt(num_layers):
+    torch.manual_seed(1234)
+    cfg = GPTConfig(
+        num_layers=num_layers,
+        hidden_size=H,
+        num_attention_heads=4,
+        seq_length=S,
+        vocab_size=VOCAB,
+        orig_vocab_size=ORIG_VOCAB,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return GPT(cfg)
+
+
+def microbatches(step, m):
+    g = torch.Generator().manual_seed(100 + step)
+    out = []
+    for _ in range(m):
+        mask = (torch.rand(B, S, generator=g) > 0.2).float()
+        out.append(
+            {
+                "tokens": torch.randint(0, ORIG_VOCAB, (B, S), generator=g),
+                "labels": torch.randint(0, ORIG_VOCAB, (B, S), generator=g),
+                "position_ids": torch.arange(S).repeat(B, 1),
+                "loss_mask": mask,
+            }
+        )
+    return out
+
+
+def mb_loss(model, batch):
+    per_token = model(batch["tokens"], batch["position_ids"], None, batch["labels"])
+    mask = batch["loss_mask"]
+    return (per_token * mask).sum() / mask.sum()
+
+
+def reference(num_layers, m, steps):
+    """Single process: losses per step, first-step grads, final weights, eval loss."""
+    model = make_gpt(num_layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
+    losses, grads = [], None
+    for step in range(steps):
+        opt.zero_grad()
+        loss = torch.stack([mb_loss(model, b) for b in microbatches(step, m)]).mean()
+        loss.backward()
+        losses.append(loss.item())
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    with torch.no_grad():
+        evals = torch.stack([mb_loss(model, b) for b in microbatches(99, m)]).mean().item()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, grads, weights, evals
+
+
+def _named(stages):
+    """(name, param) with the last stage's tied copy under the word embedding's name."""
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            yield (WORD_EMBEDDING if name == TIED_COPY else name), p
+
+
+def _pipeline_rank(rank, pp, kind, v, m, num_layers, steps):
+    initialize_model_parallel(1, pp, v if v > 1 else None)
+    stages = build_gpt_stages(make_gpt(num_layers), rank, pp, v)
+    runtime = PipelineRuntime(stages, kind, m)
+    opt = torch.optim.AdamW([p for s in stages for p in s.parameters()], lr=LR, eps=ADAM_EPS)
+    out = {"losses": [], "grads": None, "train_ledger": None, "emb_ledger": None}
+    for step in range(steps):
+        opt.zero_grad()
+        freed = runtime.freed_bytes
+        with ledger.capture() as cap:
+            loss = runtime.train_step(iter(microbatches(step, m)))
+        with ledger.capture() as emb:
+            allreduce_embedding_grads(stages)
+        if step == 0:
+            out["train_ledger"] = cap.summary()
+            out["emb_ledger"] = emb.summary()
+            out["freed"] = runtime.freed_bytes - freed
+            out["grads"] = {n: p.grad.clone() for n, p in _named(stages)}
+        out["losses"].append(None if loss is None else loss.item())
+        opt.step()
+    with ledger.capture() as cap:
+        evals = runtime.eval_step(iter(microbatches(99, m)))
+    out["eval"] = None if evals is None else evals.item()
+    out["eval_ledger"] = cap.summary()
+    out["weights"] = {n: p.detach().clone() for n, p in _named(stages)}
+    out["layers"] = [list(s.layer_range) for s in stages]
+    return out
+
+
+def _close(a, b, what):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    err = (a - b).norm() / b.norm().clamp(min=1e-30)
+    assert err <= 1e-5, f"{what}: relative error {err:.3g}"
+
+
+def _expected_p2p(rank, pp, v, m, train=True):
+    """Closed-form {(pp, send|recv): (bytes, calls)} of one step on pipeline rank ``rank``."""
+    last = pp * v - 1
+    send, recv = [0, 0], [0, 0]
+    for chunk in range(v):
+        vs = chunk * pp + rank
+        if vs < last:  # activation (+ header) out; its gradient back in
+            send[0] += m * (ACT_BYTES + HEADER_BYTES)
+            send[1] += 2 * m
+            if train:
+                recv[0] += m * ACT_BYTES
+                recv[1] += m
+        if vs > 0:  # activation (+ header) in; input gradient out
+            recv[0] += m * (ACT_BYTES + HEADER_BYTES)
+            recv[1] += 2 * m
+            if train:
+                send[0] += m * ACT_BYTES
+                send[1] += m
+    both = {("pp", "recv"): tuple(recv), ("pp", "send"): tuple(send)}
+    return {k: v for k, v in both.items() if v[1]}  # the ledger lists only ops that happened
+
+
+LAYOUTS = {
+    "pp2-1f1b": (2, "1f1b", 1, 4, 4, 3),
+    "pp2-interleaved-v2": (2, "interleaved", 2, 4, 4, 3),
+    "pp4-gpipe": (4, "gpipe", 1, 4, 4, 3),
+    # p=4, m=8, v=2 (needs p·v = 8 layers): the deadlock-freedom run, one step.
+    "pp4-interleaved-v2-m8": (4, "interleaved", 2, 8, 8, 1),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pipeline_matches_single_process(layout):
+    pp, kind, v, m, num_layers, steps = LAYOUTS[layout]
+    results = run_ranks(_pipeline_rank, pp, pp, kind, v, m, num_layers, steps, timeout=90)
+    ref_losses, ref_grads, ref_weights, ref_eval = reference(num_layers, m, steps)
+
+    # Loss on the last stage only; every layer on exactly one (rank, chunk).
+    *others, last = results
+    assert all(r["losses"] == [None] * steps and r["eval"] is None for r in others)
+    _close(last["losses"], ref_losses, "losses")
+    _close(last["eval"], ref_eval, "eval loss")
+    held = sorted(i for r in results for chunk in r["layers"] for i in chunk)
+    assert held == list(range(num_layers))
+
+    # Gradients (step 0) and final weights, by name; the tied weight lives on two ranks.
+    for key, ref in (("grads", ref_grads), ("weights", ref_weights)):
+        seen = {}
+        for rank, r in enumerate(results):
+            for name, t in r[key].items():
+                _close(t, ref[name], f"{key} {name} on rank {rank}")
+                seen.setdefault(name, []).append(rank)
+        assert set(seen) == set(ref)
+        assert seen[WORD_EMBEDDING] == [0, pp - 1]
+        assert all(len(ranks) == 1 for n, ranks in seen.items() if n != WORD_EMBEDDING)
+
+    # Ledger: p2p per step in closed form; embedding all-reduce once on first and last stage.
+    for rank, r in enumerate(results):
+        assert r["train_ledger"] == _expected_p2p(rank, pp, v, m), f"rank {rank}"
+        assert r["eval_ledger"] == _expected_p2p(rank, pp, v, m, train=False), f"rank {rank}"
+        emb = {("embedding", "all_reduce"): (VOCAB * H * 4, 1)} if rank in (0, pp - 1) else {}
+        assert r["emb_ledger"] == emb, f"rank {rank}"
+        # Every activation sent was freed after its send (sent outputs are never views here).
+        assert r["freed"] == sum(m * ACT_BYTES for c in range(v) if c * pp + rank < pp * v - 1)
+    total_send = sum(r["train_ledger"][("pp", "send")][0] for r in results)
+    assert total_send == m * (pp * v - 1) * (2 * ACT_BYTES + HEADER_BYTES)
+
+
+# ---- one process: the runtime without communication, partitioning, errors -------------------
+
+
+def test_single_stage_runtime_matches_model():
+    m = 3
+    stages = build_gpt_stages(make_gpt(2), 0, 1)
+    assert stages[0].pre_process and stages[0].post_process
+    runtime = PipelineRuntime(stages, "1f1b", m)
+    loss = runtime.train_step(iter(microbatches(0, m)), grad_scale=4.0)
+    model = make_gpt(2)
+    ref = torch.stack([mb_loss(model, b) for b in microbatches(0, m)]).mean()
+    (ref * 4.0).backward()
+    _close(loss, ref.item(), "loss")
+    grads = dict(_named(stages))
+    assert set(grads) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        _close(grads[name].grad, p.grad, name)
+
+
+def test_partition_by_parameters_minimizes_heaviest_stage():
+    model = make_gpt(6)
+    pp = 3
+
+    uniform = [
+        sum(p.numel() for p in build_gpt_stages(model, s, pp)[0].parameters()) for s in range(pp)
+    ]
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    emb = sum(p.numel() for p in model.embedding.parameters())
+    head = sum(p.numel() for p in model.final_layernorm.parameters()) + VOCAB * H
+    # Brute force over every split of 6 layers into 3 non-empty stages.
+    best = min(
+        max(emb + a * layer, (b - a) * layer, (6 - b) * layer + head)
+        for a, b in itertools.combinations(range(1, 6), 2)
+    )
+    bounds = layer_boundaries(model, pp, method="parameters")
+    counts = []
+    for s in range(pp):
+        chunk = build_gpt_stages(model, s, pp, partition_method="parameters")[0]
+        assert list(chunk.layer_range) == list(range(bounds[s], bounds[s + 1]))
+        counts.append(sum(p.numel() for p in chunk.parameters()))
+    assert max(counts) == best < max(uniform)
+
+
+def test_errors():
+    stages = build_gpt_stages(make_gpt(2), 0, 1)
+    runtime = PipelineRuntime(stages, "gpipe", 3)
+    with pytest.raises(DataError, match="ran out after 2 of 3"):
+        runtime.train_step(iter(microbatches(0, 2)))
+    with pytest.raises(ConfigError, match="no data iterator"):
+        runtime.train_step(None)
+    with pytest.raises(ConfigError, match="unknown pipeline partition"):
+        build_gpt_stages(make_gpt(2), 0, 1, partition_method="flops")
+    with pytest.raises(ConfigError, match="no virtual stages"):
+        PipelineRuntime(stages * 2, "1f1b", 4)

@@ -1,0 +1,346 @@
+"""The pipeline runtime: executes one stage's schedule actions on real processes.
+
+:class:`PipelineRuntime` takes this rank's model chunks (one per virtual stage), builds the
+schedule (:mod:`~zerotron.parallel.pipeline.schedules`) and, per training step, walks this
+stage's action list in order:
+
+- ``Forward(mb, c)``: chunk ``c`` runs on the activation received for ``(mb, c)``; virtual
+  stage 0 reads micro-batch ``mb`` instead. The last virtual stage turns its output into the
+  micro-batch's loss with ``loss_fn``. Input and output are kept for the backward.
+- ``Backward(mb, c)``: autograd from the loss × ``grad_scale / num_microbatches`` (last virtual
+  stage) or from the received gradient of the output; the input's gradient is kept to be sent.
+- A communication action posts its ops together (``comm.batch_isend_irecv``, ledger group
+  ``"pp"``) and waits for all of them, in the action's order, so peers match first-in
+  first-out as the schedule planned.
+
+Chunk protocol: a chunk is called as ``chunk(hidden, batch)`` with ``hidden`` the received
+activation (None on virtual stage 0) and ``batch`` this stage's copy of the micro-batch (a
+mapping); it returns the activation to send on, or, on the last virtual stage, what
+``loss_fn(output, batch) -> scalar`` turns into the loss
+(:class:`~zerotron.parallel.pipeline.gpt_stage.GPTStage` is such a chunk).
+
+Data: every stage reads the step's ``num_microbatches`` micro-batches from its own
+``data_iterator`` at the start of the step (token ids and masks: small). The first stage uses
+tokens / position ids, the last stage labels / loss mask, every stage the attention mask if
+any. A stage whose chunks need neither (a middle stage) may pass None.
+
+Activation shapes are not fixed in advance: each activation is preceded by a shape header, a
+small int64 tensor ``[dtype code, ndim, dims..., 0...]`` of :data:`HEADER_LEN` elements
+(:data:`HEADER_BYTES` bytes), exchanged in a first round of the same communication action
+(all headers of the action, then all payloads; both rounds keep the schedule's matching, so
+neither can deadlock). Gradients need no header: a gradient has the shape of the output it
+belongs to, which its receiver produced. Ledger per step, per boundary between consecutive
+virtual stages, each way: ``m`` activations of ``b·s·h·bytes`` plus ``m`` headers forward,
+``m`` gradients of ``b·s·h·bytes`` backward.
+
+Memory: once an output has been sent, only its autograd graph is needed, not its values, so its
+storage is freed (resized to 0 bytes; shape and ``grad_fn`` stay), the idea of Megatron-LM's
+output deallocation. ``torch.autograd.backward(output, grad)`` then works on the shell. This
+needs the chunk's last operation not to save its own output for backward (true of a
+transformer layer's residual add); outputs that are views or leaves are never freed.
+
+Results: :meth:`PipelineRuntime.train_step` returns the mean loss over the micro-batches on the
+last pipeline stage and None elsewhere (no extra communication; broadcast it over the pipeline
+group if every rank must log it). Gradients accumulate into ``.grad``: zero them before the
+step; after it, call :func:`~zerotron.parallel.pipeline.gpt_stage.allreduce_embedding_grads`
+(tied embedding), reduce over data parallel, then step the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerotron.distributed import comm
+from zerotron.distributed.state import state
+from zerotron.errors import ConfigError, DataError, DistributedError
+from zerotron.parallel.pipeline.schedules import (
+    Action,
+    Backward,
+    CommBatch,
+    Forward,
+    P2POp,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+    build_schedule,
+    comm_ops,
+    virtual_stage,
+)
+
+HEADER_LEN = 8  # int64 elements: dtype code, ndim, up to 6 dims
+HEADER_BYTES = HEADER_LEN * 8
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+Batch = Mapping[str, Any]
+LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+Key = tuple[int, int]  # (micro-batch, local chunk)
+
+
+def masked_mean_loss(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Megatron's GPT loss: per-token losses averaged over ``batch["loss_mask"]`` (if any)."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return output.float().mean()
+    mask = mask.float()
+    return (output.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+class PipelineRuntime:
+    """Runs the pipeline schedule of this rank's stage (see the module docstring).
+
+    ``stage_modules``: this rank's model chunks, chunk 0 first (more than one only with the
+    ``"interleaved"`` schedule). ``schedule_kind``: ``"gpipe"``, ``"1f1b"`` or
+    ``"interleaved"``. The pipeline group is ``state().pp``.
+    """
+
+    def __init__(
+        self,
+        stage_modules: Sequence[nn.Module],
+        schedule_kind: str,
+        num_microbatches: int,
+        loss_fn: LossFn = masked_mean_loss,
+    ):
+        st = state()
+        self.modules = list(stage_modules)
+        self.num_chunks = len(self.modules)
+        if self.num_chunks == 0:
+            raise ConfigError("PipelineRuntime needs at least one model chunk")
+        vpp = st.virtual_pipeline_size
+        if vpp is not None and vpp != self.num_chunks:
+            raise ConfigError(
+                f"{self.num_chunks} model chunks on this rank, but the parallel state has "
+                f"virtual pipeline size {vpp}",
+                where="PipelineRuntime",
+                fix="build one chunk per virtual stage (build_gpt_stages(..., virtual_stages))",
+            )
+        self.kind = schedule_kind
+        self.num_stages = st.pp_size
+        self.stage = st.pp_rank
+        self.num_microbatches = num_microbatches
+        self.loss_fn = loss_fn
+        self._peers = st.pp.ranks  # pipeline stage -> global rank
+        self.actions: list[Action] = build_schedule(
+            schedule_kind, self.num_stages, num_microbatches, self.num_chunks
+        )[self.stage]
+        self._eval_actions = _forward_only(self.actions)
+        self.freed_bytes = 0  # output storage released after sends, over the runtime's life
+
+    # ---- public steps ----------------------------------------------------------------------
+
+    def train_step(
+        self, data_iterator: Iterator[Batch] | None, grad_scale: float = 1.0
+    ) -> torch.Tensor | None:
+        """Forward and backward of ``num_microbatches`` micro-batches; gradients accumulate.
+
+        The loss of each micro-batch is backpropagated × ``grad_scale / num_microbatches``
+        (``grad_scale`` is the fp16 loss scale, 1 otherwise). Returns the unscaled mean loss
+        (detached fp32 scalar) on the last stage, None on the others.
+        """
+        for m in self.modules:
+            m.train()
+        return self._run(self.actions, self._read(data_iterator), True, grad_scale)
+
+    @torch.no_grad()
+    def eval_step(self, data_iterator: Iterator[Batch] | None) -> torch.Tensor | None:
+        """Forward only (the schedule's forwards and activation messages, in its order).
+
+        Returns the mean loss on the last stage, None elsewhere; modules are left in eval mode.
+        """
+        for m in self.modules:
+            m.eval()
+        return self._run(self._eval_actions, self._read(data_iterator), False, 1.0)
+
+    # ---- execution -------------------------------------------------------------------------
+
+    def _run(
+        self, actions: list[Action], batches: list[Batch], training: bool, grad_scale: float
+    ) -> torch.Tensor | None:
+        step = _Step(batches, training, grad_scale / self.num_microbatches)
+        for action in actions:
+            if isinstance(action, Forward):
+                self._forward(step, action)
+            elif isinstance(action, Backward):
+                self._backward(step, action)
+            else:
+                self._communicate(step, comm_ops(action))
+        if step.outputs or step.inputs or step.grads_in or step.grads_out:
+            left = sorted({*step.outputs, *step.inputs, *step.grads_in, *step.grads_out})
+            raise DistributedError(
+                f"pipeline step ended with tensors of (micro-batch, chunk) {left} still held",
+                where=f"PipelineRuntime stage {self.stage}",
+            )
+        if not step.losses:
+            return None
+        return torch.stack(step.losses).mean()
+
+    def _vstage(self, chunk: int) -> int:
+        return virtual_stage(self.stage, chunk, self.num_stages)
+
+    def _is_last(self, chunk: int) -> bool:
+        return self._vstage(chunk) == self.num_stages * self.num_chunks - 1
+
+    def _forward(self, step: _Step, a: Forward) -> None:
+        key = (a.mb, a.chunk)
+        batch = step.batches[a.mb]
+        hidden = None if self._vstage(a.chunk) == 0 else step.inputs[key]
+        output = self.modules[a.chunk](hidden, batch)
+        if self._is_last(a.chunk):
+            loss = self.loss_fn(output, batch)
+            step.losses.append(loss.detach().float())
+            output = loss
+        if step.training:
+            step.outputs[key] = output
+        else:
+            step.inputs.pop(key, None)
+            if not self._is_last(a.chunk):
+                step.outputs[key] = output  # until sent
+
+    def _backward(self, step: _Step, a: Backward) -> None:
+        key = (a.mb, a.chunk)
+        output = step.outputs.pop(key)
+        if self._is_last(a.chunk):
+            torch.autograd.backward(output * step.loss_factor)
+        else:
+            torch.autograd.backward(output, grad_tensors=step.grads_in.pop(key))
+        if self._vstage(a.chunk) > 0:
+            hidden = step.inputs.pop(key)
+            grad = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)
+            step.grads_out[key] = grad.contiguous()
+
+    def _communicate(self, step: _Step, ops: Sequence[P2POp]) -> None:
+        """Headers of the activations first, then every payload, each round in one batch."""
+        headers: list[tuple[str, torch.Tensor, int]] = []
+        for op in ops:
+            if isinstance(op, SendActivation):
+                out = step.outputs[op.mb, op.chunk]
+                headers.append(("send", _header(out), self._peers[op.peer]))
+            elif isinstance(op, RecvActivation):
+                buf = torch.empty(HEADER_LEN, dtype=torch.int64)
+                headers.append(("recv", buf, self._peers[op.peer]))
+        comm.batch_isend_irecv(headers)
+        received = iter(h[1] for h in headers if h[0] == "recv")
+
+        payloads: list[tuple[str, torch.Tensor, int]] = []
+        for op in ops:
+            key, peer = (op.mb, op.chunk), self._peers[op.peer]
+            if isinstance(op, SendActivation):
+                out = step.outputs[key]
+                payloads.append(("send", out if out.is_contiguous() else out.contiguous(), peer))
+            elif isinstance(op, SendGrad):
+                payloads.append(("send", step.grads_out.pop(key), peer))
+            elif isinstance(op, RecvActivation):
+                shape, dtype = _parse_header(next(received), self.stage)
+                buf = torch.empty(shape, dtype=dtype)
+                step.inputs[key] = buf
+                payloads.append(("recv", buf, peer))
+            else:  # RecvGrad: shaped like the output it belongs to
+                buf = torch.empty(step.outputs[key].shape, dtype=step.outputs[key].dtype)
+                step.grads_in[key] = buf
+                payloads.append(("recv", buf, peer))
+        comm.batch_isend_irecv(payloads)
+
+        for op in ops:
+            key = (op.mb, op.chunk)
+            if isinstance(op, RecvActivation) and step.training:
+                step.inputs[key].requires_grad_(True)
+            elif isinstance(op, SendActivation):
+                if step.training:
+                    self.freed_bytes += _free_storage(step.outputs[key])
+                else:
+                    del step.outputs[key]
+
+    def _read(self, data_iterator: Iterator[Batch] | None) -> list[Batch]:
+        m = self.num_microbatches
+        needs_data = any(self._vstage(c) == 0 or self._is_last(c) for c in range(self.num_chunks))
+        if data_iterator is None:
+            if needs_data:
+                raise ConfigError(
+                    f"pipeline stage {self.stage} holds the first or last virtual stage and "
+                    "needs micro-batches, but got no data iterator",
+                    where="PipelineRuntime.train_step",
+                    fix="pass a data iterator on the first and last pipeline stages",
+                )
+            return [{} for _ in range(m)]
+        batches = []
+        for i in range(m):
+            try:
+                batches.append(next(data_iterator))
+            except StopIteration:
+                raise DataError(
+                    f"the data iterator ran out after {i} of {m} micro-batches",
+                    where=f"pipeline stage {self.stage}",
+                    fix="give every stage an iterator with num_microbatches micro-batches a step",
+                ) from None
+        return batches
+
+
+class _Step:
+    """What one step holds between actions, keyed by (micro-batch, chunk)."""
+
+    def __init__(self, batches: list[Batch], training: bool, loss_factor: float):
+        self.batches = batches
+        self.training = training
+        self.loss_factor = loss_factor
+        self.inputs: dict[Key, torch.Tensor] = {}  # received activations
+        self.outputs: dict[Key, torch.Tensor] = {}  # outputs (or losses) awaiting backward
+        self.grads_in: dict[Key, torch.Tensor] = {}  # received output gradients
+        self.grads_out: dict[Key, torch.Tensor] = {}  # input gradients awaiting their send
+        self.losses: list[torch.Tensor] = []
+
+
+def _forward_only(actions: list[Action]) -> list[Action]:
+    """The forwards and activation messages of a schedule, in its order.
+
+    Still deadlock-free: every remaining message keeps its batch, which the peer posts at the
+    same point of the plan, and no forward waits on a gradient.
+    """
+    out: list[Action] = []
+    for a in actions:
+        if isinstance(a, Forward):
+            out.append(a)
+        elif not isinstance(a, Backward):
+            ops = tuple(o for o in comm_ops(a) if not isinstance(o, (SendGrad, RecvGrad)))
+            if len(ops) == 1:
+                out.append(ops[0])
+            elif ops:
+                out.append(CommBatch(ops))
+    return out
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype not in _DTYPES or t.dim() > HEADER_LEN - 2:
+        raise DistributedError(
+            f"cannot send a pipeline activation of dtype {t.dtype} with {t.dim()} dims",
+            where="PipelineRuntime",
+            fix=f"send one of {', '.join(map(str, _DTYPES))} with at most {HEADER_LEN - 2} dims",
+        )
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
+    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def _parse_header(h: torch.Tensor, stage: int) -> tuple[tuple[int, ...], torch.dtype]:
+    code, ndim = int(h[0]), int(h[1])
+    if not (0 <= code < len(_DTYPES) and 0 <= ndim <= HEADER_LEN - 2):
+        raise DistributedError(
+            f"malformed activation header {h.tolist()}",
+            where=f"pipeline stage {stage}",
+            fix="all stages must run the same PipelineRuntime schedule",
+        )
+    return tuple(int(d) for d in h[2 : 2 + ndim]), _DTYPES[code]
+
+
+def _free_storage(t: torch.Tensor) -> int:
+    """Release a sent output's values, keeping its shape and autograd graph; bytes freed."""
+    if t.grad_fn is None or t._base is not None:
+        return 0  # a leaf or a view: its storage may be someone else's
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    return nbytes
