@@ -221,7 +221,7 @@ def test_two_nodes_on_localhost_make_one_job_of_four_ranks():
         (["--nproc_per_node", "0", ALLREDUCE], ConfigError, "--nproc_per_node must be at least 1"),
         (["--nnodes", "2", "--node_rank", "2", ALLREDUCE], ConfigError, "--node_rank 2 is not"),
         (["--master_port", "70000", ALLREDUCE], ConfigError, "--master_port must be in"),
-        (["--nproc_per_node", "2"], ConfigError, "script"),
+        (["--nproc_per_node", "2"], ConfigError, "no program to run"),
         (["--nproc_per_node", "2", "no/such/train.py"], LaunchError, "not found"),
         (["-m", "no_such_module_xyz"], LaunchError, "no module named 'no_such_module_xyz'"),
         (["--nproc_per_nod", "2", ALLREDUCE], ConfigError, "--nproc_per_node"),
@@ -271,6 +271,20 @@ def _wait_for(predicate, seconds: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline
         time.sleep(0.005)
+
+
+def test_everything_after_the_script_belongs_to_it():
+    plan = launch.plan_from_args(
+        ["--nproc_per_node", "2", ALLREDUCE, "--nproc_per_node", "3", "-m", "--log_dir", "x"]
+    )
+    assert plan.nproc_per_node == 2 and plan.log_dir is None
+    assert plan.worker_args == ["-u", ALLREDUCE, "--local_rank=${local_rank}"] + [
+        "--nproc_per_node",
+        "3",
+        "-m",
+        "--log_dir",
+        "x",
+    ]
 
 
 def test_rank_streams_prefix_lines_once_and_keep_stderr_tail(tmp_path):

@@ -79,6 +79,7 @@ def build_parser() -> ArgumentParser:
         "--num_gpus",
         "--num-gpus",
         dest="nproc_per_node",
+        metavar="N",
         type=int,
         default=None,
         help="processes on this node (default: the number of GPUs, or 1 without CUDA)",
@@ -88,6 +89,7 @@ def build_parser() -> ArgumentParser:
         "--num_nodes",
         "--num-nodes",
         dest="nnodes",
+        metavar="N",
         type=int,
         default=1,
         help="number of nodes; start one launcher per node",
@@ -96,6 +98,7 @@ def build_parser() -> ArgumentParser:
         "--node_rank",
         "--node-rank",
         dest="node_rank",
+        metavar="I",
         type=int,
         default=0,
         help="this node's index, 0 .. nnodes-1 (node 0 hosts the rendezvous)",
@@ -104,6 +107,7 @@ def build_parser() -> ArgumentParser:
         "--master_addr",
         "--master-addr",
         dest="master_addr",
+        metavar="ADDR",
         default="127.0.0.1",
         help="address of node 0, reachable from every node",
     )
@@ -111,6 +115,7 @@ def build_parser() -> ArgumentParser:
         "--master_port",
         "--master-port",
         dest="master_port",
+        metavar="PORT",
         type=int,
         default=None,
         help=f"port on node 0 (default: a free port on one node, {DEFAULT_MASTER_PORT} on many)",
@@ -133,6 +138,7 @@ def build_parser() -> ArgumentParser:
         "--log_dir",
         "--log-dir",
         dest="log_dir",
+        metavar="DIR",
         default=None,
         help="also write each rank's stdout and stderr to DIR/rank{N}.log",
     )
@@ -140,6 +146,7 @@ def build_parser() -> ArgumentParser:
         "--max_restarts",
         "--max-restarts",
         dest="max_restarts",
+        metavar="N",
         type=int,
         default=0,
         help="restart all local workers this many times after a failure",
@@ -148,6 +155,7 @@ def build_parser() -> ArgumentParser:
         "--shutdown_timeout",
         "--shutdown-timeout",
         dest="shutdown_timeout",
+        metavar="S",
         type=int,
         default=15,
         help="after a rank fails, seconds the others get to exit on SIGTERM before SIGKILL",
@@ -156,6 +164,7 @@ def build_parser() -> ArgumentParser:
         "--rdzv_timeout",
         "--rdzv-timeout",
         dest="rdzv_timeout",
+        metavar="S",
         type=int,
         default=900,
         help="seconds to wait for all nodes to join",
@@ -163,14 +172,26 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--verbose", action="store_true", help="show the elastic agent's own log messages"
     )
-    p.add_argument("script", help="the training script (or, with -m, the module) to run")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.add_argument(
+        "script",
+        metavar="SCRIPT",
+        nargs="?",  # checked in plan_from_args, for a message that says what to do
+        help="the training script (or, with -m, the module) to run",
+    )
+    p.add_argument(
+        "script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script"
+    )
     return p
 
 
 def plan_from_args(argv: list[str]) -> LaunchPlan:
     """Parse and check the flags; raises ConfigError (bad values) or LaunchError (no program)."""
     args = build_parser().parse_args(argv)
+    if args.script is None:
+        raise ConfigError(
+            "no program to run",
+            fix="end the command with a script and its arguments, or -m MODULE and its arguments",
+        )
     nproc = args.nproc_per_node if args.nproc_per_node is not None else _default_nproc()
     if nproc < 1:
         raise ConfigError(
@@ -249,14 +270,12 @@ def _check_program(script: str, module: bool) -> None:
         top = script.split(".")[0]
         if not top or (importlib.util.find_spec(top) is None and not _in_cwd(top)):
             raise LaunchError(
-                f"no module named {top!r}",
-                where="zerotron launch -m",
-                fix="check the module name, the current directory and the environment",
+                f"-m {script}: no module named {top!r}",
+                fix="check the module name, the current directory and the Python environment",
             )
     elif not os.path.isfile(script):
         raise LaunchError(
             f"training script {script!r} not found",
-            where="zerotron launch",
             fix="give the path of a Python script, or -m MODULE to run a module",
         )
 
