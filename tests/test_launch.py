@@ -300,13 +300,28 @@ def test_rank_streams_prefix_lines_once_and_keep_stderr_tail(tmp_path):
             e.flush()
             _wait_for(lambda: err.getvalue())
             o.write(b"o\nthree")  # no newline at the end: still printed at the end
-        open(dest.stdouts[1], "wb").close()
-        open(dest.stderrs[1], "wb").close()
-    assert out.getvalue() == "[rank5]: one\n[rank5]: two\n[rank5]: three\n"
+        # A progress bar redraws with \r: each state is a line; \r\n split over writes is one end.
+        with open(dest.stdouts[1], "wb") as o, open(dest.stderrs[1], "wb"):
+            o.write(b"10%\r20%\r")
+            o.flush()
+            _wait_for(lambda: "10%" in out.getvalue())
+            o.write(b"\nend\n")
+    lines = out.getvalue().splitlines()
+    assert [x for x in lines if x.startswith("[rank5]")] == [
+        "[rank5]: one",
+        "[rank5]: two",
+        "[rank5]: three",
+    ]
+    assert [x for x in lines if x.startswith("[rank6]")] == [
+        "[rank6]: 10%",
+        "[rank6]: 20%",
+        "[rank6]: end",
+    ]
+    assert len(lines) == 6
     assert err.getvalue() == "[rank5]: Traceback\n"
     assert [text for _, text in streams.tail(5)] == ["Traceback"] and streams.tail(6) == []
     assert (tmp_path / "rank5.log").read_bytes() == b"one\n[rank5]: Traceback\ntwo\nthree\n"
-    assert (tmp_path / "rank6.log").read_bytes() == b""
+    assert (tmp_path / "rank6.log").read_bytes() == b"10%\n20%\nend\n"
 
 
 class _Tails:

@@ -14,6 +14,7 @@ Nothing is polled: lines appear as soon as the worker writes them (workers run `
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import selectors
 import shutil
@@ -28,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
 TAIL_LINES = 200  # stderr lines kept per rank for the failure summary
 _READ_SIZE = 1 << 16
+_LONGEST_LINE = 1 << 16  # bytes without a newline are printed as a line past this
 
 
 @dataclass
@@ -70,6 +72,7 @@ class RankStreams(LogsSpecs):
         self._console_ok = True
         self._announced = 0  # the last restart said on the console
         self._last_output: dict[int, float] = {}
+        self._broken_logs: set[int] = set()  # ranks whose log file could not be written
 
     # -- LogsSpecs -------------------------------------------------------------------------------
 
@@ -123,7 +126,8 @@ class RankStreams(LogsSpecs):
             self._finish(key.data)
         self._selector.close()
         for log in self._logs.values():
-            log.close()
+            with contextlib.suppress(OSError):
+                log.close()
         self._logs.clear()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -171,8 +175,9 @@ class RankStreams(LogsSpecs):
         if not stream.attempt:
             return
         marker = f"--- zerotron launch: restart {stream.attempt} ---"
-        if stream.log is not None:
-            stream.log.write(f"{marker}\n".encode())
+        if stream.log is not None and stream.rank not in self._broken_logs:
+            with contextlib.suppress(OSError):
+                stream.log.write(f"{marker}\n".encode())
         if stream.attempt > self._announced:
             self._announced = stream.attempt
             self._write(self._stderr, f"zerotron launch: a rank failed; restart {stream.attempt}\n")
@@ -192,7 +197,16 @@ class RankStreams(LogsSpecs):
             return None
         if not chunk:
             return False
-        *lines, stream.partial = (stream.partial + chunk).split(b"\n")
+        data = stream.partial + chunk
+        # A lone \r ends a line too (progress bars redraw with it); a \r at the end of the chunk
+        # may be the first half of \r\n, so it waits for the next one.
+        held = b"\r" if data.endswith(b"\r") else b""
+        data = data[: len(data) - len(held)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *lines, rest = data.split(b"\n")
+        if len(rest) > _LONGEST_LINE:
+            lines.append(rest)
+            rest = b""
+        stream.partial = rest + held
         self._emit(stream, lines)
         return True
 
@@ -201,19 +215,25 @@ class RankStreams(LogsSpecs):
             pass
 
     def _finish(self, stream: _Stream) -> None:
-        if stream.partial:
-            self._emit(stream, [stream.partial])
-            stream.partial = b""
+        if stream.partial.rstrip(b"\r"):
+            self._emit(stream, [stream.partial.rstrip(b"\r")])
+        stream.partial = b""
         self._selector.unregister(stream.fd)
         os.close(stream.fd)
 
     def _emit(self, stream: _Stream, lines: list[bytes]) -> None:
         if not lines:
             return
-        if stream.log is not None:
-            stream.log.write(b"".join(line + b"\n" for line in lines))
-            stream.log.flush()
-        text = [line.decode("utf-8", errors="replace").rstrip("\r") for line in lines]
+        if stream.log is not None and stream.rank not in self._broken_logs:
+            try:
+                stream.log.write(b"".join(line + b"\n" for line in lines))
+                stream.log.flush()
+            except OSError as e:  # a full disk must not stop the job: its pipes must keep flowing
+                self._broken_logs.add(stream.rank)
+                self._write(
+                    self._stderr, f"zerotron launch: rank {stream.rank}'s log stopped: {e}\n"
+                )
+        text = [line.decode("utf-8", errors="replace") for line in lines]
         # torch.distributed prints uncaught exceptions with this same prefix: do not double it.
         prefix = f"[rank{stream.rank}]: "
         now = self._last_output[stream.rank] = time.monotonic()
