@@ -175,10 +175,12 @@ def test_rank_dying_with_exit_3_is_named_and_sigterm_ignorers_are_killed():
 
 def test_max_restarts_starts_the_workers_again_on_a_fresh_store(tmp_path):
     # The first attempt fails at step 2; the restarted workers must rendezvous anew (a reused
-    # store hands them the dead attempt's addresses) and finish all 5 steps.
+    # store hands them the dead attempt's addresses) and finish all 5 steps (2.5 s), outliving
+    # the first failure's 1 s SIGKILL deadline, which is not theirs.
     r, _ = _launch(
-        ["--nproc_per_node", "2", "--max_restarts", "1", "--log_dir", str(tmp_path)]
-        + [FAIL_AT_STEP, "--fail-attempts", "1"]
+        ["--nproc_per_node", "2", "--max_restarts", "1", "--shutdown_timeout", "1"]
+        + ["--log_dir", str(tmp_path), FAIL_AT_STEP, "--fail-attempts", "1"]
+        + ["--step-seconds", "0.5"]
     )
     assert r.returncode == 0, r.stderr
     assert "zerotron launch: a rank failed; restart 1\n" in r.stderr

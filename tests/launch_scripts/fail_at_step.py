@@ -4,6 +4,7 @@
 all-reduce that it never joins. --mode exit3: the failing rank dies with os._exit(3) and its
 peers sleep with SIGTERM ignored, so only the launcher's SIGKILL can end them.
 --fail-attempts N: fail only in the first N attempts (TORCHELASTIC_RESTART_COUNT < N).
+--step-seconds S: sleep S seconds in each step.
 """
 
 import argparse
@@ -20,6 +21,7 @@ parser.add_argument("--local_rank", type=int, default=None)
 parser.add_argument("--mode", choices=["raise", "exit3"], default="raise")
 parser.add_argument("--fail-rank", type=int, default=1)
 parser.add_argument("--fail-attempts", type=int, default=1 << 30)
+parser.add_argument("--step-seconds", type=float, default=0.0)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -37,6 +39,7 @@ for step in range(5):
         raise RuntimeError(f"rank {rank} gives up at step {step}")
     if step == 2 and args.mode == "exit3" and fails:
         time.sleep(600)
+    time.sleep(args.step_seconds)
     x = torch.ones(4)
     dist.all_reduce(x)
     print(f"step {step} done", flush=True)

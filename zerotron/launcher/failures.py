@@ -52,6 +52,7 @@ class Watchdog:
         self.exit_times: dict[int, float] = {}  # pid -> time.monotonic() when it ended
         self._running: set[int] = set()
         self._failed_at: float | None = None
+        self._doomed: set[int] = set()  # running when the first failure happened
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zerotron-watchdog", daemon=True)
@@ -91,7 +92,7 @@ class Watchdog:
             self.exit_times[pid] = now
             self._running.discard(pid)
             if failed and self._failed_at is None:
-                self._failed_at = now
+                self._failed_at, self._doomed = now, set(self._running)
 
     def _enforce_deadline(self) -> None:
         with self._lock:
@@ -99,7 +100,9 @@ class Watchdog:
                 self._shutdown_timeout
             ):
                 return
-            survivors, self._failed_at = list(self._running), None  # a restart gets a new one
+            # Only the failed attempt's workers: a restarted group may be running already.
+            survivors = self._doomed & self._running
+            self._failed_at, self._doomed = None, set()
         for pid in survivors:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # each worker leads its own session
