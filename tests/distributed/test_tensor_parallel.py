@@ -18,6 +18,8 @@ the single-process model:
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -192,7 +194,9 @@ def _gpt(rank, ref_sd):
             n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)
         )
         _shard(model, ref_sd, junk_rows=3.0)
+        twin = copy.deepcopy(model)  # e.g. a pipeline stage cut from it: shares the TP group
         out[sp, "step"] = _train_step(model)
+        out[sp, "twin_loss"] = _train_step(twin)[0]
         model.zero_grad(set_to_none=True)
         model.eval()
         with torch.no_grad():
@@ -401,6 +405,7 @@ def test_gpt_loss_and_grads_match_one_process(results, reference, sp):
     for r in range(TP):
         loss, _, _ = results[r]["gpt"][sp, "step"]
         torch.testing.assert_close(loss, reference["loss"], rtol=1e-5, atol=0)
+        assert torch.equal(results[r]["gpt"][sp, "twin_loss"], loss)
     for name, want in reference["grads"].items():
         got = assemble(name, [results[r]["gpt"][sp, "step"][1][name] for r in range(TP)], ref)
         if name == "embedding.word_embeddings.weight":

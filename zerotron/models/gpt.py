@@ -68,6 +68,7 @@ from zerotron.parallel.tensor import (
     init_method_normal,
     mark_sequence_parallel,
     scaled_init_method_normal,
+    tp_group_attribute,
     vocab_parallel_cross_entropy,
 )
 
@@ -255,6 +256,8 @@ class KVCache:
 class SelfAttention(nn.Module):
     """Multi-head causal self-attention: fused QKV projection, SDPA core, output projection."""
 
+    tp_group = tp_group_attribute()
+
     def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group):
         super().__init__()
         self.layer_index = layer_index
@@ -381,6 +384,8 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-LN block: ``x + drop(attn(ln(x)))``, then ``x + drop(mlp(ln(x)))``."""
 
+    tp_group = tp_group_attribute()
+
     def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group):
         super().__init__()
         h, eps = config.hidden_size, config.layernorm_epsilon
@@ -417,6 +422,8 @@ class TransformerLayer(nn.Module):
 
 class Embedding(nn.Module):
     """Word embeddings (vocab-parallel, tied to the output layer) + learned positions + dropout."""
+
+    tp_group = tp_group_attribute()
 
     def __init__(self, config: GPTConfig, tp_group: Group):
         super().__init__()
@@ -487,6 +494,8 @@ def _run_unit(layers, x, attention_mask, is_causal):
 
 class GPT(nn.Module):
     """GPT-2 language model. See the module docstring for structure and parameter names."""
+
+    tp_group = tp_group_attribute()
 
     def __init__(self, config: GPTConfig, tp_group: Group | None = None):
         super().__init__()
@@ -560,7 +569,7 @@ class GPT(nn.Module):
             weight = weight[: cfg.orig_vocab_size]
         logits = F.linear(x, weight)
         if labels is not None:
-            return vocab_parallel_cross_entropy(logits, labels)
+            return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
         if cfg.orig_vocab_size < cfg.vocab_size:
             logits = F.pad(logits, (0, cfg.vocab_size - cfg.orig_vocab_size), value=-math.inf)
         return logits

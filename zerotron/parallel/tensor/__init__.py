@@ -18,6 +18,7 @@ from zerotron.parallel.tensor.layers import (
     init_method_normal,
     scaled_init_method_normal,
     set_tensor_model_parallel_attributes,
+    tp_group_attribute,
 )
 from zerotron.parallel.tensor.mappings import (
     SEQUENCE_DIM,
@@ -53,5 +54,6 @@ __all__ = [
     "scaled_init_method_normal",
     "sequence_parallel_params",
     "set_tensor_model_parallel_attributes",
+    "tp_group_attribute",
     "vocab_parallel_cross_entropy",
 ]

@@ -80,6 +80,31 @@ def resolve_tp_group(
     return group
 
 
+class _SharedGroup:
+    """Holds a :class:`Group`; deep copies share it (a torch ProcessGroup cannot be copied, and a
+    copied layer, e.g. a pipeline stage cut from a model, talks to the same ranks)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Group):
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> _SharedGroup:
+        return self
+
+
+def tp_group_attribute() -> property:
+    """The ``tp_group`` attribute of a module: a :class:`Group` that survives ``deepcopy``."""
+
+    def get(module: nn.Module) -> Group:
+        return module.__dict__["_tp_group_ref"].group
+
+    def set_(module: nn.Module, group: Group) -> None:
+        module.__dict__["_tp_group_ref"] = _SharedGroup(group)
+
+    return property(get, set_, doc="The tensor-parallel group this module talks to.")
+
+
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
     """``numerator / denominator``, which must be exact (a dimension split across ranks)."""
     if numerator % denominator:
@@ -128,6 +153,8 @@ class ColumnParallelLinear(nn.Module):
     rank's sequence shard ``[b, s/tp, in]``, all-gathered here. Output: this rank's columns
     ``[..., out/tp]``, or all of them with ``gather_output``.
     """
+
+    tp_group = tp_group_attribute()
 
     def __init__(
         self,
@@ -192,6 +219,8 @@ class RowParallelLinear(nn.Module):
     marked ``sequence_parallel``).
     """
 
+    tp_group = tp_group_attribute()
+
     def __init__(
         self,
         input_size: int,
@@ -253,6 +282,8 @@ class VocabParallelEmbedding(nn.Module):
     Output: the full embeddings ``[b, s, h]`` on every TP rank, or with ``sequence_parallel``
     this rank's sequence shard ``[b, s/tp, h]`` (reduce-scatter instead of all-reduce).
     """
+
+    tp_group = tp_group_attribute()
 
     def __init__(
         self,
