@@ -4,8 +4,15 @@ It composes parts that live in their own modules — the model, master weights a
 (``precision.mixed``), the LR schedule (``optim``), checkpoints (``checkpoint``) — and gives them
 DeepSpeed's engine API: ``engine(batch)``, ``backward(loss)``, ``step()``, ``train_batch()``,
 ``eval_batch()``, ``save_checkpoint()``, ``load_checkpoint()``. The loop never touches loss
-scales, master weights or gradients: the Engine owns them. Later parallelism (data-parallel
-gradient reduction, ZeRO partitions, the pipeline runtime) plugs in here, not in the loop.
+scales, master weights or gradients: the Engine owns them.
+
+Data parallelism plugs in as a part (:class:`~zerotron.parallel.data_parallel.DataParallel`): the
+Engine tells it which micro-batch ends an accumulation (only that backward reduces gradients),
+waits for its buckets before the optimizer step, and reports losses averaged over the
+data-parallel group. :func:`grad_norm_hooks` gives the optimizer the ``reduce_fn`` and
+``is_counted`` that make the gradient norm and the overflow check span the model-parallel ranks.
+Checkpoints hold one file per model-parallel rank, written by data-parallel rank 0. Later parts
+(ZeRO partitions, the pipeline runtime) plug in here too, not in the loop.
 """
 
 from __future__ import annotations
@@ -29,16 +36,66 @@ from zerotron.checkpoint import (
     set_rng_state,
 )
 from zerotron.checkpoint.layout import CHECKPOINT_VERSION
+from zerotron.distributed import comm
+from zerotron.distributed.rng import get_rng_tracker
+from zerotron.distributed.state import ParallelState, state
 from zerotron.errors import CheckpointError
+from zerotron.parallel.data_parallel import DataParallel
+from zerotron.precision.grads import IsCounted, ReduceFn, grad_of
 from zerotron.precision.mixed import LOW_PRECISION, MixedPrecisionOptimizer, StepResult
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
+RNG_TRACKER_KEY = "rng_tracker_states"  # the tensor-parallel RNG streams, beside torch's
+
+
+def grad_norm_hooks(ps: ParallelState | None = None) -> tuple[ReduceFn | None, IsCounted]:
+    """``(reduce_fn, is_counted)`` for :class:`MixedPrecisionOptimizer` on this rank's layout.
+
+    After the data-parallel all-reduce every DP rank holds the same gradients, so the norm and
+    the overflow flag are combined over the model-parallel group (tp × pp) only. A parameter is
+    counted once across it: tensor-parallel shards (``tensor_model_parallel=True``) on every TP
+    rank, replicated ones (LayerNorm, biases of row-parallel layers) on TP rank 0 only, and a
+    parameter marked ``shared`` (the last stage's copy of the tied embedding, when pp > 1) on the
+    stage that does not own it not at all (Megatron's ``param_is_not_shared``).
+    """
+    ps = ps or state()
+    mp = ps.mp
+    reduce_fn = None if mp.size == 1 else (lambda t, op: comm.all_reduce(t, mp, op))
+    tp_rank = ps.tp_rank
+
+    def is_counted(param: Tensor) -> bool:
+        if getattr(param, "shared", False):
+            return False
+        return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+    return reduce_fn, is_counted
 
 
 class _NullTimer:
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
+
+
+def _parallel_state() -> ParallelState:
+    return state()
+
+
+def _check_layout(meta: Mapping[str, Any], ps: ParallelState, where: str) -> None:
+    """Refuse a checkpoint saved with another tensor/pipeline layout (it needs resharding)."""
+    layout = meta.get("layout") or {}
+    saved = (
+        layout.get("tensor_model_parallel_size", 1),
+        layout.get("pipeline_model_parallel_size", 1),
+    )
+    if saved != (ps.tp_size, ps.pp_size):
+        raise CheckpointError(
+            f"the checkpoint was saved with tensor parallel {saved[0]} and pipeline parallel "
+            f"{saved[1]}; this run has {ps.tp_size} and {ps.pp_size}",
+            where=where,
+            fix=f"resume with --tensor-model-parallel-size {saved[0]} "
+            f"--pipeline-model-parallel-size {saved[1]} (the data-parallel size may differ)",
+        )
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -70,6 +127,8 @@ class Engine:
         vocab_keys / orig_vocab_size: let checkpoints with another vocab padding load.
         compile: run the module's forward through ``torch.compile``.
         timers: optional ``timers(name).start()/stop()`` (``training.timers.Timers``).
+        data_parallel: averages gradients over the data-parallel group (built before the
+            optimizer, see :mod:`zerotron.parallel.data_parallel`); None for one replica.
     """
 
     def __init__(
@@ -88,13 +147,17 @@ class Engine:
         orig_vocab_size: int | None = None,
         compile: bool = False,
         timers: Callable[[str], Any] | None = None,
+        data_parallel: DataParallel | None = None,
     ):
         self.module = model
+        self.data_parallel = data_parallel
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self._micro_batch_size = micro_batch_size
         self._gas = gradient_accumulation_steps
+        if data_parallel is not None and data_parallel_size == 1:
+            data_parallel_size = data_parallel.group.size
         self.data_parallel_size = data_parallel_size
         self.lr_increment = lr_increment
         self.checkpoint_metadata = dict(checkpoint_metadata or {})
@@ -105,6 +168,7 @@ class Engine:
         # Compile the call, not the module: state-dict keys and parameters stay the module's.
         self._forward = torch.compile(model) if compile else model
 
+        self._sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -157,11 +221,50 @@ class Engine:
     forward = __call__
 
     def backward(self, loss: Tensor) -> None:
-        """Backward of one micro-batch's loss: divided by the accumulation steps, then scaled."""
+        """Backward of one micro-batch's loss: divided by the accumulation steps, then scaled.
+
+        Under data parallelism only the micro-batch that ends an accumulation reduces gradients
+        (its buckets overlap with its backward); this call returns once they are averaged.
+        """
         if self._gas > 1:
             loss = loss / self._gas
+        dp = self.data_parallel
+        boundary = (self.micro_steps + 1) % self._gas == 0
+        if dp is not None:
+            dp.sync = boundary
         self.optimizer.scale_loss(loss).backward()
         self.micro_steps += 1
+        if boundary:
+            if dp is not None:
+                dp.finish_grad_sync()
+            self._allreduce_sequence_parallel_grads()
+
+    def _allreduce_sequence_parallel_grads(self) -> None:
+        """Sum over TP the gradients of replicated parameters that ran on sequence shards.
+
+        Once per step, after the data-parallel average (the two commute): LayerNorms, row-
+        parallel biases and position embeddings under ``--sequence-parallel`` (marked
+        ``sequence_parallel``). Their gradient lives in ``main_grad`` (data parallel, 16-bit
+        params) or ``.grad``; all of one dtype go in one flat all-reduce.
+        """
+        tp = _parallel_state().tp
+        if tp.size == 1 or not self._sp_params:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in self._sp_params:
+            g = grad_of(p)
+            if g is not None:
+                by_dtype.setdefault(g.dtype, []).append(g)
+        for grads in by_dtype.values():
+            flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), tp)
+            parts = flat.split([g.numel() for g in grads])
+            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(parts, grads)])
+
+    def _dp_mean(self, loss: Tensor) -> Tensor:
+        """``loss`` averaged over the data-parallel ranks (the value every rank reports)."""
+        if self.data_parallel is None:
+            return loss
+        return comm.all_reduce(loss.clone(), self.data_parallel.group, op="avg")
 
     def step(self) -> StepResult | None:
         """At an accumulation boundary: optimizer step (skipped on overflow), then scheduler."""
@@ -187,7 +290,8 @@ class Engine:
     def train_batch(self, data_iter: Iterator) -> Tensor:
         """Forward and backward over one global batch's micro-batches, then step.
 
-        Returns the mean loss over the micro-batches (a detached scalar).
+        Returns the mean loss over the micro-batches and data-parallel ranks (a detached scalar,
+        the same on every rank).
         """
         assert self.loss_fn is not None, "train_batch needs Engine(loss_fn=...)"
         self.module.train()
@@ -204,11 +308,12 @@ class Engine:
         opt.start()
         self.step()
         opt.stop()
-        return torch.stack(losses).float().mean()
+        return self._dp_mean(torch.stack(losses).float().mean())
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator) -> Tensor:
-        """Mean loss over one global batch's micro-batches, without gradients or dropout."""
+        """Mean loss over one global batch's micro-batches (and data-parallel ranks), without
+        gradients or dropout."""
         assert self.loss_fn is not None, "eval_batch needs Engine(loss_fn=...)"
         was_training = self.module.training
         self.module.eval()
@@ -218,7 +323,7 @@ class Engine:
             ]
         finally:
             self.module.train(was_training)
-        return torch.stack(losses).float().mean()
+        return self._dp_mean(torch.stack(losses).float().mean())
 
     # ---- checkpoints ----------------------------------------------------------------------
 
@@ -250,10 +355,25 @@ class Engine:
             if self.lr_scheduler is not None:
                 state["opt_param_scheduler"] = self.lr_scheduler.state_dict()
         if save_rng:
-            state["rng_state"] = [get_rng_state()]
+            tracker = get_rng_tracker().get_states()
+            state["rng_state"] = [get_rng_state({RNG_TRACKER_KEY: tracker} if tracker else None)]
+        ps = _parallel_state()
+        # One file per model-parallel rank, from its data-parallel rank 0 (the replicas are
+        # equal); every rank takes part in the save's barriers.
+        files = {self._model_file(ps): state} if ps.dp_rank == 0 else {}
         return save_checkpoint(
-            save_dir, tag, {model_file(): state}, self.checkpoint_metadata, save_latest=save_latest
+            save_dir,
+            tag,
+            files,
+            self.checkpoint_metadata,
+            save_latest=save_latest,
+            is_writer=ps.rank == 0,
+            barrier=comm.barrier if ps.world_size > 1 else None,
         )
+
+    @staticmethod
+    def _model_file(ps: ParallelState) -> str:
+        return model_file(ps.tp_rank, ps.pp_rank, ps.pp_size)
 
     def load_checkpoint(
         self,
@@ -272,10 +392,12 @@ class Engine:
         """
         tag = resolve_tag(load_dir, tag)
         where = str(Path(load_dir) / tag)
-        state = load_file(load_dir, tag, model_file())
+        ps = _parallel_state()
+        meta = read_metadata(load_dir, tag)
+        _check_layout(meta, ps, where)
+        state = load_file(load_dir, tag, self._model_file(ps))
         if "model" not in state:
             raise CheckpointError("no 'model' entry in the checkpoint", where=where)
-        meta = read_metadata(load_dir, tag)
         ckpt_vocab_size = meta.get("vocab", {}).get("size", self.orig_vocab_size)
         repadded = load_model_state(
             self.module,
@@ -300,7 +422,9 @@ class Engine:
         if load_lr_scheduler_states and self.lr_scheduler is not None and scheduler_state:
             self.lr_scheduler.load_state_dict(scheduler_state)
         if load_rng and state.get("rng_state"):
-            set_rng_state(state["rng_state"][0], where=where)
+            extra = set_rng_state(state["rng_state"][0], where=where)
+            if extra.get(RNG_TRACKER_KEY):
+                get_rng_tracker().set_states(extra[RNG_TRACKER_KEY])
         self.global_steps = int(state.get("global_steps", 0))
         self.global_samples = int(state.get("global_samples", 0))
         own = {

@@ -15,19 +15,31 @@ import torch
 from zerotron.checkpoint import build_metadata
 from zerotron.config import Config
 from zerotron.data.tokenizer import GPT2BPETokenizer, build_tokenizer, vocab_size_with_padding
-from zerotron.engine import Engine
+from zerotron.distributed.rng import model_parallel_seed
+from zerotron.distributed.state import ParallelState, state
+from zerotron.engine import Engine, grad_norm_hooks
 from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
 from zerotron.optim import OptimizerParamScheduler, build_optimizer, get_param_groups
+from zerotron.parallel.data_parallel import DataParallel
 from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def set_random_seed(seed: int) -> None:
-    """Seed python, numpy and torch (all devices) alike, as Megatron's ``_set_random_seed``."""
+def set_random_seed(seed: int, ps: ParallelState | None = None) -> int:
+    """Seed python, numpy and torch as Megatron's ``_set_random_seed``; return the seed used.
+
+    Each pipeline stage draws from ``seed + 100 * pp_rank`` (its layers differ from the other
+    stages'); every tensor- and data-parallel rank of a stage uses the same default stream. The
+    tensor-parallel stream (dropout inside TP regions) is ``seed + 2718 + tp_rank`` of that.
+    """
+    ps = ps or state()
+    seed = seed + 100 * ps.pp_rank
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    model_parallel_seed(seed)
+    return seed
 
 
 def default_device() -> torch.device:
@@ -56,6 +68,7 @@ def gpt_config(cfg: Config, padded_vocab_size: int, orig_vocab_size: int) -> GPT
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method if m.recompute_granularity == "full" else None,
         recompute_num_layers=m.recompute_num_layers if m.recompute_granularity == "full" else None,
+        sequence_parallel=cfg.parallel.sequence_parallel,
     )
 
 
@@ -91,10 +104,21 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         cfg.model.make_vocab_size_divisible_by,
         cfg.parallel.tensor_model_parallel_size,
     )
-    set_random_seed(cfg.training.seed)
+    ps = state()
+    set_random_seed(cfg.training.seed, ps)
     gcfg = gpt_config(cfg, padded, tokenizer.vocab_size)
     dtype = DTYPES[cfg.precision.params_dtype]
     model = GPT(gcfg).to(device=device, dtype=dtype)
+    # Before the optimizer: it must see the data-parallel main_grad buffers (and leave them be).
+    data_parallel = None
+    if ps.dp_size > 1:
+        data_parallel = DataParallel(
+            model.parameters(),
+            ps.dp,
+            bucket_size=cfg.parallel.ddp_bucket_size,
+            reduce_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
+        )
+    reduce_fn, is_counted = grad_norm_hooks(ps)
 
     o, p, s = cfg.optimizer, cfg.precision, cfg.scheduler
     optimizer = build_optimizer(
@@ -116,7 +140,13 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         min_scale=p.min_loss_scale,
         raise_error_at_min_scale=False,  # Megatron keeps going at the minimum scale
     )
-    optimizer = MixedPrecisionOptimizer(optimizer, loss_scaler=scaler, clip_grad=o.clip_grad)
+    optimizer = MixedPrecisionOptimizer(
+        optimizer,
+        loss_scaler=scaler,
+        clip_grad=o.clip_grad,
+        reduce_fn=reduce_fn,
+        is_counted=is_counted,
+    )
     scheduler = None
     # --train-iters 0 only builds and prints: a schedule over 0 steps is not one to build.
     if cfg.lr_decay_steps is not None and cfg.training.train_iters != 0:
@@ -164,5 +194,6 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         orig_vocab_size=tokenizer.vocab_size,
         compile=cfg.model.compile,
         timers=timers,
+        data_parallel=data_parallel,
     )
     return Run(cfg, tokenizer, model, engine)

@@ -1,7 +1,9 @@
 """The pretraining loop: train_batch, log, evaluate, save, exit — Megatron's ``train()``.
 
 The loop talks only to the Engine (``train_batch``, ``eval_batch``, ``save_checkpoint``) and to
-data iterators; it never sees loss scales, master weights or process groups.
+data iterators; it never sees loss scales, master weights or process groups. The losses it gets
+are already averaged over data-parallel ranks (the Engine's), so every rank runs the same loop;
+only rank 0 prints and writes TensorBoard.
 """
 
 from __future__ import annotations
@@ -15,11 +17,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from zerotron.checkpoint import tag_for_iteration
+from zerotron.distributed import comm
+from zerotron.distributed.init import get_rank
 from zerotron.training import log
 from zerotron.training.build import Run
 from zerotron.training.throughput import model_flops_per_token, tflops_per_second
 from zerotron.training.timers import Timers
+
+
+def print_rank_0(*args: Any) -> None:
+    """``print`` on global rank 0 only (flushed: launchers interleave ranks by line)."""
+    if get_rank() == 0:
+        print(*args, flush=True)
 
 
 @dataclass
@@ -59,7 +71,8 @@ class _Output:
 
     def __init__(self, total: int, done: int):
         self.progress = None
-        if sys.stdout.isatty():
+        self.quiet = get_rank() != 0
+        if sys.stdout.isatty() and not self.quiet:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(
@@ -81,6 +94,8 @@ class _Output:
             self.progress.stop()
 
     def print(self, line: str) -> None:
+        if self.quiet:
+            return
         if self.progress is not None:
             self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
         else:
@@ -119,7 +134,7 @@ def save(run: Run, state: TrainState) -> Path:
 
 
 def _tensorboard(run: Run):
-    if not run.cfg.training.tensorboard_dir:
+    if not run.cfg.training.tensorboard_dir or get_rank() != 0:
         return None
     from torch.utils.tensorboard import SummaryWriter
 
@@ -226,14 +241,14 @@ def train(
                 summary.exited_early = True
                 break
             minutes = (time.perf_counter() - started) / 60.0
-            if t.exit_duration_in_mins and minutes > t.exit_duration_in_mins:
+            if t.exit_duration_in_mins and _any_rank(minutes > t.exit_duration_in_mins):
                 out.print(f" exiting program after {minutes:.2f} minutes")
                 summary.exited_early = True
                 break
 
     if c.save and saved_at != state.iteration:
         summary.last_checkpoint = save(run, state)
-        print(f"  saved checkpoint at iteration {state.iteration} to {c.save}", flush=True)
+        print_rank_0(f"  saved checkpoint at iteration {state.iteration} to {c.save}")
     if summary.exited_early and state.iteration < t.train_iters:
         return summary  # Megatron skips the final evaluation when it exits early
     for name, it in (("val", valid_iter), ("test", test_iter)):
@@ -243,7 +258,7 @@ def train(
         line = log.eval_line(
             f"validation loss at the end of training for {name} data", {"lm loss": value}
         )
-        print(log.RULE + "\n" + line + "\n" + log.RULE, flush=True)
+        print_rank_0(log.RULE + "\n" + line + "\n" + log.RULE)
         if name == "val":
             summary.valid_loss = value
         else:
@@ -252,6 +267,13 @@ def train(
         with contextlib.suppress(Exception):
             writer.close()
     return summary
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank: ranks with different clocks must stop together."""
+    if comm.world_group().size == 1:
+        return flag
+    return bool(comm.all_reduce(torch.tensor([int(flag)]), comm.world_group(), op="max").item())
 
 
 def _evaluate_test(run: Run, data_iter: Iterator) -> float:

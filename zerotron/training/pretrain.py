@@ -1,7 +1,16 @@
 """``zerotron pretrain``: Megatron-LM's pretrain_gpt.py, on one engine.
 
-Flags -> Config -> tokenizer, model, Engine -> (resume) -> datasets -> the loop. The loop itself is
-:mod:`zerotron.training.loop`; this module wires the parts and owns nothing else.
+Flags -> Config -> process groups -> tokenizer, model, Engine -> (resume) -> datasets -> the
+loop. The loop itself is :mod:`zerotron.training.loop`; this module wires the parts and owns
+nothing else.
+
+Under ``zerotron launch`` (or torchrun) every rank runs this: the default process group is
+created with ``--distributed-timeout-minutes``, then the tensor/pipeline/data-parallel groups.
+Rank 0 builds the dataset index caches (next to the data, so the file system must be shared
+between nodes) while the others wait at a barrier; each data-parallel rank reads its own slice of
+every global batch. Logs come from rank 0 (Megatron prints losses from the last rank, which holds
+them under pipeline parallelism; here the Engine returns the loss on every rank). The parameter
+count is printed by data-parallel rank 0 of every (tensor, pipeline) rank, as Megatron does.
 """
 
 from __future__ import annotations
@@ -16,10 +25,13 @@ from zerotron.checkpoint import read_latest_tag
 from zerotron.config import Config, parse_megatron_args
 from zerotron.data.gpt_dataset import build_train_valid_test_datasets
 from zerotron.data.samplers import build_pretraining_data_loader
-from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
+from zerotron.distributed import comm
+from zerotron.distributed.init import get_world_size, init_distributed
+from zerotron.distributed.state import ParallelState, initialize_model_parallel, state
+from zerotron.errors import CheckpointError, ConfigError, DistributedError, UnsupportedError
 from zerotron.models.gpt import print_num_parameters
 from zerotron.training.build import Run, build_run
-from zerotron.training.loop import TrainState, TrainSummary, train
+from zerotron.training.loop import TrainState, TrainSummary, print_rank_0, train
 from zerotron.training.timers import Timers
 
 
@@ -32,13 +44,46 @@ def main(argv: list[str]) -> int:
 
 def _check_supported(cfg: Config) -> None:
     p = cfg.parallel
-    if p.world_size > 1 or p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
+    # Tensor parallelism is the layers' call: they raise UnsupportedError while they lack it.
+    if p.pipeline_model_parallel_size > 1:
         raise UnsupportedError(
-            f"this build trains on one process (world size {p.world_size}, tensor parallel "
-            f"{p.tensor_model_parallel_size}, pipeline parallel {p.pipeline_model_parallel_size})",
+            f"pipeline parallelism (--pipeline-model-parallel-size "
+            f"{p.pipeline_model_parallel_size}) has no runtime in this build yet",
             where="zerotron pretrain",
-            fix="run a single process without --tensor/--pipeline-model-parallel-size; "
-            "multi-process training is being built (3D-parallelism issue)",
+            fix="use --pipeline-model-parallel-size 1 (data and tensor parallelism work)",
+        )
+
+
+def _init_parallel(cfg: Config) -> ParallelState:
+    """The default process group (multi-process runs) and the model-parallel groups."""
+    p = cfg.parallel
+    if p.world_size > 1:
+        init_distributed(timeout_minutes=p.distributed_timeout_minutes)
+    world = get_world_size()
+    if world != p.world_size:
+        raise DistributedError(
+            f"the config is for {p.world_size} process(es) but {world} are running",
+            where="parallel.world_size",
+            fix="parse the flags with the launcher's WORLD_SIZE (zerotron pretrain does)",
+        )
+    if world == 1:
+        return state()
+    return initialize_model_parallel(
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.virtual_pipeline_model_parallel_size,
+    )
+
+
+def _print_num_parameters(run: Run, ps: ParallelState) -> None:
+    if ps.world_size == 1:
+        print_num_parameters(run.model)
+    elif ps.dp_rank == 0:  # one line per (tensor, pipeline) rank, as Megatron prints it
+        n = run.model.num_parameters()
+        print(
+            f" > number of parameters on (tensor, pipeline) model parallel rank "
+            f"({ps.tp_rank}, {ps.pp_rank}): {n}",
+            flush=True,
         )
 
 
@@ -54,7 +99,7 @@ def _resume(run: Run, state: TrainState) -> None:
                 where=c.load,
                 fix="check --load, or drop --exit-on-missing-checkpoint to start from scratch",
             )
-        print(f" WARNING: no checkpoint found in {c.load}; starting from random weights")
+        print_rank_0(f" WARNING: no checkpoint found in {c.load}; starting from random weights")
         return
     path, client = run.engine.load_checkpoint(
         c.load,
@@ -69,10 +114,10 @@ def _resume(run: Run, state: TrainState) -> None:
         state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
     else:
         run.engine.global_steps = run.engine.global_samples = 0
-    print(f"  successfully loaded checkpoint from {path} at iteration {state.iteration}")
+    print_rank_0(f"  successfully loaded checkpoint from {path} at iteration {state.iteration}")
 
 
-def _data_iterators(run: Run, state: TrainState):
+def _data_iterators(run: Run, state: TrainState, ps: ParallelState):
     cfg = run.cfg
     d, t = cfg.data, cfg.training
     if not d.data_path:
@@ -92,6 +137,8 @@ def _data_iterators(run: Run, state: TrainState):
         reset_position_ids=d.reset_position_ids,
         reset_attention_mask=d.reset_attention_mask,
         cache_dir=d.data_cache_path,
+        is_builder=ps.rank == 0,
+        barrier=comm.barrier if ps.world_size > 1 else None,
     )
     consumed = (state.consumed_train_samples, state.consumed_valid_samples, 0)
     # A DataLoader draws its worker seed from the global RNG when iterated; keep that draw out of
@@ -100,7 +147,7 @@ def _data_iterators(run: Run, state: TrainState):
         iters = []
         for ds, n in zip(datasets, consumed):
             loader = build_pretraining_data_loader(
-                ds, n, t.micro_batch_size, 0, cfg.parallel.data_parallel_size, d.num_workers
+                ds, n, t.micro_batch_size, ps.dp_rank, ps.dp_size, d.num_workers
             )
             iters.append(iter(loader) if loader is not None else None)
     return iters
@@ -109,20 +156,21 @@ def _data_iterators(run: Run, state: TrainState):
 def pretrain(cfg: Config) -> TrainSummary:
     """Run ``cfg`` to the end (or exit interval); return the losses and where things went."""
     _check_supported(cfg)
+    ps = _init_parallel(cfg)
     for w in cfg.warnings:
-        print(f" WARNING: {w}")
+        print_rank_0(f" WARNING: {w}")
     start = time.time()
     timers = Timers()
     run = build_run(cfg, timers=timers)
-    print_num_parameters(run.model)
+    _print_num_parameters(run, ps)
     state = TrainState()
     if cfg.training.train_iters == 0:
-        print(cfg.describe())
-        print(" train-iters is 0: built everything, nothing to train")
+        print_rank_0(cfg.describe())
+        print_rank_0(" train-iters is 0: built everything, nothing to train")
         return TrainSummary(state=state, losses={})
     _resume(run, state)
-    train_iter, valid_iter, test_iter = _data_iterators(run, state)
-    print(f"[after dataloaders are built] elapsed (s): {time.time() - start:.1f}", flush=True)
+    train_iter, valid_iter, test_iter = _data_iterators(run, state, ps)
+    print_rank_0(f"[after dataloaders are built] elapsed (s): {time.time() - start:.1f}")
     return train(run, state, train_iter, valid_iter, test_iter, timers)
 
 

@@ -1,0 +1,142 @@
+"""``zerotron pretrain`` on 2 data-parallel gloo ranks against the same run in one process.
+
+The tiny GPT-2 (2 layers, hidden 64, sequence 16, fp32, dropout 0) trains on the first 20
+documents of the bundled corpus with a global batch of 4: micro-batch 2 × 2 accumulation steps
+in one process, micro-batch 2 on each rank under data parallelism. Every loss, the validation
+loss and the saved weights must be the same bits; a run stopped at iteration 3 and resumed from
+its checkpoint must end where the uninterrupted one did. Only rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerotron.checkpoint import load_file, model_file, tag_for_iteration
+from zerotron.config import parse_megatron_args
+from zerotron.data.preprocess import main as preprocess_main
+from zerotron.errors import UnsupportedError
+from zerotron.training.pretrain import pretrain
+
+from .spawn import run_ranks
+
+REPO = Path(__file__).resolve().parents[2]
+ITERS = 5
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--lr", "1e-3", "--split", "80,10,10", "--log-interval", "1", "--eval-interval", "1000",
+    "--eval-iters", "1", "--seed", "1234", "--train-iters", str(ITERS),
+    "--save-interval", "1000", "--num-workers", "0",  # test ranks are daemons: no workers
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("austen20_dp")
+    lines = (REPO / "data" / "austen.jsonl").read_text(encoding="utf-8").splitlines(True)[:20]
+    (d / "austen20.jsonl").write_text("".join(lines), encoding="utf-8")
+    preprocess_main(
+        ["--input", str(d / "austen20.jsonl"), "--output-prefix", str(d / "austen20")]
+        + ["--append-eod", "--workers", "1"]
+    )
+    return str(d / "austen20_text_document")
+
+
+def _pretrain(world_size: int, data: str, *extra: object):
+    argv = [*TINY, "--data-path", data, *map(str, extra)]
+    return pretrain(parse_megatron_args(argv, world_size=world_size))
+
+
+def _dp2_rank(rank: int, data: str, root: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        whole = _pretrain(2, data, "--save", f"{root}/whole")
+        first = _pretrain(2, data, "--save", f"{root}/parts", "--exit-interval", 3)
+        second = _pretrain(2, data, "--load", f"{root}/parts", "--save", f"{root}/parts")
+    return {"whole": whole, "first": first, "second": second, "stdout": out.getvalue()}
+
+
+@pytest.fixture(scope="module")
+def dp2(data_prefix, tmp_path_factory) -> tuple[list[dict], Path]:
+    # Before any single-process run: the ranks find no index cache, so rank 0 builds it while
+    # rank 1 waits at the barrier.
+    root = tmp_path_factory.mktemp("dp2")
+    return run_ranks(_dp2_rank, 2, data_prefix, str(root), timeout=240), root
+
+
+def assert_same(a: object, b: object, path: str) -> None:
+    """Nested dicts/lists of tensors and plain values are bitwise equal."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def model_state(save: Path) -> dict[str, torch.Tensor]:
+    return load_file(save, tag_for_iteration(ITERS), model_file())["model"]
+
+
+def test_dp2_pretrain_equals_one_process(dp2, data_prefix, tmp_path):
+    results, root = dp2
+    single = _pretrain(1, data_prefix, "--save", tmp_path / "single")
+    assert sorted(single.losses) == list(range(1, ITERS + 1))
+    for r in results:
+        assert r["whole"].losses == single.losses  # bitwise, every iteration, on every rank
+        assert r["whole"].valid_loss == single.valid_loss is not None
+        assert r["whole"].test_loss == single.test_loss is not None
+        assert r["whole"].state.consumed_train_samples == ITERS * 4
+    ref = model_state(tmp_path / "single")
+    got = model_state(root / "whole")
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
+def test_dp2_checkpoint_layout_and_exact_resume(dp2):
+    results, root = dp2
+    tag = root / "whole" / tag_for_iteration(ITERS)
+    meta = json.loads((tag / "metadata.json").read_text())
+    assert meta["layout"]["data_parallel_size"] == 2
+    assert meta["layout"]["tensor_model_parallel_size"] == 1
+    # One model file for the one model-parallel rank, written by data-parallel rank 0.
+    assert meta["files"] == [model_file()]
+    for r in results:
+        assert sorted(r["first"].losses) == [1, 2, 3]
+        assert sorted(r["second"].losses) == [4, 5]
+        assert {**r["first"].losses, **r["second"].losses} == r["whole"].losses
+        assert r["second"].valid_loss == r["whole"].valid_loss
+    a = load_file(root / "whole", tag_for_iteration(ITERS), model_file())
+    b = load_file(root / "parts", tag_for_iteration(ITERS), model_file())
+    for key in ("model", "optimizer", "opt_param_scheduler", "rng_state", "iteration"):
+        assert_same(a[key], b[key], key)
+
+
+def test_only_rank_0_logs(dp2):
+    results, _ = dp2
+    rank0, rank1 = results[0]["stdout"], results[1]["stdout"]
+    line = " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
+    assert rank0.count(line) == 3  # one per run
+    assert rank0.count(" lm loss: ") == 2 * ITERS  # --log-interval 1, whole + parts runs
+    assert "validation loss at the end of training" in rank0
+    assert rank1 == ""  # data-parallel rank 1 prints nothing, not even the parameter count
+
+
+def test_pipeline_parallel_is_refused_clearly(data_prefix):
+    with pytest.raises(UnsupportedError, match="pipeline-model-parallel-size 2"):
+        _pretrain(2, data_prefix, "--pipeline-model-parallel-size", 2)

@@ -1,0 +1,236 @@
+"""Data parallelism: gradients averaged over the data-parallel group in buckets, during backward.
+
+Every data-parallel rank holds the whole model (or its tensor/pipeline shard) and trains on its
+own slice of the global batch; after backward, each gradient must be the mean over the ranks.
+
+How :class:`DataParallel` does it (Megatron-core's DDP, in one screen):
+
+- **Flat buffers.** Parameters are packed, in reverse registration order (roughly the order
+  backward produces their gradients), into buckets of about ``bucket_size`` elements. Each
+  bucket owns one contiguous fp32 buffer, and every parameter's ``main_grad`` is a view into it,
+  so a bucket is reduced with one all-reduce.
+- **Hooks.** A post-accumulate-grad hook per parameter adds the gradient autograd just produced
+  into ``main_grad`` and drops ``.grad``. A parameter used twice (the tied embedding) fires once,
+  after both uses have accumulated.
+- **Overlap.** On the micro-batch that ends an accumulation (the Engine sets
+  :attr:`DataParallel.sync`), a bucket whose parameters all have their gradient is all-reduced
+  at once with an asynchronous collective while backward goes on with earlier layers.
+  :meth:`DataParallel.finish_grad_sync` launches what is left and waits for everything.
+  Buckets are launched strictly in bucket order, so every rank issues the same collectives in
+  the same order even if hooks fire in a different order.
+- **Once per step.** Micro-batches before the last only accumulate: no communication.
+- **Average.** The sum is divided by the data-parallel size *after* the all-reduce (``avg``). With
+  two ranks the result is ``(a + b) / 2`` exactly, the same bits as one process accumulating
+  two half-weighted micro-batches. (Megatron divides before reducing, to keep fp16 sums in
+  range; the buffers here are fp32, where that does not arise.)
+- **Precision.** Gradients accumulate in fp32 whatever the parameter dtype (summing micro-batches
+  in bf16 loses bits each time; :mod:`zerotron.precision.mixed` makes the same choice).
+  The all-reduce runs on the fp32 buffer when ``reduce_in_fp32`` (Megatron's
+  ``--accumulate-allreduce-grads-in-fp32``) or when the parameters are fp32; otherwise the bucket
+  is cast to the parameters' 16-bit dtype for the wire (half the bytes) and back.
+
+:class:`~zerotron.precision.mixed.MixedPrecisionOptimizer` must be built *after* this object: it
+sees the ``main_grad`` views, leaves them to us, and steps from them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zerotron.distributed import comm
+from zerotron.distributed.comm import Group, Pending
+from zerotron.errors import ConfigError
+
+DEFAULT_BUCKET_SIZE = 40_000_000
+"""Elements per bucket, Megatron-core's default (``max(40M, 1M * dp)``)."""
+
+
+def default_bucket_size(data_parallel_size: int) -> int:
+    """Megatron-core's default bucket size for ``data_parallel_size`` ranks."""
+    return max(DEFAULT_BUCKET_SIZE, 1_000_000 * data_parallel_size)
+
+
+class Bucket:
+    """A run of parameters whose gradients live in one flat fp32 buffer."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], comm_dtype: torch.dtype):
+        self.index = index
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.comm_dtype = comm_dtype
+        device = params[0].device
+        self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        offset = 0
+        for p in params:
+            p.main_grad = self.buffer[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.ready = 0  # parameters whose gradient this backward has produced
+        self.pending: Pending | None = None
+        self._wire: Tensor | None = None
+
+    def launch(self, group: Group) -> None:
+        """Start averaging the buffer over ``group``."""
+        wire = self.buffer if self.comm_dtype == torch.float32 else self.buffer.to(self.comm_dtype)
+        self._wire = wire
+        self.pending = comm.all_reduce_async(wire, group, op="avg")
+
+    def wait(self) -> None:
+        """Block until the average is in the buffer."""
+        assert self.pending is not None
+        self.pending.wait()
+        if self._wire is not self.buffer:
+            self.buffer.copy_(self._wire)
+        self.pending = self._wire = None
+        self.ready = 0
+
+
+class DataParallel:
+    """Gradient averaging over ``group`` for ``params`` (see the module docstring).
+
+    Args:
+        params: the model's parameters, in registration order (``model.parameters()``); those
+            that do not require a gradient are left out.
+        group: the data-parallel group (``state().dp``).
+        bucket_size: elements per bucket (``--ddp-bucket-size``); a bucket closes once it holds at
+            least this many, so a parameter larger than it gets a bucket of its own. Default:
+            :func:`default_bucket_size`.
+        reduce_in_fp32: all-reduce 16-bit parameters' gradients in fp32 (see the docstring).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        group: Group,
+        *,
+        bucket_size: int | None = None,
+        reduce_in_fp32: bool = False,
+    ):
+        if bucket_size is None:
+            bucket_size = default_bucket_size(group.size)
+        if bucket_size <= 0:
+            raise ConfigError(
+                f"bucket size must be positive, got {bucket_size}", where="--ddp-bucket-size"
+            )
+        self.group = group
+        self.bucket_size = bucket_size
+        self.sync = True
+        """Whether the next backward reduces (the Engine turns it on for the last micro-batch)."""
+        params = [p for p in params if p.requires_grad]
+        seen: set[int] = set()
+        self.params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+        for p in self.params:
+            if getattr(p, "main_grad", None) is not None:
+                raise ConfigError(
+                    "a parameter already has a main_grad buffer",
+                    where="DataParallel",
+                    fix="build DataParallel before MixedPrecisionOptimizer, and only once",
+                )
+        self.buckets = self._make_buckets(reduce_in_fp32)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next_launch = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _make_buckets(self, reduce_in_fp32: bool) -> list[Bucket]:
+        buckets: list[Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+
+        def close() -> None:
+            nonlocal current, size
+            if current:
+                dtype = current[0].dtype
+                wire = torch.float32 if reduce_in_fp32 or dtype == torch.float32 else dtype
+                buckets.append(Bucket(len(buckets), current, wire))
+            current, size = [], 0
+
+        # Backward reaches the last layers first: reversed registration order fills the first
+        # bucket first.
+        for p in reversed(self.params):
+            if current and (current[0].dtype != p.dtype or current[0].device != p.device):
+                close()
+            current.append(p)
+            size += p.numel()
+            if size >= self.bucket_size:
+                close()
+        close()
+        return buckets
+
+    # ---- during backward ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _on_grad(self, param: Tensor) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if not self.sync:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch, in bucket order, every bucket whose gradients are all in."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.ready < len(bucket.params):
+                return
+            bucket.launch(self.group)
+            self._next_launch += 1
+
+    def finish_grad_sync(self) -> None:
+        """Launch the buckets backward did not complete (unused parameters), then wait for all.
+
+        After it, every ``main_grad`` holds the data-parallel mean. Call it after the last
+        micro-batch's backward, before the optimizer step.
+        """
+        for bucket in self.buckets[self._next_launch :]:
+            bucket.launch(self.group)
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.wait()
+            bucket.ready = 0
+        self._next_launch = 0
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside the block only accumulates (as ``torch``'s DDP ``no_sync``)."""
+        before, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = before
+
+    # ---- housekeeping ---------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        """Zero every bucket's buffer (the optimizer's ``zero_grad`` does the same per view)."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+    @property
+    def numel(self) -> int:
+        """Gradient elements reduced per step (all buckets)."""
+        return sum(b.numel for b in self.buckets)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One entry per bucket: its index, elements, wire dtype and parameter count."""
+        return [
+            {
+                "index": b.index,
+                "numel": b.numel,
+                "dtype": str(b.comm_dtype),
+                "params": len(b.params),
+            }
+            for b in self.buckets
+        ]
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the ``main_grad`` views stay)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
