@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("zerotron.training.pretrain", "pretrain a GPT model (Megatron-LM flags)"),
     "generate": ("zerotron.inference.cli", "generate text from a checkpoint"),
     "convert": ("zerotron.checkpoint.convert", "import/export HuggingFace GPT-2 checkpoints"),
+    "launch": (
+        "zerotron.launcher.launch",
+        "start a multi-process / multi-node job (torch.distributed.run)",
+    ),
     "schedule": (
         "zerotron.parallel.pipeline.timeline",
         "simulate a pipeline schedule: bubble vs (p-1)/(v*m), timeline picture",
