@@ -432,6 +432,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from zerotron import cli
 
-    # Go through the CLI for its error messages, even before cli.py lists this command.
-    cli.COMMANDS.setdefault("launch", ("zerotron.launcher.launch", "start a multi-process job"))
-    sys.exit(cli.main(["launch", *sys.argv[1:]]))
+    sys.exit(cli.main(["launch", *sys.argv[1:]]))  # the CLI's error messages and exit codes
