@@ -27,13 +27,14 @@ A stage is called as ``stage(hidden, batch)`` (the runtime's chunk protocol, see
 ``batch.get("attention_mask")`` goes to every layer; the last virtual stage returns the per-token
 loss ``[b, s]`` when ``batch`` has ``"labels"``, else the logits.
 
-Not yet: tensor parallelism inside a stage (refused), activation recompute (the stage runs its
-layers plainly).
+Tensor parallelism inside a stage: the chunks keep the GPT's TP layers; the last stage's copy of
+the word embedding is this TP rank's vocabulary shard, and the output layer is GPT's vocab-parallel
+one (under sequence parallelism the activations passed between stages are ``[b, s/tp, h]``).
+Not yet: activation recompute (the stage runs its layers plainly).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -44,13 +45,18 @@ from torch import nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.state import state
-from zerotron.errors import ConfigError, UnsupportedError
+from zerotron.errors import ConfigError
 from zerotron.parallel.pipeline.partition import (
     partition_balanced,
     partition_uniform,
     stage_layers,
 )
-from zerotron.parallel.tensor import vocab_parallel_cross_entropy
+from zerotron.parallel.tensor import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 
 if TYPE_CHECKING:  # models/ sits above parallel/: a GPT is only passed in, never imported
     from zerotron.models.gpt import GPT
@@ -76,15 +82,20 @@ class GPTStage(nn.Module):
         self.layer_range = layers
         self.pre_process = pre_process  # holds the embedding (virtual stage 0)
         self.post_process = post_process  # holds the final LayerNorm and the output layer
+        # The chunk takes the model's own modules (no copy): the rest is freed with the model.
+        self.tp_group = getattr(model, "tp_group", None)
+        self.sequence_parallel = getattr(model, "sequence_parallel", False)
         if pre_process:
-            self.embedding = copy.deepcopy(model.embedding)
+            self.embedding = model.embedding
         # Keyed by the global layer index so parameter names match the full GPT's.
-        self.layers = nn.ModuleDict({str(i): copy.deepcopy(model.layers[i]) for i in layers})
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
         if post_process:
-            self.final_layernorm = copy.deepcopy(model.final_layernorm)
+            self.final_layernorm = model.final_layernorm
+            word = model.embedding.word_embeddings
+            # Under TP each rank's copy holds its vocabulary rows, like the embedding's shard.
+            self.vocab_start_index = getattr(word, "vocab_start_index", 0)
             if not pre_process:
-                word = model.embedding.word_embeddings.weight
-                self.output_layer = _TiedCopy(word.detach().clone())
+                self.output_layer = _TiedCopy(word.weight)
 
     def word_embeddings_weight(self) -> nn.Parameter:
         """The word-embedding matrix this stage uses (its own copy on a last stage)."""
@@ -112,9 +123,13 @@ class GPTStage(nn.Module):
         return self._head(self.final_layernorm(x), batch.get("labels"))
 
     def _head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        # Mirrors GPT.forward's tied output layer: padded vocabulary ids never get probability.
+        # GPT.forward's tied output layer, on this stage's copy of the word embedding: padded
+        # vocabulary ids never get probability.
         cfg = self.config
         weight = self.word_embeddings_weight()
+        g = self.tp_group
+        if g is not None and g.size > 1:
+            return self._parallel_head(x, weight, labels)
         if cfg.orig_vocab_size < cfg.vocab_size:
             weight = weight[: cfg.orig_vocab_size]
         logits = F.linear(x, weight)
@@ -124,13 +139,33 @@ class GPTStage(nn.Module):
             logits = F.pad(logits, (0, cfg.vocab_size - cfg.orig_vocab_size), value=-math.inf)
         return logits
 
+    def _parallel_head(
+        self, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Tensor parallel: this rank's vocabulary rows, then vocab-parallel loss or logits."""
+        g = self.tp_group
+        if self.sequence_parallel:  # [b, s/tp, h] -> [b, s, h]; backward reduce-scatters
+            x = gather_from_sequence_parallel_region(x, g)
+        else:  # backward sums the ranks' partial input gradients
+            x = copy_to_tensor_model_parallel_region(x, g)
+        logits = F.linear(x, weight)  # [b, s, vocab_size / tp]
+        real = self.config.orig_vocab_size - self.vocab_start_index  # real ids in this shard
+        if real < logits.shape[-1]:
+            logits[..., max(real, 0) :] = -math.inf
+        if labels is not None:
+            return vocab_parallel_cross_entropy(logits, labels, g)
+        return gather_from_tensor_model_parallel_region(logits, g)
+
 
 class _TiedCopy(nn.Module):
     """The last stage's copy of the word embedding, used only by the output layer."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, word_embeddings: torch.Tensor):
         super().__init__()
-        self.weight = nn.Parameter(weight)
+        self.weight = nn.Parameter(word_embeddings.detach().clone())
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(word_embeddings, attr):  # the same TP split as the embedding's shard
+                setattr(self.weight, attr, getattr(word_embeddings, attr))
 
 
 def layer_boundaries(
@@ -168,21 +203,13 @@ def build_gpt_stages(
 ) -> list[GPTStage]:
     """The model chunks of pipeline rank ``pp_rank``, chunk 0 first.
 
-    ``model`` is the full GPT, built with the same seed on every rank; the chunks hold copies of
-    its modules, so the caller may drop it afterwards.
+    ``model`` is the full GPT, built with the same seed on every rank (after
+    ``initialize_model_parallel``, so its layers are this TP rank's shards). The chunks take its
+    modules (no copy); drop the model afterwards and the parts no chunk holds are freed.
     """
     if not 0 <= pp_rank < pp_size:
         raise ConfigError(
             f"pipeline rank {pp_rank} is outside 0..{pp_size - 1}", where="build_gpt_stages"
-        )
-    tp_group = getattr(model, "tp_group", None)
-    if tp_group is not None and tp_group.size > 1:
-        # The vocab-parallel output layer lives inside GPT.forward; until GPT exposes it for a
-        # stage to call with its own copy of the word embedding, refuse rather than diverge.
-        raise UnsupportedError(
-            f"pipeline stages of a tensor-parallel GPT (tensor-parallel size {tp_group.size})",
-            where="build_gpt_stages",
-            fix="use tensor-parallel size 1 with pipeline parallelism for now",
         )
     bounds = layer_boundaries(model, pp_size, virtual_stages, partition_method)
     last = pp_size * virtual_stages - 1
