@@ -59,9 +59,17 @@ class RankTimeout(RankError, TimeoutError):
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120, **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120,
+    collective_timeout: float | None = None,
+    **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
+    """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``collective_timeout`` (seconds, default 0.8 × ``timeout``) bounds each collective's wait.
+    """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     # The store every rank rendezvouses through, hosted here (port 0: the OS picks a free one).
@@ -76,7 +84,9 @@ def run_ranks(
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # connect to our store, as under torchrun
         "OMP_NUM_THREADS": "1",
     }
-    collective_timeout_min = max(timeout * 0.8, 1.0) / 60
+    if collective_timeout is None:
+        collective_timeout = max(timeout * 0.8, 1.0)
+    collective_timeout_min = collective_timeout / 60
     procs, readers = [], []
     try:
         for rank in range(world_size):
