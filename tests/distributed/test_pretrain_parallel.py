@@ -1,4 +1,5 @@
-"""``zerotron pretrain`` on 2 data-parallel gloo ranks against the same run in one process.
+"""``zerotron pretrain`` on 2 data-parallel gloo ranks (and dp2 × tp2 on 4) against the same run
+in one process.
 
 The tiny GPT-2 (2 layers, hidden 64, sequence 16, fp32, dropout 0) trains on the first 20
 documents of the bundled corpus with a global batch of 4: micro-batch 2 × 2 accumulation steps
@@ -140,3 +141,27 @@ def test_only_rank_0_logs(dp2):
 def test_pipeline_parallel_is_refused_clearly(data_prefix):
     with pytest.raises(UnsupportedError, match="pipeline-model-parallel-size 2"):
         _pretrain(2, data_prefix, "--pipeline-model-parallel-size", 2)
+
+
+def _dp2_tp2_rank(rank: int, data: str, root: str, *extra: str) -> dict:
+    with contextlib.redirect_stdout(io.StringIO()):
+        s = _pretrain(4, data, "--tensor-model-parallel-size", 2, "--save", root, *extra)
+    return {"losses": s.losses, "valid_loss": s.valid_loss}
+
+
+@pytest.mark.parametrize("extra", [(), ("--sequence-parallel",)], ids=["tp", "tp_sp"])
+def test_dp2_tp2_pretrain_matches_one_process(data_prefix, tmp_path, extra):
+    # TP 2 pads the vocabulary to a multiple of 2 × 128 (50432 rows): the reference pads the
+    # same, so both initialize the same full weights. With --sequence-parallel the Engine must
+    # also sum the LayerNorm gradients over TP.
+    single = _pretrain(1, data_prefix, "--make-vocab-size-divisible-by", 256)
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(_dp2_tp2_rank, 4, data_prefix, root, *extra, timeout=240)
+    for r in results:
+        assert r["losses"].keys() == single.losses.keys()
+        assert list(r["losses"].values()) == pytest.approx(list(single.losses.values()), rel=1e-5)
+        assert r["valid_loss"] == pytest.approx(single.valid_loss, rel=1e-5)
+    meta = json.loads((tmp_path / "ckpt" / tag_for_iteration(ITERS) / "metadata.json").read_text())
+    assert meta["files"] == [model_file(0), model_file(1)]  # one per TP rank, from dp rank 0
+    assert meta["layout"]["tensor_model_parallel_size"] == 2
+    assert meta["layout"]["data_parallel_size"] == 2
