@@ -1,0 +1,561 @@
+"""Training-step throughput: zerotron's GPT against transformers' GPT2LMHeadModel, side by side.
+
+Both sides train the same GPT-2 (same weights: transformers' random init, imported into zerotron
+with ``checkpoint.hf.from_hf_state_dict``) on the same batches with the same optimizer, in one
+process, and the benchmark prints tokens/s, MFU and the ratio zerotron / transformers for fp32 and
+bf16, each with and without ``torch.compile``.
+
+What each side runs for one step (one micro-batch of ``micro_batch × seq`` tokens):
+
+* zerotron: its own training path. ``Engine(model, MixedPrecisionOptimizer(AdamW))`` with
+  ``loss = lm_loss(engine, batch)``, ``engine.backward(loss)``, ``engine.step()``; the batch is the
+  GPT dataset's (tokens, labels, loss_mask, position_ids). ``--compile`` compiles the module's
+  forward (with the loss), as ``Engine(compile=True)`` does.
+* transformers: ``model(input_ids=tokens, labels=labels, shift_labels=labels).loss`` (SDPA
+  attention, HF's own causal-LM loss; ``shift_labels`` makes it predict the same 2048 labels as
+  zerotron instead of shifting them again), ``loss.backward()``, optimizer step. Compiled the same
+  way: ``torch.compile(model)``.
+
+Fairness. Both sides use the *same* optimizer object type: zerotron's ``build_optimizer`` (torch's
+fused AdamW, the same hyperparameters and weight-decay groups from ``get_param_groups``) wrapped
+in ``MixedPrecisionOptimizer`` with the same gradient clipping, so the optimizer costs the same
+and the ratio measures the model code. In bf16 both sides keep bf16 parameters with fp32 master
+weights and fp32 gradient accumulation (the wrapper's path) — the closest transformers equivalent
+of zerotron's bf16 training. ``--hf-bf16 autocast`` instead gives transformers fp32 parameters
+under ``torch.autocast(bfloat16)`` (what HF's Trainer does with ``bf16=True``). Dropout is 0 on
+both sides, same threads (``--threads``).
+
+MFU. Model FLOPs per token ``6·N + 12·L·h·s`` (``training.throughput.model_flops_per_token``),
+with N the parameters without position embeddings, the tied embedding once, over the *real*
+vocabulary (zerotron's padding rows are never multiplied: they are sliced off before the LM
+head) — one number for both sides. The peak is measured in this run, per dtype, as the best of
+``torch.mm`` over the model's own matmul shapes (both operand layouts) and a square 2048³.
+
+Timing. Warmup steps (which include compilation) for both sides, then ``--repeat`` rounds of
+``--steps`` steps per side. Within a round the steps alternate between the sides (and which side
+goes first), so a burst of load from other processes hits both alike. tokens/s comes from the
+median round; the ratio is the median over rounds of the ratio within each round. Before timing,
+both models give the same fp32 loss on the same batch (checked, and printed), and the first step
+of each column prints both sides' losses.
+
+Run: ``python bench/train_step.py`` (full, a few minutes on 2 cores), ``--quick`` (tiny model,
+a sanity check), ``--dtypes bf16 --compile on`` for one column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+from zerotron.checkpoint.hf import from_hf_state_dict  # noqa: E402
+from zerotron.engine import Engine  # noqa: E402
+from zerotron.fileio import atomic_write_text  # noqa: E402
+from zerotron.models.gpt import GPT  # noqa: E402
+from zerotron.optim import build_optimizer, get_param_groups  # noqa: E402
+from zerotron.precision import MixedPrecisionOptimizer  # noqa: E402
+from zerotron.training.build import lm_loss  # noqa: E402
+from zerotron.training.throughput import model_flops_per_token  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Goals of issue #3, section 5, on the 2-core CPU.
+RATIO_GOAL = 1.2
+MFU_GOALS = {"fp32": 0.65, "bf16": 0.35}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The benchmarked model and batch."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    seq_length: int
+    micro_batch: int
+    vocab_size: int  # the tokenizer's
+    padded_vocab_size: int  # zerotron's embedding rows
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.seq_length
+
+
+FULL = Shape(6, 384, 6, 256, 8, 50257, 50304)  # GPT-2 vocab padded to a multiple of 128
+QUICK = Shape(2, 64, 4, 64, 4, 1000, 1024)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The optimizer both sides use."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+# ---- the two sides ---------------------------------------------------------------------------
+
+
+@dataclass
+class Side:
+    """One model being trained: a step is ``forward`` -> ``backward`` -> ``step``."""
+
+    name: str
+    forward: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # batch -> scalar loss
+    backward: Callable[[torch.Tensor], None]
+    step: Callable[[], Any]
+    keep: list[Any] = field(default_factory=list)  # owns the objects the closures use
+
+
+def hf_model(shape: Shape, seed: int) -> GPT2LMHeadModel:
+    """transformers' GPT-2 with its own random init; dropout off, SDPA attention."""
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=shape.num_layers,
+        n_embd=shape.hidden_size,
+        n_head=shape.num_heads,
+        n_positions=shape.seq_length,
+        vocab_size=shape.vocab_size,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation="sdpa",
+    )
+    return GPT2LMHeadModel(config)
+
+
+def make_optimizer(model: torch.nn.Module, hp: Hyper) -> MixedPrecisionOptimizer:
+    groups = get_param_groups(model, hp.weight_decay)
+    opt = build_optimizer(
+        groups, "adamw", lr=hp.lr, weight_decay=hp.weight_decay, betas=hp.betas, eps=hp.eps
+    )
+    return MixedPrecisionOptimizer(opt, clip_grad=hp.clip_grad)
+
+
+def zerotron_side(
+    hf_sd: dict,
+    hf_config: dict,
+    shape: Shape,
+    dtype: torch.dtype,
+    compile: bool,
+    hp: Hyper,
+    device: torch.device,
+) -> Side:
+    """zerotron's training path: GPT + MixedPrecisionOptimizer inside an Engine."""
+    cfg, sd = from_hf_state_dict(hf_sd, hf_config, shape.padded_vocab_size)
+    model = GPT(cfg)
+    model.load_state_dict(sd, strict=True)
+    model.to(device=device, dtype=dtype).train()
+    engine = Engine(
+        model, make_optimizer(model, hp), micro_batch_size=shape.micro_batch, compile=compile
+    )
+    return Side(
+        "zerotron",
+        forward=lambda batch: lm_loss(engine, batch),
+        backward=engine.backward,
+        step=engine.step,
+        keep=[engine],
+    )
+
+
+def hf_side(
+    hf_sd: dict,
+    shape: Shape,
+    dtype: torch.dtype,
+    compile: bool,
+    hp: Hyper,
+    device: torch.device,
+    bf16_mode: str,
+) -> Side:
+    """transformers' GPT2LMHeadModel with the same optimizer (see the module docstring)."""
+    model = hf_model(shape, seed=0)
+    model.load_state_dict(hf_sd, strict=True)
+    autocast = dtype == torch.bfloat16 and bf16_mode == "autocast"
+    model.to(device=device, dtype=torch.float32 if autocast else dtype).train()
+    optimizer = make_optimizer(model, hp)
+    call = torch.compile(model) if compile else model
+
+    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch["labels"]
+        with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+            return call(input_ids=batch["tokens"], labels=labels, shift_labels=labels).loss
+
+    return Side(
+        "transformers",
+        forward=forward,
+        backward=lambda loss: loss.backward(),
+        step=optimizer.step,
+        keep=[model, optimizer],
+    )
+
+
+# ---- measurements ----------------------------------------------------------------------------
+
+
+def make_batches(shape: Shape, n: int, seed: int, device: torch.device) -> list[dict]:
+    """Random-token micro-batches shaped as the GPT dataset's (labels already shifted)."""
+    g = torch.Generator().manual_seed(seed)
+    b, s = shape.micro_batch, shape.seq_length
+    batches = []
+    for _ in range(n):
+        data = torch.randint(0, shape.vocab_size, (b, s + 1), generator=g)
+        batch = {
+            "tokens": data[:, :-1].contiguous(),
+            "labels": data[:, 1:].contiguous(),
+            "loss_mask": torch.ones(b, s),
+            "position_ids": torch.arange(s).expand(b, s).contiguous(),
+        }
+        batches.append({k: v.to(device) for k, v in batch.items()})
+    return batches
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_step(side: Side, batch: dict, device: torch.device) -> tuple[float, list[float]]:
+    """One training step; returns (loss, [forward, backward, optimizer] seconds)."""
+    t0 = time.perf_counter()
+    loss = side.forward(batch)
+    sync(device)
+    t1 = time.perf_counter()
+    side.backward(loss)
+    sync(device)
+    t2 = time.perf_counter()
+    side.step()
+    sync(device)
+    t3 = time.perf_counter()
+    return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
+
+
+def matmul_peak(
+    shape: Shape, dtype: torch.dtype, device: torch.device, seconds: float = 0.25
+) -> tuple[float, str]:
+    """Best FLOP/s of ``torch.mm`` over the model's matmul shapes and a square one.
+
+    Each candidate ``[m, k] @ [k, n]`` runs with ``B`` stored ``[k, n]`` and as the transpose of
+    an ``[n, k]`` matrix (``F.linear``'s layout); best of 3 rounds of ``seconds`` each.
+    """
+    t, h = shape.tokens_per_step, shape.hidden_size
+    candidates = [(t, h, 3 * h), (t, h, h), (t, h, 4 * h), (t, 4 * h, h), (2048, 2048, 2048)]
+    best, best_name = 0.0, ""
+    for m, k, n in candidates:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        for layout, b in (
+            ("kn", torch.randn(k, n, dtype=dtype, device=device)),
+            ("nk^T", torch.randn(n, k, dtype=dtype, device=device).t()),
+        ):
+            flops = 2.0 * m * k * n
+            torch.mm(a, b)  # warm the kernel
+            for _ in range(3):
+                iters, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < seconds:
+                    torch.mm(a, b)
+                    sync(device)
+                    iters += 1
+                rate = flops * iters / (time.perf_counter() - t0)
+                if rate > best:
+                    best, best_name = rate, f"[{m}x{k}]@[{k}x{n}] ({layout})"
+    return best, best_name
+
+
+def num_model_params(model: GPT2LMHeadModel) -> int:
+    """N of the FLOPs formula: all parameters but the position embeddings, tied weight once."""
+    n = sum(p.numel() for p in model.parameters())  # parameters() lists a tied weight once
+    return n - model.transformer.wpe.weight.numel()
+
+
+def check_initial_loss(
+    hf_sd: dict, hf_config: dict, shape: Shape, batch: dict, hp: Hyper, device: torch.device
+) -> tuple[float, float]:
+    """fp32 loss of both models on one batch, before any step; they must agree."""
+    zt = zerotron_side(hf_sd, hf_config, shape, torch.float32, False, hp, device)
+    hf = hf_side(hf_sd, shape, torch.float32, False, hp, device, "master")
+    with torch.no_grad():
+        ours, theirs = zt.forward(batch).item(), hf.forward(batch).item()
+    if abs(ours - theirs) > 1e-5 * abs(theirs):
+        raise SystemExit(
+            f"initial losses differ: zerotron {ours:.7f}, transformers {theirs:.7f}; the "
+            "comparison would not be apples to apples (check checkpoint.hf and the model)"
+        )
+    return ours, theirs
+
+
+@dataclass
+class Column:
+    """Results of one (dtype, compile) column."""
+
+    dtype: str
+    compiled: bool
+    step_s: dict[str, float] = field(default_factory=dict)  # median seconds per step
+    phases_ms: dict[str, list[float]] = field(default_factory=dict)  # fwd, bwd, opt medians
+    first_loss: dict[str, float] = field(default_factory=dict)
+    warmup_s: dict[str, float] = field(default_factory=dict)  # incl. compilation
+    rounds_s: dict[str, list[float]] = field(default_factory=dict)  # mean step time per round
+    ratio: float = 0.0  # median over rounds of transformers' / zerotron's step time
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype} {'compiled' if self.compiled else 'eager'}"
+
+
+def run_column(
+    dtype_name: str,
+    compiled: bool,
+    hf_sd: dict,
+    hf_config: dict,
+    shape: Shape,
+    batches: list,
+    args: argparse.Namespace,
+    hp: Hyper,
+    device: torch.device,
+) -> Column:
+    col = Column(dtype_name, compiled)
+    dtype = DTYPES[dtype_name]
+    sides = [
+        zerotron_side(hf_sd, hf_config, shape, dtype, compiled, hp, device),
+        hf_side(hf_sd, shape, dtype, compiled, hp, device, args.hf_bf16),
+    ]
+    steps_done = {s.name: 0 for s in sides}
+    phases: dict[str, list[list[float]]] = {s.name: [] for s in sides}
+
+    def step(side: Side) -> float:
+        batch = batches[steps_done[side.name] % len(batches)]
+        steps_done[side.name] += 1
+        loss, ph = timed_step(side, batch, device)
+        if not math.isfinite(loss):
+            raise SystemExit(f"{side.name} {col.label}: non-finite loss {loss}")
+        phases[side.name].append(ph)
+        return loss
+
+    for side in sides:  # warmup, compilation included
+        t0 = time.perf_counter()
+        col.first_loss[side.name] = step(side)
+        for _ in range(args.warmup - 1):
+            step(side)
+        col.warmup_s[side.name] = time.perf_counter() - t0
+    for side in sides:
+        phases[side.name].clear()
+    # Steps alternate between the sides (and who goes first), so a burst of load from other
+    # processes hits both alike; the ratio is taken per round, over the same stretch of time.
+    for r in range(args.repeat):
+        spent = {s.name: 0.0 for s in sides}
+        for i in range(args.steps):
+            for side in sides if (r * args.steps + i) % 2 == 0 else sides[::-1]:
+                step(side)
+                spent[side.name] += sum(phases[side.name][-1])
+        for name, seconds in spent.items():
+            col.rounds_s.setdefault(name, []).append(seconds / args.steps)
+    for name, rounds in col.rounds_s.items():
+        col.step_s[name] = statistics.median(rounds)
+        col.phases_ms[name] = [
+            1e3 * statistics.median(p[i] for p in phases[name]) for i in range(3)
+        ]
+    col.ratio = statistics.median(
+        hf / zt for zt, hf in zip(col.rounds_s["zerotron"], col.rounds_s["transformers"])
+    )
+    return col
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def report(
+    columns: list[Column], shape: Shape, flops_per_token: float, peaks: dict, args
+) -> tuple[str, dict]:
+    tokens = shape.tokens_per_step
+    lines = []
+    width = 24
+    head = f"{'':14}" + "".join(f"{c.label:>{width}}" for c in columns)
+    sub = f"{'':14}" + "".join(f"{'tokens/s':>{width - 9}}{'MFU':>9}" for _ in columns)
+    lines += [head, sub]
+    results: dict[str, Any] = {}
+    for name in ("zerotron", "transformers"):
+        row = f"{name:14}"
+        for c in columns:
+            tps = tokens / c.step_s[name]
+            mfu = tps * flops_per_token / peaks[c.dtype][0]
+            results.setdefault(c.label, {})[name] = {"tokens_per_s": tps, "mfu": mfu}
+            row += f"{tps:>{width - 9},.0f}{100 * mfu:>8.1f}%"
+        lines.append(row)
+    row = f"{'ratio':14}"
+    for c in columns:
+        results[c.label]["ratio"] = c.ratio
+        row += f"{c.ratio:>{width - 9}.2f}x{'':>8}"
+    lines.append(row)
+
+    lines.append("")
+    lines.append("per-step phases, median ms (forward+loss / backward / optimizer):")
+    for c in columns:
+        parts = [f"{n} {'/'.join(f'{x:.0f}' for x in c.phases_ms[n])}" for n in c.phases_ms]
+        lines.append(f"  {c.label:14} " + "   ".join(parts))
+    lines.append("rounds, seconds per step (zerotron | transformers):")
+    for c in columns:
+        zt = " ".join(f"{x:.3f}" for x in c.rounds_s["zerotron"])
+        hf = " ".join(f"{x:.3f}" for x in c.rounds_s["transformers"])
+        warm = ", ".join(f"{n} {s:.1f}s" for n, s in c.warmup_s.items())
+        lines.append(f"  {c.label:14} {zt} | {hf}   (warmup incl. compile: {warm})")
+    lines.append("first-step loss, same weights and batch (zerotron / transformers):")
+    for c in columns:
+        lines.append(
+            f"  {c.label:14} {c.first_loss['zerotron']:.5f} / {c.first_loss['transformers']:.5f}"
+        )
+
+    lines.append("")
+    lines.append("goals (issue #3):")
+    for c in columns:
+        r = results[c.label]
+        ok_ratio = r["ratio"] >= RATIO_GOAL
+        goal = MFU_GOALS[c.dtype]
+        ok_mfu = r["zerotron"]["mfu"] >= goal
+        lines.append(
+            f"  {c.label:14} ratio {r['ratio']:.2f}x >= {RATIO_GOAL}x: "
+            f"{'met' if ok_ratio else 'NOT met'};  zerotron MFU {100 * r['zerotron']['mfu']:.1f}%"
+            f" >= {100 * goal:.0f}%: {'met' if ok_mfu else 'NOT met'}"
+        )
+    if args.quick:
+        lines.append("  (--quick: a tiny model; these numbers say nothing about the goals)")
+    return "\n".join(lines), results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32,bf16")
+    p.add_argument("--compile", choices=("both", "on", "off"), default="both")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round and side")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per side and column (>= 1)")
+    p.add_argument("--repeat", type=int, default=8, help="timed rounds; the median is reported")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 1 round")
+    p.add_argument(
+        "--hf-bf16",
+        choices=("master", "autocast"),
+        default="master",
+        help="transformers' bf16: bf16 params + fp32 masters (as zerotron), or "
+        "fp32 params under torch.autocast",
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = [d for d in args.dtypes if d not in DTYPES]
+    if unknown or not args.dtypes:
+        p.error(f"--dtypes: unknown {unknown}; use fp32 and/or bf16")
+    if args.quick:
+        args.steps, args.warmup, args.repeat = 2, 1, 1
+    if min(args.steps, args.repeat, args.threads, args.warmup) < 1:
+        p.error("--steps, --repeat, --warmup and --threads must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    device = torch.device(args.device)
+    shape = QUICK if args.quick else FULL
+    hp = Hyper()
+    compiles = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
+
+    reference = hf_model(shape, args.seed)
+    hf_sd = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    hf_config = reference.config.to_dict()
+    n = num_model_params(reference)
+    flops_per_token = model_flops_per_token(
+        n, shape.num_layers, shape.hidden_size, shape.seq_length
+    )
+    del reference
+    batches = make_batches(shape, 4, args.seed, device)
+
+    print(
+        f"model: {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.num_heads} heads, "
+        f"seq {shape.seq_length}, micro batch {shape.micro_batch} ({shape.tokens_per_step} tokens"
+        f"/step), vocab {shape.vocab_size} (zerotron pads to {shape.padded_vocab_size}), dropout 0"
+    )
+    print(
+        f"N = {n:,} parameters (no position embeddings, tied embedding once); model FLOPs per "
+        f"token 6N + 12Lhs = {flops_per_token / 1e6:.1f} M"
+    )
+    print(
+        f"optimizer (both): fused AdamW lr {hp.lr} wd {hp.weight_decay} (not on biases/norms) "
+        f"betas {hp.betas} eps {hp.eps}, clip {hp.clip_grad}, in MixedPrecisionOptimizer"
+    )
+    hf_bf16 = (
+        "bf16 params + fp32 masters, as zerotron"
+        if args.hf_bf16 == "master"
+        else "fp32 params under torch.autocast(bf16)"
+    )
+    print(f"bf16: zerotron bf16 params + fp32 masters; transformers {hf_bf16}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, threads "
+        f"{torch.get_num_threads()}, device {device}; steps {args.steps} x rounds {args.repeat} "
+        f"after {args.warmup} warmup, median round"
+    )
+
+    ours, theirs = check_initial_loss(hf_sd, hf_config, shape, batches[0], hp, device)
+    print(
+        f"initial fp32 loss, same weights and batch: zerotron {ours:.6f}, transformers "
+        f"{theirs:.6f} (|diff| {abs(ours - theirs):.1e})"
+    )
+
+    # The peak is measured next to each column (the same machine load) and the best of the run
+    # is used: the most conservative MFU.
+    measured: dict[str, list[tuple[float, str]]] = {d: [] for d in args.dtypes}
+    columns = []
+    for d in args.dtypes:
+        for compiled in compiles:
+            t0 = time.perf_counter()
+            measured[d].append(matmul_peak(shape, DTYPES[d], device))
+            col = run_column(d, compiled, hf_sd, hf_config, shape, batches, args, hp, device)
+            columns.append(col)
+            print(f"  {col.label}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+            torch._dynamo.reset()
+            gc.collect()
+
+    peaks = {d: max(m) for d, m in measured.items()}
+    print()
+    for d, (rate, where) in peaks.items():
+        each = ", ".join(f"{r / 1e9:,.0f}" for r, _ in measured[d])
+        print(
+            f"matmul peak {d}: {rate / 1e9:,.0f} GFLOP/s, torch.mm on {where} "
+            f"(best of the run; measured before each column: {each})"
+        )
+    text, results = report(columns, shape, flops_per_token, peaks, args)
+    print(text)
+    if args.json:
+        payload = {
+            "shape": asdict(shape),
+            "hyper": asdict(hp),
+            "flops_per_token": flops_per_token,
+            "peaks": {d: {"flops": f, "shape": s} for d, (f, s) in peaks.items()},
+            "threads": torch.get_num_threads(),
+            "hf_bf16": args.hf_bf16,
+            "columns": results,
+            "initial_loss": {"zerotron": ours, "transformers": theirs},
+        }
+        atomic_write_text(args.json, json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
