@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from zerotron.data.tokenizer import vocab_size_with_padding
 from zerotron.distributed import get_rng_tracker, ledger, model_parallel_seed
 from zerotron.distributed.state import initialize_model_parallel, state
-from zerotron.models.gpt import GPT, GPTConfig
+from zerotron.models.gpt import GPT, GPTConfig, KVCache
 from zerotron.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -176,8 +176,9 @@ def _shard(model: GPT, ref_sd: dict[str, torch.Tensor], junk_rows: float) -> Non
 
 def _train_step(model: GPT):
     tokens, labels, weights = batch()
+    positions = torch.arange(S).expand(B, S)  # as pretraining passes them (SP slices them)
     with ledger.capture() as cap:
-        loss = model(tokens, labels=labels)
+        loss = model(tokens, positions, labels=labels)
         (loss * weights).sum().backward()
         allreduce_sequence_parallel_grads(model)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -201,6 +202,12 @@ def _gpt(rank, ref_sd):
         model.eval()
         with torch.no_grad():
             out[sp, "logits"] = model(batch()[0])
+            if not sp:  # incremental decoding: this rank's heads in the cache
+                cache = KVCache.for_model(model, B)
+                first = model(batch()[0][:, :10], kv_cache=cache)
+                out["cached_logits"] = torch.cat(
+                    [first, model(batch()[0][:, 10:], kv_cache=cache)], 1
+                )
     return out
 
 
@@ -427,6 +434,9 @@ def test_gpt_logits_exclude_padding(results, reference, sp):
             got[..., :ORIG_VOCAB], want[..., :ORIG_VOCAB], rtol=1e-5, atol=1e-5
         )
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+        if not sp:
+            cached = results[r]["gpt"]["cached_logits"]
+            torch.testing.assert_close(cached, got, rtol=1e-5, atol=1e-5)
 
 
 def test_sequence_parallel_marks_the_replicated_params(results):
