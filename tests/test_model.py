@@ -88,6 +88,9 @@ def test_initialization_statistics():
             assert torch.all(p == 1), name
         else:
             std = next(v for k, v in expected_std.items() if name.endswith(k))
+            if name.endswith("word_embeddings.weight"):  # padding rows start at zero
+                assert not p[cfg.orig_vocab_size :].any(), name
+                p = p[: cfg.orig_vocab_size]
             n = p.numel()  # standard error of the sample std is std / sqrt(2n); allow 5 of them
             assert abs(p.std().item() - std) < 5 * std / math.sqrt(2 * n), name
             assert abs(p.mean().item()) < 5 * std / math.sqrt(n), name
@@ -293,3 +296,19 @@ def test_vocab_padded_keys_name_the_vocab_rows():
     sd = GPT(config()).state_dict()
     for key in VOCAB_PADDED_KEYS:
         assert sd[key].shape[0] == 128
+
+
+def test_vocab_padding_does_not_change_the_initial_model():
+    # Layouts pad the vocabulary differently (50304 at TP 1, 50432 at TP 2); the model they start
+    # from must be the same: real rows equal, padding rows zero, every other tensor identical.
+    def build(padded: int) -> GPT:
+        torch.manual_seed(0)
+        return GPT(config(vocab_size=padded, orig_vocab_size=1000))
+
+    a, b = build(1024).state_dict(), build(1088).state_dict()
+    for key in a:
+        if key == "embedding.word_embeddings.weight":
+            assert torch.equal(a[key][:1000], b[key][:1000])
+            assert not a[key][1000:].any() and not b[key][1000:].any()
+        else:
+            assert torch.equal(a[key], b[key]), key

@@ -435,6 +435,7 @@ class Embedding(nn.Module):
             config.vocab_size,
             config.hidden_size,
             init_method=init,
+            init_rows=config.orig_vocab_size,  # padding must not shift later layers' init
             sequence_parallel=self.sequence_parallel,
             tp_group=tp_group,
         )

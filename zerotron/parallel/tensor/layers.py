@@ -132,14 +132,17 @@ def _init_partition(
     tp_size: int,
     tp_rank: int,
     stride: int = 1,
+    init_rows: int | None = None,
 ) -> None:
     """Initialize the full weight in fp32 (default ``N(0, 0.02)``), then keep this rank's partition.
 
     With ``stride`` s the dimension is cut into ``tp_size * s`` chunks and rank r keeps chunks
-    r, r + tp_size, ... (for weights made of s interleaved blocks).
+    r, r + tp_size, ... (for weights made of s interleaved blocks). With ``init_rows`` only the
+    first rows are drawn and the rest are zero, so the random numbers consumed (and every later
+    layer's initialization) do not depend on how far the rows were padded.
     """
-    master = torch.empty(full_shape, dtype=torch.float32, device=weight.device)
-    (init_method or init_method_normal(0.02))(master)
+    master = torch.zeros(full_shape, dtype=torch.float32, device=weight.device)
+    (init_method or init_method_normal(0.02))(master if init_rows is None else master[:init_rows])
     chunks = torch.chunk(master, tp_size * stride, dim=partition_dim)
     mine = torch.cat(chunks[tp_rank::tp_size], dim=partition_dim)
     with torch.no_grad():
@@ -291,11 +294,13 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         init_method: InitMethod | None = None,
+        init_rows: int | None = None,
         sequence_parallel: bool = False,
         tp_size: int | None = None,
         tp_rank: int | None = None,
         tp_group: Group | None = None,
     ):
+        """``init_rows``: the real vocabulary; padding rows beyond it start at zero."""
         super().__init__()
         self.tp_group = resolve_tp_group(tp_group, tp_size, tp_rank, "VocabParallelEmbedding")
         tp_size, tp_rank = self.tp_group.size, self.tp_group.rank
@@ -306,7 +311,13 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end_index = self.vocab_start_index + per_partition
         self.weight = nn.Parameter(torch.empty(per_partition, embedding_dim))
         _init_partition(
-            self.weight, (num_embeddings, embedding_dim), 0, init_method, tp_size, tp_rank
+            self.weight,
+            (num_embeddings, embedding_dim),
+            0,
+            init_method,
+            tp_size,
+            tp_rank,
+            init_rows=init_rows,
         )
         set_tensor_model_parallel_attributes(self.weight, True, 0)
 
