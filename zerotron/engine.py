@@ -11,13 +11,23 @@ Engine tells it which micro-batch ends an accumulation (only that backward reduc
 waits for its buckets before the optimizer step, and reports losses averaged over the
 data-parallel group. :func:`grad_norm_hooks` gives the optimizer the ``reduce_fn`` and
 ``is_counted`` that make the gradient norm and the overflow check span the model-parallel ranks.
-Checkpoints hold one file per model-parallel rank, written by data-parallel rank 0. Later parts
-(ZeRO partitions, the pipeline runtime) plug in here too, not in the loop.
+Checkpoints hold one file per model-parallel rank, written by data-parallel rank 0.
+
+Pipeline parallelism plugs in as a
+:class:`~zerotron.parallel.pipeline.PipelineRuntime` over this rank's model chunks (``model`` is
+then the module holding them, e.g. ``training.build.StageModel``). Only whole batches make sense
+there (:meth:`Engine.train_batch`, :meth:`Engine.eval_batch`): the runtime runs the step's
+micro-batches on its schedule, with data-parallel reduction held back until all of them are done;
+then the tied embedding's gradients are summed over the first and last stages, the sequence-
+parallel ones over TP, and the optimizer steps. The loss, known on the last stage only, is
+broadcast over the pipeline group so every rank returns the same value. Later parts (ZeRO
+partitions) plug in here too, not in the loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +49,9 @@ from zerotron.checkpoint.layout import CHECKPOINT_VERSION
 from zerotron.distributed import comm
 from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import ParallelState, state
-from zerotron.errors import CheckpointError
+from zerotron.errors import CheckpointError, UnsupportedError
 from zerotron.parallel.data_parallel import DataParallel
+from zerotron.parallel.pipeline import PipelineRuntime, allreduce_embedding_grads
 from zerotron.precision.grads import IsCounted, ReduceFn, grad_of
 from zerotron.precision.mixed import LOW_PRECISION, MixedPrecisionOptimizer, StepResult
 
@@ -129,6 +140,9 @@ class Engine:
         timers: optional ``timers(name).start()/stop()`` (``training.timers.Timers``).
         data_parallel: averages gradients over the data-parallel group (built before the
             optimizer, see :mod:`zerotron.parallel.data_parallel`); None for one replica.
+        pipeline: runs ``model``'s pipeline chunks (``pipeline.modules``, all of them
+            ``model``'s submodules) on the schedule; ``gradient_accumulation_steps`` must equal
+            its ``num_microbatches``. None without pipeline parallelism.
     """
 
     def __init__(
@@ -148,8 +162,21 @@ class Engine:
         compile: bool = False,
         timers: Callable[[str], Any] | None = None,
         data_parallel: DataParallel | None = None,
+        pipeline: PipelineRuntime | None = None,
     ):
+        if pipeline is not None and pipeline.num_microbatches != gradient_accumulation_steps:
+            raise UnsupportedError(
+                f"the pipeline runs {pipeline.num_microbatches} micro-batches a step, but "
+                f"gradient_accumulation_steps is {gradient_accumulation_steps}",
+                where="Engine",
+                fix="build PipelineRuntime with num_microbatches = gradient_accumulation_steps",
+            )
+        if pipeline is not None and compile:
+            raise UnsupportedError(
+                "torch.compile of pipeline stages", where="Engine", fix="drop --compile"
+            )
         self.module = model
+        self.pipeline = pipeline
         self.data_parallel = data_parallel
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -216,9 +243,18 @@ class Engine:
     # ---- one micro-batch at a time (DeepSpeed's loop) ---------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_under_pipeline("engine(batch)")
         return self._forward(*args, **kwargs)
 
     forward = __call__
+
+    def _refuse_under_pipeline(self, what: str) -> None:
+        if self.pipeline is not None:
+            raise UnsupportedError(
+                f"{what} under pipeline parallelism: a stage sees no whole model",
+                where="Engine",
+                fix="use engine.train_batch(data_iter) / engine.eval_batch(data_iter)",
+            )
 
     def backward(self, loss: Tensor) -> None:
         """Backward of one micro-batch's loss: divided by the accumulation steps, then scaled.
@@ -226,6 +262,7 @@ class Engine:
         Under data parallelism only the micro-batch that ends an accumulation reduces gradients
         (its buckets overlap with its backward); this call returns once they are averaged.
         """
+        self._refuse_under_pipeline("engine.backward(loss)")
         if self._gas > 1:
             loss = loss / self._gas
         dp = self.data_parallel
@@ -293,6 +330,8 @@ class Engine:
         Returns the mean loss over the micro-batches and data-parallel ranks (a detached scalar,
         the same on every rank).
         """
+        if self.pipeline is not None:
+            return self._train_batch_pipeline(data_iter)
         assert self.loss_fn is not None, "train_batch needs Engine(loss_fn=...)"
         self.module.train()
         losses = []
@@ -314,8 +353,14 @@ class Engine:
     def eval_batch(self, data_iter: Iterator) -> Tensor:
         """Mean loss over one global batch's micro-batches (and data-parallel ranks), without
         gradients or dropout."""
-        assert self.loss_fn is not None, "eval_batch needs Engine(loss_fn=...)"
         was_training = self.module.training
+        if self.pipeline is not None:
+            try:
+                loss = self.pipeline.eval_step(self._batches(data_iter))
+            finally:
+                self.module.train(was_training)
+            return self._dp_mean(self._from_last_stage(loss))
+        assert self.loss_fn is not None, "eval_batch needs Engine(loss_fn=...)"
         self.module.eval()
         try:
             losses = [
@@ -324,6 +369,49 @@ class Engine:
         finally:
             self.module.train(was_training)
         return self._dp_mean(torch.stack(losses).float().mean())
+
+    # ---- pipeline parallelism -------------------------------------------------------------
+
+    def _batches(self, data_iter: Iterator) -> Iterator:
+        """``data_iter``'s micro-batches on this device, drawn one at a time by the runtime."""
+        while True:
+            try:
+                yield self._next_batch(data_iter)
+            except StopIteration:
+                return
+
+    def _train_batch_pipeline(self, data_iter: Iterator) -> Tensor:
+        """One step of the pipeline schedule over the global batch's micro-batches, then step.
+
+        The data-parallel buckets stay quiet through the schedule (they would otherwise reduce
+        on every micro-batch's backward) and are reduced once, after the last backward.
+        """
+        pipe = self.pipeline
+        dp = self.data_parallel
+        fb = self.timers("forward-backward")
+        fb.start()
+        with dp.no_sync() if dp is not None else nullcontext():
+            loss = pipe.train_step(self._batches(data_iter), grad_scale=self.optimizer.loss_scale)
+        if dp is not None:
+            dp.finish_grad_sync()
+        allreduce_embedding_grads(pipe.modules)
+        self._allreduce_sequence_parallel_grads()
+        fb.stop()
+        self.micro_steps += self._gas
+        opt = self.timers("optimizer")
+        opt.start()
+        self.step()
+        opt.stop()
+        return self._dp_mean(self._from_last_stage(loss))
+
+    def _from_last_stage(self, loss: Tensor | None) -> Tensor:
+        """The last pipeline stage's ``loss``, broadcast to every stage of the pipeline group."""
+        pp = _parallel_state().pp
+        if pp.size == 1:
+            assert loss is not None
+            return loss
+        value = torch.zeros((), device=self.device) if loss is None else loss.float().clone()
+        return comm.broadcast(value, pp, pp.size - 1)
 
     # ---- checkpoints ----------------------------------------------------------------------
 

@@ -138,9 +138,11 @@ def test_only_rank_0_logs(dp2):
     assert rank1 == ""  # data-parallel rank 1 prints nothing, not even the parameter count
 
 
-def test_pipeline_parallel_is_refused_clearly(data_prefix):
-    with pytest.raises(UnsupportedError, match="pipeline-model-parallel-size 2"):
-        _pretrain(2, data_prefix, "--pipeline-model-parallel-size", 2)
+def test_pipeline_parallel_refuses_full_recompute_clearly(data_prefix):
+    # Pipeline runs are covered by test_equivalence_matrix.py; stages do not recompute yet.
+    with pytest.raises(UnsupportedError, match="full activation recompute"):
+        _pretrain(2, data_prefix, "--pipeline-model-parallel-size", 2,
+                  "--recompute-granularity", "full")  # fmt: skip
 
 
 def _dp2_tp2_rank(rank: int, data: str, root: str, *extra: str) -> dict:

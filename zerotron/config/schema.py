@@ -14,7 +14,8 @@ A Config holds two kinds of values:
   ``data_parallel_size`` (world / (tp·pp)), ``train_iters`` from ``train_samples`` and back,
   ``lr_decay_iters`` (train_iters), ``lr_decay_samples``, ``lr_warmup_samples``,
   ``start/end_weight_decay`` (weight_decay), ``virtual_pipeline_model_parallel_size``,
-  ``recompute_method`` / ``recompute_num_layers`` (uniform, 1).
+  ``pipeline_schedule`` (1f1b, or interleaved with virtual stages), ``recompute_method`` /
+  ``recompute_num_layers`` (uniform, 1).
 
 So after validation every field the training loop reads is set, and re-validating the inputs
 with another world size (:meth:`Config.with_world_size`) derives everything afresh. A Config is
@@ -375,6 +376,11 @@ class ParallelConfig(_Section):
         gt=0,
         description="Virtual stages per pipeline rank; derived from "
         "num_layers_per_virtual_pipeline_stage.",
+    )
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved"] | None = Field(
+        None,
+        description="Pipeline schedule (zerotron's flag; Megatron has none): 1f1b by default, "
+        "interleaved with virtual stages, gpipe (all forwards, then all backwards) on request.",
     )
     distributed_timeout_minutes: Int = Field(
         10, gt=0, description="Timeout of collectives; a hung rank fails the job after it."
@@ -867,6 +873,30 @@ class Config(BaseModel):
                 fix=f"use a multiple of {pp} layers, or another --pipeline-model-parallel-size",
             )
         self._resolve_virtual_pipeline()
+        self._resolve_pipeline_schedule()
+
+    def _resolve_pipeline_schedule(self) -> None:
+        """Interleaved exactly when there are virtual stages; 1F1B unless GPipe is asked for."""
+        par = self.parallel
+        kind, vpp = par.pipeline_schedule, par.virtual_pipeline_model_parallel_size
+        where = "parallel.pipeline_schedule"
+        if vpp is not None and kind not in (None, "interleaved"):
+            raise ConfigError(
+                f"pipeline_schedule {kind!r} has one model chunk per stage, but "
+                f"num_layers_per_virtual_pipeline_stage gives {vpp} virtual stages per rank",
+                where=where,
+                fix="drop --pipeline-schedule (virtual stages run the interleaved schedule), or "
+                "drop --num-layers-per-virtual-pipeline-stage",
+            )
+        if vpp is None and kind == "interleaved":
+            raise ConfigError(
+                "the interleaved schedule needs virtual pipeline stages",
+                where=where,
+                fix="set --num-layers-per-virtual-pipeline-stage (fewer than the layers per "
+                "stage), or use --pipeline-schedule 1f1b",
+            )
+        if kind is None and par.pipeline_model_parallel_size > 1:
+            _fill(par, pipeline_schedule="interleaved" if vpp is not None else "1f1b")
 
     def _resolve_virtual_pipeline(self) -> None:
         par, m = self.parallel, self.model

@@ -1,6 +1,13 @@
 """Build what a GPT run needs from a validated Config: tokenizer, model, optimizer, Engine.
 
 Shared by ``zerotron pretrain`` and the tests and benchmarks that want the same objects.
+
+Under pipeline parallelism every rank builds the full GPT from the same seed (so every layout
+starts from the one-process weights), cuts out its stage's chunks
+(:func:`~zerotron.parallel.pipeline.build_gpt_stages`), and gives the Engine a
+:class:`StageModel` (those chunks under the GPT's own parameter names: the optimizer,
+data-parallel buckets and checkpoints see one module) and a
+:class:`~zerotron.parallel.pipeline.PipelineRuntime` running them.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from zerotron.checkpoint import build_metadata
 from zerotron.config import Config
@@ -21,6 +29,8 @@ from zerotron.engine import Engine, grad_norm_hooks
 from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
 from zerotron.optim import OptimizerParamScheduler, build_optimizer, get_param_groups
 from zerotron.parallel.data_parallel import DataParallel
+from zerotron.parallel.pipeline import GPTStage, PipelineRuntime, build_gpt_stages
+from zerotron.parallel.pipeline.gpt_stage import TIED_COPY
 from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,11 +45,15 @@ def set_random_seed(seed: int, ps: ParallelState | None = None) -> int:
     """
     ps = ps or state()
     seed = seed + 100 * ps.pp_rank
+    _seed_all(seed)
+    return seed
+
+
+def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_seed(seed)
-    return seed
 
 
 def default_device() -> torch.device:
@@ -84,14 +98,73 @@ def lm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (losses.float() * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+class StageModel(nn.Module):
+    """This rank's pipeline chunks as one module, under the full GPT's parameter names.
+
+    It registers the chunks' own submodules (no copies) as a GPT does: ``embedding`` (first
+    stage), ``layers.<global index>``, ``final_layernorm`` and ``output_layer`` (the tied
+    embedding's copy, last stage). So ``state_dict`` keys match the GPT's, and each parameter
+    appears once. The chunks themselves, in order, are :attr:`chunks`; the runtime calls them.
+    """
+
+    def __init__(self, chunks: list[GPTStage]):
+        super().__init__()
+        self.chunks = list(chunks)  # a plain list: their modules are registered below
+        self.config = chunks[0].config
+        layers = nn.ModuleDict()
+        for chunk in chunks:
+            if chunk.pre_process:
+                self.embedding = chunk.embedding
+            for index, layer in chunk.layers.items():
+                layers[index] = layer
+            if chunk.post_process:
+                self.final_layernorm = chunk.final_layernorm
+                if not chunk.pre_process:
+                    self.output_layer = chunk.output_layer
+        self.layers = layers
+
+    def num_parameters(self) -> int:
+        """Parameters on this rank (the last stage counts its tied-embedding copy, as Megatron)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def flops_parameters(model: GPT) -> int:
+    """The parameter count the model-FLOPs formula wants: all but the position embedding."""
+    return model.num_parameters() - model.embedding.position_embeddings.weight.numel()
+
+
 @dataclass
 class Run:
-    """Everything built for one training run."""
+    """Everything built for one training run.
+
+    ``model`` is the GPT, or under pipeline parallelism this rank's :class:`StageModel`;
+    ``flops_params`` is the full GPT's count for the throughput log (this TP rank's shards).
+    """
 
     cfg: Config
     tokenizer: GPT2BPETokenizer
-    model: GPT
+    model: GPT | StageModel
     engine: Engine
+    flops_params: int = 0
+
+
+def _pipeline(cfg: Config, model: GPT, ps: ParallelState) -> tuple[StageModel, PipelineRuntime]:
+    """Cut ``model`` into this rank's chunks; the runtime that runs them on the schedule."""
+    par = cfg.parallel
+    chunks = build_gpt_stages(
+        model,
+        ps.pp_rank,
+        ps.pp_size,
+        par.virtual_pipeline_model_parallel_size or 1,
+        "uniform",  # as Megatron: the config checks that the layers divide evenly
+    )
+    stage_model = StageModel(chunks)
+    tied = getattr(stage_model, "output_layer", None)
+    if tied is not None:
+        # The first stage owns the tied embedding: the gradient norm counts it there only.
+        tied.weight.shared = True
+    runtime = PipelineRuntime(chunks, par.pipeline_schedule, cfg.training.num_micro_batches)
+    return stage_model, runtime
 
 
 def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = None) -> Run:
@@ -105,10 +178,22 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         cfg.parallel.tensor_model_parallel_size,
     )
     ps = state()
-    set_random_seed(cfg.training.seed, ps)
     gcfg = gpt_config(cfg, padded, tokenizer.vocab_size)
     dtype = DTYPES[cfg.precision.params_dtype]
-    model = GPT(gcfg).to(device=device, dtype=dtype)
+    pipeline = None
+    if ps.pp_size == 1:
+        set_random_seed(cfg.training.seed, ps)
+        model = GPT(gcfg).to(device=device, dtype=dtype)
+        flops_params = flops_parameters(model)
+    else:
+        # Every stage draws the whole GPT from the one seed, then keeps its part and moves to
+        # its own stage's stream (Megatron's seed + 100 * pp_rank) for what training draws.
+        _seed_all(cfg.training.seed)
+        full = GPT(gcfg).to(device=device, dtype=dtype)
+        flops_params = flops_parameters(full)
+        model, pipeline = _pipeline(cfg, full, ps)
+        del full  # what no chunk holds is freed
+        set_random_seed(cfg.training.seed, ps)
     # Before the optimizer: it must see the data-parallel main_grad buffers (and leave them be).
     data_parallel = None
     if ps.dp_size > 1:
@@ -190,10 +275,11 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         data_parallel_size=cfg.parallel.data_parallel_size,
         lr_increment=t.global_batch_size,
         checkpoint_metadata=metadata,
-        vocab_keys=VOCAB_PADDED_KEYS,
+        vocab_keys=(*VOCAB_PADDED_KEYS, TIED_COPY),
         orig_vocab_size=tokenizer.vocab_size,
         compile=cfg.model.compile,
         timers=timers,
         data_parallel=data_parallel,
+        pipeline=pipeline,
     )
-    return Run(cfg, tokenizer, model, engine)
+    return Run(cfg, tokenizer, model, engine, flops_params)

@@ -154,7 +154,7 @@ def train(
     m = cfg.model
     gbs = t.global_batch_size
     flops_per_token = model_flops_per_token(
-        run.model.num_parameters() - run.model.embedding.position_embeddings.weight.numel(),
+        run.flops_params,
         m.num_layers,
         m.hidden_size,
         m.seq_length,

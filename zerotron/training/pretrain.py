@@ -8,9 +8,15 @@ Under ``zerotron launch`` (or torchrun) every rank runs this: the default proces
 created with ``--distributed-timeout-minutes``, then the tensor/pipeline/data-parallel groups.
 Rank 0 builds the dataset index caches (next to the data, so the file system must be shared
 between nodes) while the others wait at a barrier; each data-parallel rank reads its own slice of
-every global batch. Logs come from rank 0 (Megatron prints losses from the last rank, which holds
-them under pipeline parallelism; here the Engine returns the loss on every rank). The parameter
-count is printed by data-parallel rank 0 of every (tensor, pipeline) rank, as Megatron does.
+every global batch (every pipeline stage of a replica reads the same micro-batches: the first
+stage takes the tokens, the last the labels). Logs come from rank 0 (Megatron prints losses from
+the last rank, which holds them under pipeline parallelism; here the Engine broadcasts the loss to
+every rank). The parameter count is printed by data-parallel rank 0 of every (tensor, pipeline)
+rank, as Megatron does.
+
+Pipeline parallelism (``--pipeline-model-parallel-size P``) runs 1F1B by default, the interleaved
+schedule with ``--num-layers-per-virtual-pipeline-stage``, GPipe with ``--pipeline-schedule
+gpipe``; each step runs the config's ``num_micro_batches`` (global batch / (micro batch × dp)).
 """
 
 from __future__ import annotations
@@ -43,14 +49,22 @@ def main(argv: list[str]) -> int:
 
 
 def _check_supported(cfg: Config) -> None:
-    p = cfg.parallel
+    p, m = cfg.parallel, cfg.model
     # Tensor parallelism is the layers' call: they raise UnsupportedError while they lack it.
-    if p.pipeline_model_parallel_size > 1:
+    if p.pipeline_model_parallel_size == 1:
+        return
+    if m.recompute_granularity == "full":
         raise UnsupportedError(
-            f"pipeline parallelism (--pipeline-model-parallel-size "
-            f"{p.pipeline_model_parallel_size}) has no runtime in this build yet",
-            where="zerotron pretrain",
-            fix="use --pipeline-model-parallel-size 1 (data and tensor parallelism work)",
+            "full activation recompute inside pipeline stages is not implemented yet",
+            where="--recompute-granularity full",
+            fix="drop it, use --recompute-granularity selective, or "
+            "--pipeline-model-parallel-size 1",
+        )
+    if m.compile:
+        raise UnsupportedError(
+            "torch.compile of pipeline stages is not implemented yet",
+            where="--compile",
+            fix="drop --compile, or use --pipeline-model-parallel-size 1",
         )
 
 

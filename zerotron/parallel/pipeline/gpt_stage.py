@@ -57,6 +57,7 @@ from zerotron.parallel.tensor import (
     gather_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
+from zerotron.precision.grads import grad_of
 
 if TYPE_CHECKING:  # models/ sits above parallel/: a GPT is only passed in, never imported
     from zerotron.models.gpt import GPT
@@ -232,7 +233,8 @@ def allreduce_embedding_grads(stage_modules: Sequence[nn.Module]) -> None:
 
     Call after the pipeline's backward and before the optimizer step. A no-op on ranks outside
     the group (middle stages) and with one pipeline stage (the weight is a single parameter).
-    A copy that got no gradient this step contributes zeros.
+    A copy that got no gradient this step contributes zeros. The gradient is the parameter's
+    ``main_grad`` where it has one (data-parallel buffers, 16-bit params), else ``.grad``.
     """
     group = state().embedding
     if not group.is_member or group.size == 1:
@@ -249,6 +251,7 @@ def allreduce_embedding_grads(stage_modules: Sequence[nn.Module]) -> None:
             fix="pass this rank's GPTStage chunks from build_gpt_stages",
         )
     weight = weights[0]
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    comm.all_reduce(weight.grad, group)
+    grad = grad_of(weight)  # main_grad under data parallelism or 16-bit params, else .grad
+    if grad is None:
+        weight.grad = grad = torch.zeros_like(weight)
+    comm.all_reduce(grad, group)
