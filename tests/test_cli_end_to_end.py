@@ -24,7 +24,6 @@ import zerotron.inference.cli
 from zerotron.checkpoint import load_file, model_file, read_latest_tag
 from zerotron.checkpoint.layout import MEGATRON_TRACKER
 from zerotron.config import parse_megatron_args
-from zerotron.data.preprocess import main as preprocess_main
 from zerotron.data.tokenizer import build_tokenizer
 from zerotron.training.pretrain import pretrain
 
@@ -48,19 +47,6 @@ def python_m_zerotron(*args: str, timeout: float = 120) -> subprocess.CompletedP
         text=True,
         timeout=timeout,
     )
-
-
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory) -> str:
-    """The first 20 documents of data/austen.jsonl, tokenized with end-of-document tokens."""
-    d = tmp_path_factory.mktemp("austen20")
-    lines = (REPO / "data" / "austen.jsonl").read_text(encoding="utf-8").splitlines(True)[:20]
-    (d / "austen20.jsonl").write_text("".join(lines), encoding="utf-8")
-    preprocess_main(
-        ["--input", str(d / "austen20.jsonl"), "--output-prefix", str(d / "austen20")]
-        + ["--append-eod", "--workers", "1"]
-    )
-    return str(d / "austen20_text_document")
 
 
 # ---- exit codes -----------------------------------------------------------------------------

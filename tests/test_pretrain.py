@@ -20,7 +20,6 @@ import zerotron.training.build
 import zerotron.training.pretrain
 from zerotron.checkpoint import load_file, model_file, read_latest_tag, tag_for_iteration
 from zerotron.config import parse_megatron_args
-from zerotron.data.preprocess import main as preprocess_main
 from zerotron.errors import CheckpointError
 from zerotron.training.build import lm_loss
 from zerotron.training.loop import TrainSummary
@@ -35,19 +34,6 @@ TINY = [
     "--lr", "1e-3", "--split", "80,10,10", "--log-interval", "4", "--eval-interval", "4",
     "--eval-iters", "1", "--seed", "1234",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory) -> str:
-    """The first 20 documents of data/austen.jsonl, tokenized with end-of-document tokens."""
-    d = tmp_path_factory.mktemp("austen20")
-    lines = (REPO / "data" / "austen.jsonl").read_text(encoding="utf-8").splitlines(True)[:20]
-    (d / "austen20.jsonl").write_text("".join(lines), encoding="utf-8")
-    preprocess_main(
-        ["--input", str(d / "austen20.jsonl"), "--output-prefix", str(d / "austen20")]
-        + ["--append-eod", "--workers", "1"]
-    )
-    return str(d / "austen20_text_document")
 
 
 def run(data: str, *extra: object) -> TrainSummary:

@@ -45,7 +45,6 @@ import torch
 
 from zerotron.checkpoint import load_file, model_file, model_files, tag_for_iteration
 from zerotron.config import parse_megatron_args
-from zerotron.data.preprocess import main as preprocess_main
 from zerotron.distributed.state import destroy_model_parallel
 from zerotron.errors import ConfigError
 from zerotron.training.build import build_run
@@ -121,19 +120,6 @@ def _layouts_rank(rank: int, world: int, data: str, root: str, resume: bool) -> 
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("austen20_matrix")
-    lines = (REPO / "data" / "austen.jsonl").read_text(encoding="utf-8").splitlines(True)[:20]
-    (d / "austen20.jsonl").write_text("".join(lines), encoding="utf-8")
-    with contextlib.redirect_stdout(io.StringIO()):
-        preprocess_main(
-            ["--input", str(d / "austen20.jsonl"), "--output-prefix", str(d / "austen20")]
-            + ["--append-eod", "--workers", "1"]
-        )
-    return str(d / "austen20_text_document")
 
 
 @pytest.fixture(scope="module")

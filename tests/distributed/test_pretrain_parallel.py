@@ -20,7 +20,6 @@ import torch
 
 from zerotron.checkpoint import load_file, model_file, tag_for_iteration
 from zerotron.config import parse_megatron_args
-from zerotron.data.preprocess import main as preprocess_main
 from zerotron.errors import UnsupportedError
 from zerotron.training.pretrain import pretrain
 
@@ -37,18 +36,6 @@ TINY = [
     "--eval-iters", "1", "--seed", "1234", "--train-iters", str(ITERS),
     "--save-interval", "1000", "--num-workers", "0",  # test ranks are daemons: no workers
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("austen20_dp")
-    lines = (REPO / "data" / "austen.jsonl").read_text(encoding="utf-8").splitlines(True)[:20]
-    (d / "austen20.jsonl").write_text("".join(lines), encoding="utf-8")
-    preprocess_main(
-        ["--input", str(d / "austen20.jsonl"), "--output-prefix", str(d / "austen20")]
-        + ["--append-eod", "--workers", "1"]
-    )
-    return str(d / "austen20_text_document")
 
 
 def _pretrain(world_size: int, data: str, *extra: object):
