@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("zerotron.training.pretrain", "pretrain a GPT model (Megatron-LM flags)"),
     "generate": ("zerotron.inference.cli", "generate text from a checkpoint"),
     "convert": ("zerotron.checkpoint.convert", "import/export HuggingFace GPT-2 checkpoints"),
+    "zero-to-fp32": (
+        "zerotron.checkpoint.zero_to_fp32",
+        "consolidate a ZeRO checkpoint's fp32 weights (offline, streaming)",
+    ),
     "launch": (
         "zerotron.launcher.launch",
         "start a multi-process / multi-node job (torch.distributed.run)",

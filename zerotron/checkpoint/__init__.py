@@ -1,7 +1,8 @@
 """Checkpoints: one on-disk layout for every entry point, saved atomically, loaded safely.
 
 ``layout`` names the files, ``save_load`` writes and reads them (trackers, metadata.json),
-``state`` fits a loaded state dict to a model, ``rng`` captures the random generators.
+``state`` fits a loaded state dict to a model, ``rng`` captures the random generators,
+``zero_to_fp32`` consolidates the fp32 weights of a ZeRO checkpoint offline.
 """
 
 from zerotron.checkpoint.layout import (
@@ -26,12 +27,17 @@ from zerotron.checkpoint.save_load import (
     to_safe,
 )
 from zerotron.checkpoint.state import load_model_state, repad_vocab
+from zerotron.checkpoint.zero_to_fp32 import (
+    get_fp32_state_dict_from_zero_checkpoint,
+    zero_to_fp32,
+)
 
 __all__ = [
     "METADATA_FILE",
     "RELEASE_TAG",
     "build_metadata",
     "check_safe",
+    "get_fp32_state_dict_from_zero_checkpoint",
     "get_rng_state",
     "iteration_from_tag",
     "load_file",
@@ -48,4 +54,5 @@ __all__ = [
     "to_safe",
     "zero_file",
     "zero_files",
+    "zero_to_fp32",
 ]
