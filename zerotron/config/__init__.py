@@ -5,23 +5,37 @@
     cfg.model.hidden_size, cfg.training.num_micro_batches, cfg.parallel.data_parallel_size
     print(cfg.describe())
 
-See :mod:`zerotron.config.schema` for the sections and what validation derives.
+    from zerotron.config import load_deepspeed_config
+    cfg, resolved = load_deepspeed_config("ds.json", world_size=2)   # DeepSpeed's JSON
+
+See :mod:`zerotron.config.schema` for the sections and what validation derives, and
+:mod:`zerotron.config.deepspeed` for DeepSpeed's keys.
 """
 
+from zerotron.config.deepspeed import (
+    AutoValues,
+    deepspeed_keys,
+    format_resolved,
+    load_deepspeed_config,
+    read_deepspeed_config,
+)
 from zerotron.config.files import read_config_file, write_config_file
 from zerotron.config.megatron import build_parser, load_config, parse_megatron_args
 from zerotron.config.schema import (
     FIELD_SECTION,
     SECTIONS,
+    ActivationCheckpointingConfig,
     CheckpointConfig,
     Config,
     DataConfig,
     ModelConfig,
+    MonitorConfig,
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
     SchedulerConfig,
     TrainingConfig,
+    ZeroConfig,
     format_config,
     parse_data_path,
     parse_split,
@@ -30,21 +44,29 @@ from zerotron.config.schema import (
 __all__ = [
     "FIELD_SECTION",
     "SECTIONS",
+    "ActivationCheckpointingConfig",
+    "AutoValues",
     "CheckpointConfig",
     "Config",
     "DataConfig",
     "ModelConfig",
+    "MonitorConfig",
     "OptimizerConfig",
     "ParallelConfig",
     "PrecisionConfig",
     "SchedulerConfig",
     "TrainingConfig",
+    "ZeroConfig",
     "build_parser",
+    "deepspeed_keys",
     "format_config",
+    "format_resolved",
+    "load_deepspeed_config",
     "load_config",
     "parse_data_path",
     "parse_megatron_args",
     "parse_split",
     "read_config_file",
+    "read_deepspeed_config",
     "write_config_file",
 ]

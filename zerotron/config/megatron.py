@@ -24,6 +24,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic.fields import FieldInfo
 
 from zerotron.config.args import ArgumentParser
+from zerotron.config.deepspeed import DEEPSPEED_DEFAULTS, deepspeed_keys
 from zerotron.config.files import Locate, read_config_file
 from zerotron.config.schema import (
     FIELD_SECTION,
@@ -45,10 +46,15 @@ NOT_FLAGS = {
     "data_parallel_size": "derived: world_size / (tensor x pipeline parallel size)",
     "virtual_pipeline_model_parallel_size": "derived from --num-layers-per-virtual-pipeline-stage",
     "num_micro_batches": "derived: global / (micro batch size x data-parallel size)",
+    "lr_scheduler_params": "a mapping: give it in a --config or --deepspeed_config file",
 }
 """Schema fields that have no flag (a config file may still give them, to be checked)."""
 
-ALIASES = {"layernorm_epsilon": ("--norm-epsilon",)}
+ALIASES = {
+    "layernorm_epsilon": ("--norm-epsilon",),
+    "offload_optimizer_device": ("--zero-offload-optimizer",),
+    "offload_param_device": ("--zero-offload-param",),
+}
 """Other Megatron spellings of a flag (newer Megatron renamed --layernorm-epsilon)."""
 
 UNSUPPORTED_CHOICES = {
@@ -137,9 +143,6 @@ UNSUPPORTED: dict[str, Known] = {
     "--model-parallel-size": Known(
         True, "removed from Megatron-LM; use --tensor-model-parallel-size"
     ),
-    "--deepspeed": Known(False, "DeepSpeed configs are not supported yet"),
-    "--deepspeed_config": Known(True, "DeepSpeed configs are not supported yet"),
-    "--zero-stage": Known(True, "ZeRO is not supported yet"),
 }
 """Megatron (and DeepSpeed-Megatron) flags zerotron knows but does not implement."""
 
@@ -204,8 +207,8 @@ def _argument(name: str, info: FieldInfo) -> dict[str, Any]:
     default = "" if info.default is None else f" (default: {info.default})"
     kwargs: dict[str, Any] = {"dest": name, "help": f"{info.description}{default}"}
     if base is bool:
-        assert info.default is False, f"{name}: a store_true flag must default to False"
-        kwargs["action"] = "store_true"
+        # --x / --no-x where the default is on (or derived), a plain switch otherwise.
+        kwargs["action"] = "store_true" if info.default is False else argparse.BooleanOptionalAction
     elif typing.get_origin(base) is Literal:
         choices = typing.get_args(base)
         kwargs.update(type=_choice(name, choices), metavar="{" + ",".join(choices) + "}")
@@ -282,6 +285,21 @@ def build_parser() -> ArgumentParser:
                 dest="recompute_granularity",
                 help="same as --recompute-granularity selective (Megatron's shorthand)",
             )
+    ds = parser.add_argument_group("DeepSpeed")
+    ds.add_argument(
+        "--deepspeed",
+        action="store_true",
+        help="train with the DeepSpeed-style engine options of --deepspeed_config / --zero-stage "
+        "(accepted for Megatron-DeepSpeed scripts; zerotron always uses its one engine)",
+    )
+    ds.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        dest="deepspeed_config",
+        metavar="FILE",
+        help="DeepSpeed JSON config (ZeRO, fp16/bf16, optimizer, scheduler, batch sizes); it "
+        "overrides --config, flags override it",
+    )
     parser.add_argument(
         "--local-rank",
         "--local_rank",
@@ -310,8 +328,10 @@ def parse_megatron_args(argv: Sequence[str], world_size: int = 1) -> Config:
     given = vars(build_parser().parse_args(list(argv)))
     notes = given.pop("_notes", [])
     given.pop("local_rank", None)
+    given.pop("deepspeed", None)
     config_path = given.pop("config", None)
-    return _build(given, config_path, world_size, notes, require=True)
+    ds_path = given.pop("deepspeed_config", None)
+    return _build(given, config_path, world_size, notes, require=True, deepspeed_config=ds_path)
 
 
 def load_config(path: str | os.PathLike, world_size: int = 1) -> Config:
@@ -320,7 +340,12 @@ def load_config(path: str | os.PathLike, world_size: int = 1) -> Config:
 
 
 def _build(
-    given: dict[str, Any], config_path: str | None, world_size: int, notes: list, require: bool
+    given: dict[str, Any],
+    config_path: str | None,
+    world_size: int,
+    notes: list,
+    require: bool,
+    deepspeed_config: str | None = None,
 ) -> Config:
     nested: dict[str, dict[str, Any]] = {}
     origin: dict[tuple[str, str], str] = {}
@@ -335,6 +360,8 @@ def _build(
                 f"the {world_size} processes launched"
             )
         nested, origin = keys.nested, keys.origin
+    if deepspeed_config is not None:
+        _merge_deepspeed(deepspeed_config, given, nested, origin, notes, world_size)
     for name, value in given.items():  # the command line wins over the file
         section = FIELD_SECTION[name]
         nested.setdefault(section, {})[name] = value
@@ -346,6 +373,36 @@ def _build(
     cfg = Config.from_dict(nested, origin=origin)
     cfg._warnings.extend(notes)
     return cfg
+
+
+def _merge_deepspeed(
+    path: str,
+    given: dict[str, Any],
+    nested: dict[str, dict[str, Any]],
+    origin: dict[tuple[str, str], str],
+    notes: list,
+    world_size: int,
+) -> None:
+    """A DeepSpeed JSON over the --config file's values (its DeepSpeed defaults only where
+    neither file set the field); flags are applied after, so they win."""
+
+    def size(name: str) -> int:
+        value = given.get(name, nested.get("parallel", {}).get(name, 1))
+        return _to_int(value)
+
+    keys = deepspeed_keys(
+        path,
+        world_size=world_size,
+        tensor_model_parallel_size=size("tensor_model_parallel_size"),
+        pipeline_model_parallel_size=size("pipeline_model_parallel_size"),
+    )
+    for section, values in keys.nested.items():
+        nested.setdefault(section, {}).update(values)
+    for section, values in DEEPSPEED_DEFAULTS.items():
+        for name, value in values.items():
+            nested.setdefault(section, {}).setdefault(name, value)
+    origin.update(keys.origin)
+    notes.extend(keys.notes)
 
 
 def _screen_unknown(unknown: dict[tuple[str, ...], Any], locate: Locate) -> list[str]:
@@ -381,7 +438,13 @@ def _check_required(nested: dict[str, dict[str, Any]], config_path: str | None) 
     def value(name: str) -> Any:
         return nested.get(FIELD_SECTION[name], {}).get(name)
 
-    missing = [flag(name) for name in REQUIRED if value(name) is None]
+    missing = [
+        flag(name)
+        for name in REQUIRED
+        # a global batch size alone gives the micro batch size (DeepSpeed's train_batch_size)
+        if value(name) is None
+        and not (name == "micro_batch_size" and value("global_batch_size") is not None)
+    ]
     iters = value("train_iters")
     if iters is None and value("train_samples") is None:
         missing.append("--train-iters (or --train-samples)")

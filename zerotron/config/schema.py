@@ -266,7 +266,11 @@ class TrainingConfig(_Section):
 class OptimizerConfig(_Section):
     """Optimizer and gradient clipping. Megatron's 'adam' is AdamW (decoupled weight decay)."""
 
-    optimizer: Literal["adam", "sgd"] = Field("adam", description="adam (AdamW) or sgd.")
+    optimizer: Literal["adam", "adamw", "sgd", "lamb"] = Field(
+        "adam",
+        description="adam (AdamW unless adam_w_mode is off, as in Megatron and DeepSpeed), adamw, "
+        "sgd or lamb.",
+    )
     lr: Float | None = Field(None, ge=0, description="Peak learning rate.")
     min_lr: Float = Field(0.0, ge=0, description="Learning rate at the end of decay.")
     weight_decay: Float = Field(0.01, ge=0, description="Decoupled weight decay.")
@@ -285,6 +289,14 @@ class OptimizerConfig(_Section):
     adam_beta2: Float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
     adam_eps: Float = Field(1e-8, gt=0, description="Adam epsilon.")
     sgd_momentum: Float = Field(0.9, ge=0, description="SGD momentum.")
+    sgd_nesterov: bool = Field(False, description="Nesterov momentum for SGD.")
+    adam_w_mode: bool = Field(
+        True,
+        description="With optimizer adam: decoupled weight decay (AdamW); off gives Adam with "
+        "L2-coupled decay (DeepSpeed's adam_w_mode).",
+    )
+    lamb_max_coeff: Float = Field(10.0, gt=0, description="Lamb: upper bound of the trust ratio.")
+    lamb_min_coeff: Float = Field(0.01, ge=0, description="Lamb: lower bound of the trust ratio.")
 
 
 class SchedulerConfig(_Section):
@@ -311,6 +323,17 @@ class SchedulerConfig(_Section):
     use_checkpoint_opt_param_scheduler: bool = Field(
         False, description="On resume, take the schedule from the checkpoint, not the flags."
     )
+    lr_scheduler_type: (
+        Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] | None
+    ) = Field(
+        None,
+        description="A DeepSpeed scheduler (its JSON's scheduler.type) instead of Megatron's "
+        "warmup + decay; its parameters are lr_scheduler_params.",
+    )
+    lr_scheduler_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Parameters of lr_scheduler_type (DeepSpeed's scheduler.params).",
+    )
 
 
 class PrecisionConfig(_Section):
@@ -332,6 +355,9 @@ class PrecisionConfig(_Section):
     )
     accumulate_allreduce_grads_in_fp32: bool = Field(
         False, description="Accumulate and all-reduce gradients in fp32."
+    )
+    fp16_auto_cast: bool = Field(
+        False, description="fp16: cast floating-point inputs of the model to fp16 (DeepSpeed)."
     )
 
     @property
@@ -357,6 +383,16 @@ class CheckpointConfig(_Section):
     )
     exit_on_missing_checkpoint: bool = Field(
         False, description="With --load, stop if no checkpoint is found instead of starting fresh."
+    )
+    use_node_local_storage: bool = Field(
+        False,
+        description="Each node writes its own ranks' files to a node-local directory "
+        "(DeepSpeed's checkpoint.use_node_local_storage).",
+    )
+    checkpoint_tag_validation: Literal["Ignore", "Warn", "Fail"] = Field(
+        "Warn",
+        description="What to do when ranks save under different tags (DeepSpeed's "
+        "checkpoint.tag_validation).",
     )
 
 
@@ -394,6 +430,158 @@ class ParallelConfig(_Section):
     )
 
 
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class ZeroConfig(_Section):
+    """ZeRO and the data-parallel gradient reduction (DeepSpeed's zero_optimization and the
+    top-level keys about reducing gradients). Defaults are DeepSpeed's."""
+
+    zero_stage: Int = Field(
+        0,
+        ge=0,
+        le=3,
+        description="ZeRO stage: 0 plain data parallelism, 1 optimizer states, 2 + gradients, "
+        "3 + parameters partitioned over the data-parallel ranks.",
+    )
+    allgather_partitions: bool = Field(
+        True, description="All-gather updated parameters in one call (not broadcasts)."
+    )
+    allgather_bucket_size: Int = Field(
+        500_000_000, gt=0, description="Elements all-gathered at a time."
+    )
+    overlap_comm: bool | None = Field(
+        None,
+        description="Overlap gradient reduction with backward; default on for stage 3, off "
+        "otherwise (DeepSpeed's).",
+    )
+    reduce_scatter: bool = Field(
+        True, description="Reduce gradients with reduce-scatter (not all-reduce)."
+    )
+    reduce_bucket_size: Int = Field(500_000_000, gt=0, description="Elements reduced at a time.")
+    contiguous_gradients: bool = Field(
+        True, description="Copy reduced gradients into one contiguous buffer."
+    )
+    round_robin_gradients: bool = Field(
+        False, description="Stage 1/2: assign gradients to partitions round-robin."
+    )
+    offload_optimizer_device: OffloadDevice = Field(
+        "none", description="Where fp32 master weights and optimizer states live: none, cpu, nvme."
+    )
+    offload_optimizer_nvme_path: str | None = Field(
+        None, description="Directory for optimizer states offloaded to NVMe."
+    )
+    offload_optimizer_pin_memory: bool = Field(
+        False, description="Pin the host memory of offloaded optimizer states."
+    )
+    offload_optimizer_buffer_count: Int = Field(
+        4, gt=0, description="Buffers streaming optimizer states from NVMe."
+    )
+    offload_param_device: OffloadDevice = Field(
+        "none", description="Stage 3: where partitioned 16-bit parameters live: none, cpu, nvme."
+    )
+    offload_param_nvme_path: str | None = Field(
+        None, description="Directory for parameters offloaded to NVMe."
+    )
+    offload_param_pin_memory: bool = Field(
+        False, description="Pin the host memory of offloaded parameters."
+    )
+    offload_param_buffer_count: Int = Field(
+        5, gt=0, description="Buffers streaming parameters from NVMe."
+    )
+    offload_param_buffer_size: Int = Field(
+        100_000_000, gt=0, description="Elements per parameter buffer (NVMe)."
+    )
+    offload_param_max_in_cpu: Int = Field(
+        1_000_000_000, ge=0, description="Parameter elements kept in host memory (NVMe)."
+    )
+    sub_group_size: Int = Field(
+        1_000_000_000,
+        ge=0,
+        description="Elements per optimizer sub-group stepped at a time (offload streams them).",
+    )
+    stage3_prefetch_bucket_size: Int = Field(
+        50_000_000, ge=0, description="Stage 3: parameter elements fetched ahead of use."
+    )
+    stage3_param_persistence_threshold: Int = Field(
+        100_000, ge=0, description="Stage 3: parameters this small stay whole (not partitioned)."
+    )
+    stage3_max_live_parameters: Int = Field(
+        1_000_000_000, ge=0, description="Stage 3: gathered parameter elements kept at most."
+    )
+    stage3_max_reuse_distance: Int = Field(
+        1_000_000_000, ge=0, description="Stage 3: keep a parameter gathered if reused this soon."
+    )
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="Stage 3: save consolidated 16-bit weights with each checkpoint."
+    )
+    zero_force_ds_cpu_optimizer: bool = Field(
+        True, description="With offload to cpu, step with the built-in CPU optimizer."
+    )
+    prescale_gradients: bool = Field(
+        False, description="Divide gradients by the data-parallel size before reducing them."
+    )
+    gradient_predivide_factor: Float = Field(
+        1.0, gt=0, description="Divide gradients by this before reducing, the rest after."
+    )
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, description="dtype of gradients on the wire; the parameters' dtype when not given."
+    )
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.offload_optimizer_device != "none"
+
+    @property
+    def offload_param(self) -> bool:
+        return self.offload_param_device != "none"
+
+
+class ActivationCheckpointingConfig(_Section):
+    """DeepSpeed's activation_checkpointing section (``zerotron.checkpointing.configure``)."""
+
+    partition_activations: bool = Field(
+        False, description="Split checkpointed activations across tensor-parallel ranks."
+    )
+    cpu_checkpointing: bool = Field(
+        False, description="Keep checkpointed activations in host memory."
+    )
+    contiguous_memory_optimization: bool = Field(
+        False, description="Copy checkpointed activations into one contiguous buffer."
+    )
+    number_checkpoints: Int | None = Field(
+        None, gt=0, description="Checkpoints per forward (for the contiguous buffer)."
+    )
+    synchronize_checkpoint_boundary: bool = Field(
+        False, description="Synchronize the device at each checkpoint boundary."
+    )
+    checkpointing_profile: bool = Field(
+        False, description="Time the checkpointed forward and recompute (DeepSpeed's profile)."
+    )
+
+
+class MonitorConfig(_Section):
+    """DeepSpeed's monitors (tensorboard, wandb, csv_monitor) and wall-clock timers."""
+
+    tensorboard_enabled: bool = Field(False, description="Write TensorBoard events.")
+    tensorboard_output_path: str = Field("", description="Directory of TensorBoard events.")
+    tensorboard_job_name: str = Field(
+        "DeepSpeedJobName", description="Subdirectory of tensorboard_output_path."
+    )
+    wandb_enabled: bool = Field(False, description="Log to Weights & Biases.")
+    wandb_group: str | None = Field(None, description="W&B group.")
+    wandb_team: str | None = Field(None, description="W&B team (entity).")
+    wandb_project: str = Field("deepspeed", description="W&B project.")
+    csv_monitor_enabled: bool = Field(False, description="Write metrics to CSV files.")
+    csv_monitor_output_path: str = Field("", description="Directory of the CSV files.")
+    csv_monitor_job_name: str = Field(
+        "DeepSpeedJobName", description="Subdirectory of csv_monitor_output_path."
+    )
+    wall_clock_breakdown: bool = Field(
+        False, description="Time forward, backward and step on every rank and log them."
+    )
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -403,6 +591,9 @@ SECTIONS: dict[str, type[_Section]] = {
     "precision": PrecisionConfig,
     "checkpoint": CheckpointConfig,
     "parallel": ParallelConfig,
+    "zero": ZeroConfig,
+    "activation_checkpointing": ActivationCheckpointingConfig,
+    "monitor": MonitorConfig,
 }
 
 FIELD_SECTION: dict[str, str] = {
@@ -640,6 +831,11 @@ class Config(BaseModel):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    zero: ZeroConfig = Field(default_factory=ZeroConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 
     _inputs: dict = PrivateAttr(default_factory=dict)
     _warnings: list = PrivateAttr(default_factory=list)
@@ -757,6 +953,7 @@ class Config(BaseModel):
         self._resolve_batch()
         self._resolve_length()
         self._check_checkpoint()
+        self._resolve_zero()
         return self
 
     def _warn(self, message: str) -> None:
@@ -1117,6 +1314,52 @@ class Config(BaseModel):
                 f"save {c.save!r} is set without save_interval",
                 where="checkpoint.save_interval",
                 fix="set --save-interval N (a checkpoint is also written at the end)",
+            )
+
+    def _resolve_zero(self) -> None:
+        """DeepSpeed's rules for ZeRO: what each stage allows, overlap_comm's default."""
+        z, pp = self.zero, self.parallel.pipeline_model_parallel_size
+        stage = z.zero_stage
+        if stage >= 2 and pp > 1:
+            raise UnsupportedError(
+                f"ZeRO stage {stage} with pipeline parallelism (pipeline_model_parallel_size "
+                f"{pp}): gradients and parameters partitioned across data-parallel ranks do not "
+                "compose with the pipeline's micro-batch gradient accumulation (DeepSpeed refuses "
+                "it too)",
+                where="zero.zero_stage",
+                fix="use ZeRO stage 1 (or 0) with pipeline parallelism",
+            )
+        if z.offload_optimizer and stage == 0:
+            raise ConfigError(
+                f"offload_optimizer.device {z.offload_optimizer_device!r} needs ZeRO stage 1, 2 "
+                "or 3 (stage 0 keeps no partitioned optimizer state to offload)",
+                where="zero.offload_optimizer_device",
+                fix="set zero_optimization.stage >= 1, or offload_optimizer.device none",
+            )
+        if z.offload_param and stage != 3:
+            raise ConfigError(
+                f"offload_param.device {z.offload_param_device!r} needs ZeRO stage 3 (only stage "
+                f"3 partitions parameters); stage is {stage}",
+                where="zero.offload_param_device",
+                fix="set zero_optimization.stage 3, or offload_param.device none",
+            )
+        for kind in ("optimizer", "param"):
+            device = getattr(z, f"offload_{kind}_device")
+            if device == "nvme" and not getattr(z, f"offload_{kind}_nvme_path"):
+                raise ConfigError(
+                    f"offload_{kind}.device 'nvme' needs nvme_path",
+                    where=f"zero.offload_{kind}_nvme_path",
+                    fix=f"set zero_optimization.offload_{kind}.nvme_path to a directory on a "
+                    "fast local disk",
+                )
+        if z.overlap_comm is None:
+            _fill(z, overlap_comm=stage == 3)
+        if stage >= 1 and self.optimizer.optimizer == "lamb":
+            raise UnsupportedError(
+                "Lamb under ZeRO: its trust ratio needs each whole tensor's norm, but ZeRO steps "
+                "flat partitions that cut tensors apart",
+                where="optimizer.optimizer",
+                fix="use Lamb with zero_optimization.stage 0, or Adam/AdamW with ZeRO",
             )
 
 
