@@ -20,12 +20,21 @@ there (:meth:`Engine.train_batch`, :meth:`Engine.eval_batch`): the runtime runs 
 micro-batches on its schedule, with data-parallel reduction held back until all of them are done;
 then the tied embedding's gradients are summed over the first and last stages, the sequence-
 parallel ones over TP, and the optimizer steps. The loss, known on the last stage only, is
-broadcast over the pipeline group so every rank returns the same value. Later parts (ZeRO
-partitions) plug in here too, not in the loop.
+broadcast over the pipeline group so every rank returns the same value.
+
+ZeRO plugs in as the optimizer: a :class:`~zerotron.zero.ZeroOptimizer` speaks both protocols
+the Engine uses — the optimizer's (``step``, ``scale_loss``, ``state_dict``, ...) and
+DataParallel's (``group``, ``sync``, ``finish_grad_sync``, ``no_sync``) — so it is passed as
+``optimizer`` (and, or by default, as ``data_parallel``). Checkpoints then hold, besides one
+model file per model-parallel rank (weights, scheduler, RNG, counters; no optimizer state),
+one ``zero_dp_rank_{dp}_mp_rank_{tp:02d}_{pp:03d}_optim_states.pt`` per rank with that rank's
+partition (``ZeroOptimizer.state_dict()``), which ``zerotron zero-to-fp32`` consolidates
+offline. Under stage 3 the model file holds the gathered 16-bit weights.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -45,11 +54,13 @@ from zerotron.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from zerotron.checkpoint.layout import CHECKPOINT_VERSION
+from zerotron.checkpoint.layout import CHECKPOINT_VERSION, zero_file
+from zerotron.checkpoint.zero_to_fp32 import SHARED_PARAMS_KEY
 from zerotron.distributed import comm
 from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import ParallelState, state
-from zerotron.errors import CheckpointError, UnsupportedError
+from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
+from zerotron.fileio import atomic_open
 from zerotron.parallel.data_parallel import DataParallel
 from zerotron.parallel.pipeline import PipelineRuntime, allreduce_embedding_grads
 from zerotron.precision.grads import IsCounted, ReduceFn, grad_of
@@ -57,6 +68,12 @@ from zerotron.precision.mixed import LOW_PRECISION, MixedPrecisionOptimizer, Ste
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
 RNG_TRACKER_KEY = "rng_tracker_states"  # the tensor-parallel RNG streams, beside torch's
+ZERO_STAGE_KEY = "zero_stage"  # model-file entries of a ZeRO checkpoint
+DP_SIZE_KEY = "dp_world_size"
+GATHERED_16BIT_FILE = "pytorch_model.bin"
+"""Consolidated 16-bit weights in a tag directory (stage3_gather_16bit_weights_on_model_save)."""
+# DeepSpeed's wall_clock_breakdown timers, printed every steps_per_print steps
+WALL_CLOCK_TIMERS = ("forward", "backward", "backward_allreduce", "step")
 
 
 def grad_norm_hooks(ps: ParallelState | None = None) -> tuple[ReduceFn | None, IsCounted]:
@@ -86,6 +103,71 @@ class _NullTimer:
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
+
+    def elapsed(self, reset: bool = True) -> float:
+        return 0.0
+
+
+class _WallClockTimer:
+    """Seconds between start() and stop(), summed until read (CUDA synchronized)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._started: float | None = None
+
+    def start(self) -> None:
+        _sync_device()
+        self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._started is not None:
+            _sync_device()
+            self.total += time.perf_counter() - self._started
+            self._started = None
+
+    def elapsed(self, reset: bool = True) -> float:
+        value = self.total
+        if reset:
+            self.total = 0.0
+        return value
+
+
+class _WallClockTimers(dict):
+    """``timers(name)`` -> a timer created on first use (DeepSpeed's wall_clock_breakdown)."""
+
+    def __call__(self, name: str) -> _WallClockTimer:
+        if name not in self:
+            self[name] = _WallClockTimer()
+        return self[name]
+
+
+def _sync_device() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _module_device(model: nn.Module) -> torch.device:
+    """Where the module computes: its first parameter's (or buffer's) device, else the CPU.
+
+    Under ZeRO stage 3 a parameter's ``data`` is an empty tensor at rest, still on that device.
+    """
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def shared_params(module: nn.Module) -> dict[str, str]:
+    """``{alias: name}`` for every parameter reachable under a second name (tied weights)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
 
 
 def _parallel_state() -> ParallelState:
@@ -120,11 +202,15 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 
 
 class Engine:
-    """Trains ``model`` with ``optimizer`` (a :class:`MixedPrecisionOptimizer`).
+    """Trains ``model`` with ``optimizer`` (a :class:`MixedPrecisionOptimizer` or a
+    :class:`~zerotron.zero.ZeroOptimizer`).
 
     Args:
-        model: the module; its parameters already in the training dtype and on ``device``.
-        optimizer: master weights, loss scaling, clipping.
+        model: the module; its parameters already in the training dtype and on ``device``
+            (under ZeRO stage 3: already partitioned).
+        optimizer: master weights, loss scaling, clipping; a ZeroOptimizer also partitions them
+            (and gradients, parameters) over its data-parallel group and is then the
+            ``data_parallel`` part too (passed again or left None).
         lr_scheduler: anything with ``step(increment)``, ``state_dict()``, ``load_state_dict()``.
         loss_fn: ``loss_fn(module, batch) -> scalar loss``, used by :meth:`train_batch` and
             :meth:`eval_batch`; :meth:`__call__` just calls the module.
@@ -143,6 +229,11 @@ class Engine:
         pipeline: runs ``model``'s pipeline chunks (``pipeline.modules``, all of them
             ``model``'s submodules) on the schedule; ``gradient_accumulation_steps`` must equal
             its ``num_microbatches``. None without pipeline parallelism.
+        wall_clock_breakdown: time forward, backward (and its gradient reduction) and step as
+            DeepSpeed does (``engine.timers(name)``) and print them on rank 0 every
+            ``steps_per_print`` steps.
+        steps_per_print: see ``wall_clock_breakdown``; None never prints.
+        device: where batches go; default the module's first parameter's device.
     """
 
     def __init__(
@@ -163,6 +254,9 @@ class Engine:
         timers: Callable[[str], Any] | None = None,
         data_parallel: DataParallel | None = None,
         pipeline: PipelineRuntime | None = None,
+        wall_clock_breakdown: bool = False,
+        steps_per_print: int | None = None,
+        device: torch.device | str | None = None,
     ):
         if pipeline is not None and pipeline.num_microbatches != gradient_accumulation_steps:
             raise UnsupportedError(
@@ -175,6 +269,29 @@ class Engine:
             raise UnsupportedError(
                 "torch.compile of pipeline stages", where="Engine", fix="drop --compile"
             )
+        self._zero_stage = int(getattr(optimizer, "stage", 0) or 0)
+        if self._zero_stage:
+            if data_parallel is None:
+                data_parallel = optimizer  # a ZeroOptimizer reduces the gradients itself
+            elif data_parallel is not optimizer:
+                raise ConfigError(
+                    "ZeRO reduces gradients in its optimizer, but another data-parallel part "
+                    f"({type(data_parallel).__name__}) was given as well",
+                    where="Engine",
+                    fix="pass the ZeroOptimizer as data_parallel (or leave it None)",
+                )
+            if pipeline is not None and self._zero_stage > 1:
+                raise UnsupportedError(
+                    f"ZeRO stage {self._zero_stage} with pipeline parallelism (as in DeepSpeed)",
+                    where="zero_optimization.stage",
+                    fix="use ZeRO stage 1 with pipeline parallelism",
+                )
+            if any(getattr(p, "sequence_parallel", False) for p in model.parameters()):
+                raise UnsupportedError(
+                    "ZeRO with sequence parallelism",
+                    where="zero_optimization.stage",
+                    fix="turn off --sequence-parallel or ZeRO",
+                )
         self.module = model
         self.pipeline = pipeline
         self.data_parallel = data_parallel
@@ -190,8 +307,12 @@ class Engine:
         self.checkpoint_metadata = dict(checkpoint_metadata or {})
         self.vocab_keys = tuple(vocab_keys)
         self.orig_vocab_size = orig_vocab_size
-        self.timers = timers or (lambda name: _NullTimer())
-        self.device = next(model.parameters()).device
+        self._wall_clock_breakdown = wall_clock_breakdown
+        self.steps_per_print = steps_per_print
+        if timers is None:
+            timers = _WallClockTimers() if wall_clock_breakdown else (lambda name: _NullTimer())
+        self.timers = timers
+        self.device = torch.device(device) if device is not None else _module_device(model)
         # Compile the call, not the module: state-dict keys and parameters stay the module's.
         self._forward = torch.compile(model) if compile else model
 
@@ -213,7 +334,11 @@ class Engine:
         return self._micro_batch_size * self._gas * self.data_parallel_size
 
     def zero_optimization_stage(self) -> int:
-        return 0
+        """The ZeRO stage of the optimizer (0: none)."""
+        return self._zero_stage
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._wall_clock_breakdown
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -244,7 +369,14 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_under_pipeline("engine(batch)")
-        return self._forward(*args, **kwargs)
+        if not self._wall_clock_breakdown:
+            return self._forward(*args, **kwargs)
+        timer = self.timers("forward")
+        timer.start()
+        try:
+            return self._forward(*args, **kwargs)
+        finally:
+            timer.stop()
 
     forward = __call__
 
@@ -259,10 +391,21 @@ class Engine:
     def backward(self, loss: Tensor) -> None:
         """Backward of one micro-batch's loss: divided by the accumulation steps, then scaled.
 
-        Under data parallelism only the micro-batch that ends an accumulation reduces gradients
-        (its buckets overlap with its backward); this call returns once they are averaged.
+        When gradients are reduced over the data-parallel ranks (DeepSpeed's semantics):
+
+        - plain data parallelism and ZeRO stages 0/1: only on the micro-batch that ends an
+          accumulation (its buckets overlap with its backward); the earlier ones accumulate
+          locally;
+        - ZeRO stages 2/3: on *every* micro-batch, each bucket reduce-scattered into the ranks'
+          gradient partitions as soon as its gradients are in, so no full gradient outlives
+          its bucket.
+
+        At the boundary this call returns once everything is reduced.
         """
         self._refuse_under_pipeline("engine.backward(loss)")
+        timing = self._wall_clock_breakdown
+        if timing:
+            self.timers("backward").start()
         if self._gas > 1:
             loss = loss / self._gas
         dp = self.data_parallel
@@ -272,9 +415,15 @@ class Engine:
         self.optimizer.scale_loss(loss).backward()
         self.micro_steps += 1
         if boundary:
+            if timing:
+                self.timers("backward_allreduce").start()
             if dp is not None:
                 dp.finish_grad_sync()
             self._allreduce_sequence_parallel_grads()
+            if timing:
+                self.timers("backward_allreduce").stop()
+        if timing:
+            self.timers("backward").stop()
 
     def _allreduce_sequence_parallel_grads(self) -> None:
         """Sum over TP the gradients of replicated parameters that ran on sequence shards.
@@ -307,13 +456,30 @@ class Engine:
         """At an accumulation boundary: optimizer step (skipped on overflow), then scheduler."""
         if not self.is_gradient_accumulation_boundary():
             return None
+        timing = self._wall_clock_breakdown
+        if timing:
+            self.timers("step").start()
         result = self.optimizer.step()
         if result.update_successful and self.lr_scheduler is not None:
             self.lr_scheduler.step(self.lr_increment)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.last_step = result
+        if timing:
+            self.timers("step").stop()
+            if self.steps_per_print and self.global_steps % self.steps_per_print == 0:
+                self._print_wall_clock()
         return result
+
+    def wall_clock_summary(self, reset: bool = True) -> dict[str, float]:
+        """Milliseconds spent per DeepSpeed phase since the last reset (wall_clock_breakdown)."""
+        return {name: self.timers(name).elapsed(reset) * 1000.0 for name in WALL_CLOCK_TIMERS}
+
+    def _print_wall_clock(self) -> None:
+        times = self.wall_clock_summary()
+        if _parallel_state().rank == 0:
+            parts = " | ".join(f"{name}: {ms:.2f}" for name, ms in times.items())
+            print(f"[step {self.global_steps}] time (ms) | {parts}", flush=True)
 
     # ---- whole batches (Megatron's loop, pipeline models) -----------------------------------
 
@@ -336,10 +502,11 @@ class Engine:
         self.module.train()
         losses = []
         fb = self.timers("forward-backward")
+        model = self if self._wall_clock_breakdown else self._forward  # times "forward"
         for _ in range(self._gas):
             batch = self._next_batch(data_iter)
             fb.start()
-            loss = self.loss_fn(self._forward, batch)
+            loss = self.loss_fn(model, batch)
             self.backward(loss)
             fb.stop()
             losses.append(loss.detach())
@@ -392,9 +559,15 @@ class Engine:
         fb.start()
         with dp.no_sync() if dp is not None else nullcontext():
             loss = pipe.train_step(self._batches(data_iter), grad_scale=self.optimizer.loss_scale)
-        if dp is not None:
+        if self._zero_stage:
+            # ZeRO's reduction turns full gradients into partitions: the tied embedding's sum
+            # over the first and last stages must come first (the two sums commute).
+            allreduce_embedding_grads(pipe.modules)
             dp.finish_grad_sync()
-        allreduce_embedding_grads(pipe.modules)
+        else:
+            if dp is not None:
+                dp.finish_grad_sync()
+            allreduce_embedding_grads(pipe.modules)
         self._allreduce_sequence_parallel_grads()
         fb.stop()
         self.micro_steps += self._gas
@@ -428,40 +601,107 @@ class Engine:
         """Write ``<save_dir>/<tag>/`` (default tag ``global_step{N}``, DeepSpeed's).
 
         ``client_state`` entries are stored beside the engine's own and come back from
-        :meth:`load_checkpoint`.
+        :meth:`load_checkpoint`. Every rank must call this (collectively).
+
+        Files: one model file per model-parallel rank, from data-parallel rank 0 (weights,
+        scheduler, RNG, counters and, without ZeRO, the optimizer state); under ZeRO one
+        partition file per rank (``ZeroOptimizer.state_dict()``), and under stage 3 with
+        ``gather_16bit_weights_on_model_save`` also ``pytorch_model.bin`` (the consolidated
+        16-bit state dict of this model-parallel rank; ``pytorch_model_mp_rank_XX_YYY.bin``
+        when there are several).
         """
         tag = tag or f"global_step{self.global_steps}"
+        ps = _parallel_state()
+        module_state = self.module_state_dict(rank0_only=True)  # collective under stage 3
         state: dict[str, Any] = dict(client_state or {})
         state.update(
-            model=self.module.state_dict(),
+            model=module_state,
             checkpoint_version=CHECKPOINT_VERSION,
             global_steps=self.global_steps,
             global_samples=self.global_samples,
         )
+        shared = shared_params(self.module)
+        if shared:
+            state[SHARED_PARAMS_KEY] = shared
+        files: dict[str, Any] = {}
+        if self._zero_stage:
+            state[ZERO_STAGE_KEY] = self._zero_stage
+            state[DP_SIZE_KEY] = self.data_parallel.group.size
         if save_optimizer:
-            state["optimizer"] = self.optimizer.state_dict()
+            if self._zero_stage:
+                files[zero_file(ps.dp_rank, ps.tp_rank, ps.pp_rank)] = self.optimizer.state_dict()
+            else:
+                state["optimizer"] = self.optimizer.state_dict()
             if self.lr_scheduler is not None:
                 state["opt_param_scheduler"] = self.lr_scheduler.state_dict()
         if save_rng:
             tracker = get_rng_tracker().get_states()
             state["rng_state"] = [get_rng_state({RNG_TRACKER_KEY: tracker} if tracker else None)]
-        ps = _parallel_state()
-        # One file per model-parallel rank, from its data-parallel rank 0 (the replicas are
-        # equal); every rank takes part in the save's barriers.
-        files = {self._model_file(ps): state} if ps.dp_rank == 0 else {}
+        # One model file per model-parallel rank, from its data-parallel rank 0 (the replicas
+        # are equal); every rank takes part in the save's barriers.
+        if ps.dp_rank == 0:
+            files[self._model_file(ps)] = state
+            if self._zero_stage == 3 and getattr(
+                self.optimizer, "gather_16bit_weights_on_model_save", False
+            ):
+                files[self._gathered_16bit_file(ps)] = module_state
         return save_checkpoint(
             save_dir,
             tag,
             files,
-            self.checkpoint_metadata,
+            self._save_metadata(ps),
             save_latest=save_latest,
             is_writer=ps.rank == 0,
             barrier=comm.barrier if ps.world_size > 1 else None,
         )
 
+    def module_state_dict(self, rank0_only: bool = False) -> dict[str, Any] | None:
+        """The module's full state dict. Under ZeRO stage 3 its partitioned parameters are
+        gathered one at a time into host copies (a collective: every data-parallel rank calls
+        it); with ``rank0_only`` only data-parallel rank 0 keeps them (others get None)."""
+        if self._zero_stage != 3:
+            return self.module.state_dict()
+        from zerotron.zero.stage3 import gathered_state_dict
+
+        return gathered_state_dict(self.module, rank0_only, group=self.data_parallel.group)
+
+    def save_16bit_model(
+        self, save_dir: str | Path, save_filename: str = GATHERED_16BIT_FILE
+    ) -> Path:
+        """Write the module's (gathered) state dict to ``save_dir/save_filename`` on rank 0 of
+        each model-parallel rank's data-parallel group (DeepSpeed's API; a collective)."""
+        ps = _parallel_state()
+        module_state = self.module_state_dict(rank0_only=True)
+        path = Path(save_dir) / save_filename
+        if ps.dp_rank == 0 and ps.mp.size > 1:
+            path = path.with_name(f"{path.stem}_{self._model_file(ps).split('/')[0]}{path.suffix}")
+        if ps.dp_rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_open(path) as f:
+                torch.save(module_state, f)
+        if ps.world_size > 1:
+            comm.barrier()
+        return path
+
+    def _save_metadata(self, ps: ParallelState) -> dict[str, Any]:
+        meta = dict(self.checkpoint_metadata)
+        lay = dict(meta.get("layout") or {})
+        lay.setdefault("tensor_model_parallel_size", ps.tp_size)
+        lay.setdefault("pipeline_model_parallel_size", ps.pp_size)
+        lay["data_parallel_size"] = ps.dp_size
+        lay["zero_stage"] = self._zero_stage
+        meta["layout"] = lay
+        return meta
+
     @staticmethod
     def _model_file(ps: ParallelState) -> str:
         return model_file(ps.tp_rank, ps.pp_rank, ps.pp_size)
+
+    @staticmethod
+    def _gathered_16bit_file(ps: ParallelState) -> str:
+        if ps.mp.size == 1:
+            return GATHERED_16BIT_FILE
+        return f"pytorch_model_mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}.bin"
 
     def load_checkpoint(
         self,
@@ -475,8 +715,10 @@ class Engine:
     ) -> tuple[str, dict[str, Any]]:
         """Load a checkpoint; returns ``(path, client_state)`` as DeepSpeed does.
 
-        ``load_module_only`` (Megatron's ``--finetune``) loads weights and nothing else: step
-        counters stay at zero.
+        ``tag`` None means the tag the ``latest`` file names. ``load_module_only`` (Megatron's
+        ``--finetune``) loads weights and nothing else: step counters stay at zero. Under ZeRO
+        each rank reads its own partition file; the data-parallel size must be the one that
+        saved (``zerotron zero-to-fp32`` turns a ZeRO checkpoint into plain weights otherwise).
         """
         tag = resolve_tag(load_dir, tag)
         where = str(Path(load_dir) / tag)
@@ -486,26 +728,59 @@ class Engine:
         state = load_file(load_dir, tag, self._model_file(ps))
         if "model" not in state:
             raise CheckpointError("no 'model' entry in the checkpoint", where=where)
+        saved_stage = int(state.get(ZERO_STAGE_KEY, meta.get("layout", {}).get("zero_stage", 0)))
+        want_optimizer = load_optimizer_states and not load_module_only
+        zero_state = None
+        if want_optimizer and self._zero_stage:
+            zero_state = self._load_zero_state(load_dir, tag, state, meta, saved_stage, where)
+        elif want_optimizer and saved_stage:
+            raise CheckpointError(
+                f"the optimizer state is partitioned over data-parallel ranks (ZeRO stage "
+                f"{saved_stage}); this engine runs without ZeRO",
+                where=where,
+                fix=f"resume with ZeRO stage {saved_stage}, or load weights only "
+                "(load_optimizer_states=False; `zerotron zero-to-fp32` gives the fp32 weights)",
+            )
         ckpt_vocab_size = meta.get("vocab", {}).get("size", self.orig_vocab_size)
-        repadded = load_model_state(
-            self.module,
-            state["model"],
-            vocab_keys=self.vocab_keys,
-            orig_vocab_size=ckpt_vocab_size,
-            vocab_size=self.orig_vocab_size,
-            ckpt_config=meta.get("model"),
-            model_config=self.checkpoint_metadata.get("model"),
-            where=where,
-        )
+        if self._zero_stage == 3:
+            from zerotron.zero.stage3 import load_full_state_dict
+
+            try:
+                load_full_state_dict(self.module, state["model"])
+            except ConfigError as e:
+                raise CheckpointError(f"{e.what}", where=where, fix=e.fix) from e
+            repadded: list[str] = []
+        else:
+            repadded = load_model_state(
+                self.module,
+                state["model"],
+                vocab_keys=self.vocab_keys,
+                orig_vocab_size=ckpt_vocab_size,
+                vocab_size=self.orig_vocab_size,
+                ckpt_config=meta.get("model"),
+                model_config=self.checkpoint_metadata.get("model"),
+                where=where,
+            )
         if load_module_only:
-            self.optimizer.reload_model_params()
+            self._reload_masters()
             return where, {}
-        if load_optimizer_states and "optimizer" in state:
+        if zero_state is not None:
+            if repadded:
+                raise CheckpointError(
+                    f"the vocabulary padding differs ({', '.join(repadded)}); partitioned "
+                    "optimizer state cannot be re-padded",
+                    where=where,
+                    fix="resume with the tensor-parallel size that saved, or load weights only "
+                    "(load_optimizer_states=False)",
+                )
+            self.optimizer.load_state_dict(zero_state)
+            self._clear_modified()  # the masters came from the file, not from the 16-bit shards
+        elif want_optimizer and "optimizer" in state:
             if repadded:
                 self._repad_optimizer_state(state["optimizer"], repadded, ckpt_vocab_size)
             self.optimizer.load_state_dict(state["optimizer"])
         else:
-            self.optimizer.reload_model_params()
+            self._reload_masters()
         scheduler_state = state.get("opt_param_scheduler")
         if load_lr_scheduler_states and self.lr_scheduler is not None and scheduler_state:
             self.lr_scheduler.load_state_dict(scheduler_state)
@@ -523,8 +798,61 @@ class Engine:
             "checkpoint_version",
             "global_steps",
             "global_samples",
+            SHARED_PARAMS_KEY,
+            ZERO_STAGE_KEY,
+            DP_SIZE_KEY,
         }
         return where, {k: v for k, v in state.items() if k not in own}
+
+    def _reload_masters(self) -> None:
+        """Masters from the (just loaded) model weights."""
+        self.optimizer.reload_model_params()
+        self._clear_modified()
+
+    def _clear_modified(self) -> None:
+        # stage3.load_full_state_dict flags what it wrote so that an optimizer reloads those
+        # masters; the Engine has just set them (from the file or the weights) itself.
+        for p in self.module.parameters():
+            if getattr(p, "zero_modified", False):
+                p.zero_modified = False
+
+    def _load_zero_state(
+        self,
+        load_dir: str | Path,
+        tag: str,
+        state: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        saved_stage: int,
+        where: str,
+    ) -> dict[str, Any]:
+        """This rank's ZeRO partition file, after checking it was saved by this layout."""
+        ps = _parallel_state()
+        if not saved_stage:
+            raise CheckpointError(
+                f"the checkpoint holds a whole (not partitioned) optimizer state; this engine "
+                f"runs ZeRO stage {self._zero_stage}",
+                where=where,
+                fix="resume without ZeRO, or load weights only (load_optimizer_states=False)",
+            )
+        saved_dp = int(state.get(DP_SIZE_KEY, meta.get("layout", {}).get("data_parallel_size", 0)))
+        dp = self.data_parallel.group.size
+        if saved_dp != dp:
+            raise CheckpointError(
+                f"the ZeRO optimizer state is partitioned over {saved_dp} data-parallel ranks; "
+                f"this run has {dp}",
+                where=where,
+                fix=f"resume with {saved_dp} data-parallel ranks, or consolidate the weights with "
+                f"`zerotron zero-to-fp32 {load_dir} OUT --tag {tag}` and start from them "
+                "(load_optimizer_states=False also loads the weights alone)",
+            )
+        zero_state = load_file(load_dir, tag, zero_file(ps.dp_rank, ps.tp_rank, ps.pp_rank))
+        if zero_state.get("dp_rank", ps.dp_rank) != ps.dp_rank:
+            raise CheckpointError(
+                f"the partition file names dp_rank {zero_state.get('dp_rank')}",
+                where=f"{where}/{zero_file(ps.dp_rank, ps.tp_rank, ps.pp_rank)}",
+                fix="the files were renamed or mixed: restore the checkpoint as saved",
+            )
+        return zero_state
 
     def _repad_optimizer_state(
         self, opt_state: dict[str, Any], repadded: Sequence[str], orig_vocab_size: int
