@@ -1,0 +1,613 @@
+"""ZeroOptimizer: ZeRO stages 1-3 over any elementwise torch optimizer.
+
+Each data-parallel rank owns chunk r of every parameter (:mod:`zerotron.zero.partition`) and
+keeps, for those chunks only, the fp32 master weights and the optimizer states. The rank's
+chunks are laid out in a few flat fp32 tensors, *sub-groups* of at most ``sub_group_size``
+elements (one per run of parameters of one torch param group and dtype); the wrapped torch
+optimizer steps those flat tensors. That is only correct for elementwise optimizers (Adam,
+AdamW, SGD, ...): a flat tensor made of many parameters' pieces is stepped exactly like the
+pieces would be. Others (LAMB's per-tensor trust ratio) are refused.
+
+One step:
+
+1. gradients: :class:`~zerotron.zero.grads.GradReducer` has reduce-scattered every bucket into
+   this rank's gradient partition (stage 1 at the boundary, stages 2/3 every micro-batch), in
+   the parameters' dtype, averaged over the group;
+2. the partition is taken to fp32; fp16: unscale and check inf/nan; the flag is combined over
+   the data-parallel group and the model-parallel ``reduce_fn``; an overflow skips the step
+   leaving weights and optimizer states untouched (the scaler lowers the scale);
+3. the global norm (each element counted once: chunks are disjoint across DP, ``is_counted``
+   across TP/PP), clipping;
+4. the torch optimizer steps the fp32 partitions (or, with offload, the
+   :class:`~zerotron.zero.offload.OffloadedOptimizer` does, sub-group by sub-group);
+5. parameters: stages 1/2 all-gather the updated chunks (cast to the parameters' dtype) in
+   ``allgather_bucket_size`` buckets into every rank's full parameters; stage 3 writes the chunk
+   into the parameter's shard (``p.zero_shard``), to be gathered at the next forward.
+
+The object speaks both protocols the Engine uses: MixedPrecisionOptimizer's (``step``,
+``scale_loss``, ``param_groups``, ``state_dict``...) and DataParallel's (``group``, ``sync``,
+``finish_grad_sync``, ``no_sync``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from zerotron.distributed import comm
+from zerotron.distributed.comm import Group
+from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
+from zerotron.precision.grads import (
+    IsCounted,
+    ReduceFn,
+    clip_grad_norm_,
+    get_grad_norm,
+    has_overflow,
+    unscale_and_check_overflow_,
+)
+from zerotron.precision.loss_scaler import LossScaler
+from zerotron.precision.mixed import StepResult
+from zerotron.zero.grads import GradReducer, _full_shape
+from zerotron.zero.memory import memory_report
+from zerotron.zero.partition import BucketLayout, build_buckets, chunk_bounds, chunk_size
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.RMSprop,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adadelta,
+)
+"""Optimizers whose update of an element depends only on that element (and the step count).
+Another class may declare ``zero_elementwise = True`` to be accepted."""
+
+
+@dataclass
+class ParamInfo:
+    """Where one parameter's chunk lives on this rank."""
+
+    param: nn.Parameter
+    name: str
+    shape: torch.Size
+    numel: int
+    chunk: int
+    start: int
+    """Element offset of this rank's chunk in the flattened parameter."""
+    length: int
+    """Real (unpadded) elements of this rank's chunk."""
+    sub_group: int
+    offset: int
+    """Element offset of the chunk in its sub-group's flat tensors."""
+    counted: bool
+    partitioned: bool
+    """Stage 3 holds the parameter as a shard (``p.zero_shard``), not whole."""
+
+
+class SubGroup:
+    """A run of chunks of one dtype and torch param group, stepped as one flat fp32 tensor."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, group_index: int):
+        self.dtype = dtype
+        self.device = device
+        self.group_index = group_index
+        self.params: list[int] = []
+        self.numel = 0
+        self.master: Tensor = torch.empty(0)
+        self.grad: Tensor | None = None
+        """The reduced gradient partition in the parameters' dtype; None until a reduction."""
+
+
+class ZeroOptimizer:
+    """ZeRO stages 1, 2 and 3 around a fresh torch optimizer (see the module docstring and
+    ``notes/zero_api.md``).
+
+    Args:
+        model: the module whose parameters ``optimizer`` was built over (names for the
+            checkpoint layout; stage 3 hooks).
+        optimizer: a fresh elementwise torch optimizer, possibly with param groups.
+        stage: 1, 2 or 3.
+        group: the data-parallel group.
+        loss_scaler: fp16 dynamic/static scaler; None for bf16/fp32.
+        clip_grad, norm_type: global gradient-norm clipping (0 disables).
+        reduce_fn, is_counted: as :class:`~zerotron.precision.mixed.MixedPrecisionOptimizer`,
+            for the model-parallel group (the data-parallel sum is added here).
+        reduce_bucket_size, allgather_bucket_size: elements per bucket of the gradient
+            reduce-scatter and of the parameter all-gather.
+        overlap_comm: launch gradient buckets asynchronously during backward.
+        reduce_scatter: False all-reduces gradient buckets instead (DeepSpeed's option).
+        sub_group_size: elements per flat fp32 master (per optimizer step piece; offload streams
+            one at a time).
+        offload_optimizer, offload_param: :class:`~zerotron.zero.offload.OffloadOptions`.
+        communication_data_type: the gradient wire dtype (default: the parameters').
+        gradient_predivide_factor, prescale_gradients: DeepSpeed's averaging options.
+
+    ``contiguous_gradients``, ``round_robin_gradients``, ``prefetch_bucket_size``,
+    ``param_persistence_threshold``, ``max_live_parameters``, ``max_reuse_distance`` and
+    ``gather_16bit_weights_on_model_save`` are accepted for DeepSpeed's config; the gradient
+    partitions are contiguous by construction and the stage-3 ones belong to
+    :mod:`zerotron.zero.stage3`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        group: Group,
+        loss_scaler: LossScaler | None = None,
+        clip_grad: float = 0.0,
+        norm_type: float = 2.0,
+        reduce_fn: ReduceFn | None = None,
+        is_counted: IsCounted | None = None,
+        reduce_bucket_size: int = int(5e8),
+        allgather_bucket_size: int = int(5e8),
+        overlap_comm: bool = True,
+        reduce_scatter: bool = True,
+        contiguous_gradients: bool = True,
+        round_robin_gradients: bool = False,
+        offload_optimizer: Any = None,
+        offload_param: Any = None,
+        sub_group_size: int = int(1e9),
+        prefetch_bucket_size: int = int(5e7),
+        param_persistence_threshold: int = int(1e5),
+        max_live_parameters: int = int(1e9),
+        max_reuse_distance: int = int(1e9),
+        gather_16bit_weights_on_model_save: bool = False,
+        communication_data_type: torch.dtype | None = None,
+        gradient_predivide_factor: float = 1.0,
+        prescale_gradients: bool = False,
+    ):
+        _check_args(optimizer, stage, clip_grad, sub_group_size, gradient_predivide_factor)
+        self.model = model
+        self.optimizer = optimizer
+        self.stage = stage
+        self.group = group
+        self.loss_scaler = loss_scaler
+        self.clip_grad = float(clip_grad)
+        self.norm_type = float(norm_type)
+        self.reduce_fn = reduce_fn
+        self.num_skipped_steps = 0
+        self.gather_16bit_weights_on_model_save = gather_16bit_weights_on_model_save
+        self.offload_optimizer = offload_optimizer
+        self.offload_param = offload_param
+
+        self.infos, self.sub_groups = self._partition(optimizer, is_counted, sub_group_size)
+        self._info_of = {id(i.param): i for i in self.infos}
+        self.model_params = [i.param for i in self.infos]
+        self.check_overflow = loss_scaler is not None or any(
+            p.dtype == torch.float16 for p in self.model_params
+        )
+        self._rebuild_param_groups()
+        self._offloaded = self._make_offload(offload_optimizer)
+
+        params = self.model_params
+        self.reducer = GradReducer(
+            params,
+            group,
+            self._deliver,
+            every_microbatch=stage >= 2,
+            bucket_size=reduce_bucket_size,
+            overlap=overlap_comm,
+            use_reduce_scatter=reduce_scatter,
+            comm_dtype=communication_data_type,
+            predivide_factor=gradient_predivide_factor,
+            prescale=prescale_gradients,
+        )
+        # Whole parameters (all of stages 1/2; stage 3's persistent ones) are refreshed by an
+        # all-gather of the updated chunks after each step.
+        whole = [k for k, i in enumerate(self.infos) if not i.partitioned]
+        self._gather_buckets: list[BucketLayout] = build_buckets(
+            [self.infos[k].shape for k in range(len(self.infos))],
+            group.size,
+            allgather_bucket_size,
+            order=whole,
+            key=lambda k: (self.infos[k].param.dtype, self.infos[k].param.device),
+        )
+
+    # ---- layout ---------------------------------------------------------------------------
+
+    def _partition(
+        self,
+        optimizer: torch.optim.Optimizer,
+        is_counted: IsCounted | None,
+        sub_group_size: int,
+    ) -> tuple[list[ParamInfo], list[SubGroup]]:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        world, rank = self.group.size, self.group.rank
+        infos: list[ParamInfo] = []
+        subs: list[SubGroup] = []
+        seen: set[int] = set()
+        for g, pgroup in enumerate(optimizer.param_groups):
+            current: SubGroup | None = None
+            for p in pgroup["params"]:
+                if not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                shape = _full_shape(p)
+                numel = shape.numel()
+                chunk = chunk_size(numel, world)
+                start, length = chunk_bounds(numel, world, rank)
+                if (
+                    current is None
+                    or current.dtype != p.dtype
+                    or current.device != p.device
+                    or (current.numel and current.numel + chunk > sub_group_size)
+                ):
+                    current = SubGroup(p.dtype, p.device, g)
+                    subs.append(current)
+                partitioned = self.stage == 3 and hasattr(p, "zero_shard")
+                partitioned = partitioned and not getattr(p, "zero_persistent", False)
+                infos.append(
+                    ParamInfo(
+                        p,
+                        names.get(id(p), f"param{len(infos)}"),
+                        shape,
+                        numel,
+                        chunk,
+                        start,
+                        length,
+                        len(subs) - 1,
+                        current.numel,
+                        is_counted is None or bool(is_counted(p)),
+                        partitioned,
+                    )
+                )
+                current.params.append(len(infos) - 1)
+                current.numel += chunk
+        for s in subs:
+            s.master = torch.zeros(s.numel, dtype=torch.float32, device=s.device)
+        for info in infos:
+            self._load_master_chunk(info, [s.master for s in subs])
+        return infos, subs
+
+    @torch.no_grad()
+    def _load_master_chunk(self, info: ParamInfo, masters: list[Tensor] | None = None) -> None:
+        """Copy this rank's chunk of the parameter's current value into its master."""
+        master = (masters or [s.master for s in self.sub_groups])[info.sub_group]
+        dst = master[info.offset : info.offset + info.length]
+        if info.partitioned:
+            dst.copy_(info.param.zero_shard[: info.length])
+        else:
+            dst.copy_(info.param.detach().reshape(-1)[info.start : info.start + info.length])
+
+    def _rebuild_param_groups(self) -> None:
+        """Point the torch optimizer at the flat masters, keeping each group's settings."""
+        old = self.optimizer.param_groups
+        new = []
+        for s in self.sub_groups:
+            settings = {k: v for k, v in old[s.group_index].items() if k != "params"}
+            new.append({**settings, "params": [s.master]})
+        self.optimizer.param_groups.clear()
+        self.optimizer.param_groups.extend(new)
+
+    def _make_offload(self, options: Any) -> Any:
+        """The OffloadedOptimizer that keeps masters and states on the host or in files."""
+        if options is None or not options.enabled:
+            return None
+        from zerotron.zero.offload import OffloadedOptimizer
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return OffloadedOptimizer(self.optimizer, options, rank_name=f"rank{rank}")
+
+    @property
+    def _on_nvme(self) -> bool:
+        return self._offloaded is not None and self._offloaded.device == "nvme"
+
+    def close(self) -> None:
+        """Detach the hooks and release offload files (the optimizer is unusable after)."""
+        self.remove_hooks()
+        if self._offloaded is not None:
+            self._offloaded.close()
+
+    # ---- the Engine's DataParallel protocol -----------------------------------------------
+
+    @property
+    def sync(self) -> bool:
+        """Whether this backward reduces gradients (stage 1; stages 2/3 always reduce)."""
+        return self.reducer.sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.reducer.sync = value
+
+    def finish_grad_sync(self) -> None:
+        """Make sure every gradient is in the partitions (the Engine calls it at the boundary).
+
+        Stage 1 reduces here if backward did not (gradients accumulated under ``no_sync``);
+        otherwise it only waits for buckets still in flight.
+        """
+        if self.reducer.in_flight() or (self.stage == 1 and not self.reducer.reduced_since_step):
+            self.reducer.reduce_all()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside the block only accumulates (stage 1)."""
+        before, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = before
+
+    # ---- the Engine's optimizer protocol --------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The torch optimizer's groups (one per sub-group): LR schedulers set lr here."""
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    cur_scale = loss_scale  # DeepSpeed's name
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        return self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss
+
+    def _reduce(self, t: Tensor, op: str) -> Tensor:
+        """Combine a 1-element tensor over the data-parallel group and then ``reduce_fn``."""
+        t = comm.all_reduce(t, self.group, op)
+        return self.reduce_fn(t, op) if self.reduce_fn is not None else t
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Unscale, check, clip, step the partitions, publish the parameters, zero gradients."""
+        self.finish_grad_sync()
+        grads = self._fp32_grads()
+        overflow = False
+        if self.loss_scaler is not None and self.loss_scaler.loss_scale != 1.0:
+            inv = 1.0 / self.loss_scaler.loss_scale
+            overflow = unscale_and_check_overflow_(grads, inv, reduce_fn=self._reduce)
+        elif self.check_overflow:
+            overflow = has_overflow(grads, reduce_fn=self._reduce)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        if overflow:
+            self.num_skipped_steps += 1
+            self.zero_grad()
+            return StepResult(False, None, None)
+
+        grad_norm = get_grad_norm(
+            self._counted_grads(grads), self.norm_type, reduce_fn=self._reduce
+        )
+        if self.clip_grad > 0:
+            clip_grad_norm_(grads, self.clip_grad, total_norm=grad_norm)
+        updated = self._step_partitions(grads)
+        self.zero_grad()
+        self._publish_params(updated)
+        return StepResult(True, float(grad_norm), None)
+
+    def _step_partitions(self, grads: list[Tensor]) -> list[Tensor]:
+        """Step the masters; return each sub-group's updated values (the masters themselves,
+        or with NVMe offload copies in the parameters' dtype taken while they were resident)."""
+        if self._offloaded is None:
+            for s, g in zip(self.sub_groups, grads):
+                s.master.grad = g
+            self.optimizer.step()
+            for s in self.sub_groups:
+                s.master.grad = None
+            return [s.master for s in self.sub_groups]
+        updated: list[Tensor] = [s.master for s in self.sub_groups]
+
+        def keep(i: int, master: Tensor) -> None:
+            if self._on_nvme:  # the master is a pool buffer: valid only now
+                updated[i] = master.to(self.sub_groups[i].dtype, copy=True)
+
+        self._offloaded.step(grads, on_updated=keep)
+        return updated
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient: full ones, partitions, masters' (partitions are reallocated at
+        the next reduction, so between steps a rank holds no gradient memory)."""
+        for p in self.model_params:
+            p.grad = None
+        for s in self.sub_groups:
+            s.grad = None
+        self.reducer.reduced_since_step = False
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the masters from the model's parameters (after loading model weights)."""
+        if not self._on_nvme:
+            for info in self.infos:
+                self._load_master_chunk(info)
+            return
+        masters = [torch.zeros(s.numel, dtype=torch.float32) for s in self.sub_groups]
+        for info in self.infos:
+            self._load_master_chunk(info, masters)
+        sd = self._offloaded.state_dict()
+        self._offloaded.load_state_dict({**sd, "fp32_partitions": masters})
+
+    # ---- internals ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _deliver(self, layout: BucketLayout, row: Tensor) -> None:
+        """Add a bucket's reduced row into the gradient partitions."""
+        dsts, srcs = [], []
+        for slot, view in zip(layout.slots, layout.row_views(row)):
+            info = self.infos[slot.index]
+            sub = self.sub_groups[info.sub_group]
+            if sub.grad is None:
+                sub.grad = torch.zeros(sub.numel, dtype=sub.dtype, device=sub.device)
+            dsts.append(sub.grad[info.offset : info.offset + info.chunk])
+            srcs.append(view if view.dtype == sub.dtype else view.to(sub.dtype))
+        torch._foreach_add_(dsts, srcs)
+
+    def _fp32_grads(self) -> list[Tensor]:
+        """Every sub-group's gradient in fp32 (zeros where nothing was reduced)."""
+        grads = []
+        for s in self.sub_groups:
+            g = s.grad if s.grad is not None else torch.zeros(s.numel, device=s.device)
+            grads.append(g if g.dtype == torch.float32 else g.float())
+        return grads
+
+    def _counted_grads(self, grads: list[Tensor]) -> list[Tensor]:
+        """The gradient elements this rank counts in the norm (its chunks of counted params)."""
+        out = []
+        for s, g in zip(self.sub_groups, grads):
+            infos = [self.infos[k] for k in s.params]
+            if all(i.counted for i in infos):
+                out.append(g)
+            else:
+                out.extend(g[i.offset : i.offset + i.chunk] for i in infos if i.counted)
+        return out
+
+    @torch.no_grad()
+    def _publish_params(self, updated: list[Tensor]) -> None:
+        """Write the updated values (one flat tensor per sub-group) into the model: shards
+        (stage 3) and, for whole parameters, all-gathers of the chunks."""
+        for info in self.infos:
+            if info.partitioned:
+                flat = updated[info.sub_group]
+                info.param.zero_shard.copy_(flat[info.offset : info.offset + info.chunk])
+        pending = []
+        for layout in self._gather_buckets:
+            infos = [self.infos[s.index] for s in layout.slots]
+            row = torch.zeros(
+                layout.row_len, dtype=infos[0].param.dtype, device=infos[0].param.device
+            )
+            torch._foreach_copy_(
+                layout.row_views(row),
+                [updated[i.sub_group][i.offset : i.offset + i.chunk] for i in infos],
+            )
+            pending.append((layout, infos, comm.all_gather_async(row, self.group)))
+        for layout, infos, work in pending:
+            layout.unpack_into(work.wait(), [i.param.data for i in infos])
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's ZeRO file (see ``notes/zero_api.md``): optimizer state over the flat
+        masters, the masters themselves and the layout that maps them to parameters."""
+        if self._offloaded is not None:
+            sd = self._offloaded.state_dict()
+            optimizer_state, masters = sd["optimizer"], sd["fp32_partitions"]
+        else:
+            optimizer_state = self.optimizer.state_dict()
+            masters = [s.master for s in self.sub_groups]
+        return {
+            "zero_stage": self.stage,
+            "dp_rank": self.group.rank,
+            "dp_size": self.group.size,
+            "optimizer": optimizer_state,
+            "fp32_partitions": masters,
+            "layout": [
+                {
+                    "name": i.name,
+                    "shape": list(i.shape),
+                    "numel": i.numel,
+                    "chunk": i.chunk,
+                    "start": i.start,
+                    "length": i.length,
+                    "partition": i.sub_group,
+                    "offset": i.offset,
+                }
+                for i in self.infos
+            ],
+            "grad_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+            "num_skipped_steps": self.num_skipped_steps,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's file of the same layout; parameters are then rebuilt from the
+        loaded masters (a collective: every rank of the group loads)."""
+        mine = [(i.name, i.numel, i.chunk, i.sub_group, i.offset) for i in self.infos]
+        saved = [
+            (e["name"], e["numel"], e["chunk"], e["partition"], e["offset"])
+            for e in state.get("layout", [])
+        ]
+        if state.get("dp_size") != self.group.size or saved != mine:
+            raise CheckpointError(
+                f"the ZeRO partition file (dp_size {state.get('dp_size')}, "
+                f"{len(saved)} parameters) does not fit this run (dp_size {self.group.size}, "
+                f"{len(mine)} parameters) or its layout differs",
+                where=f"zero dp rank {self.group.rank}",
+                fix="resume with the same data-parallel size, model and parameter grouping, "
+                "or consolidate with zero-to-fp32 and load the weights only",
+            )
+        masters = state["fp32_partitions"]
+        if self._offloaded is not None:
+            self._offloaded.load_state_dict(
+                {"optimizer": state["optimizer"], "fp32_partitions": masters}
+            )
+        else:
+            for s, t in zip(self.sub_groups, masters, strict=True):
+                s.master.copy_(t)
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.loss_scaler is not None and state.get("grad_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["grad_scaler"])
+        self.num_skipped_steps = int(state.get("num_skipped_steps", 0))
+        self._publish_params(list(masters))
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind: ``params``, ``grads``, ``optimizer_states`` (fp32
+        masters and the optimizer's state), and ``total``; see :mod:`zerotron.zero.memory`."""
+        return memory_report(self)
+
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
+
+
+def _check_args(
+    optimizer: torch.optim.Optimizer,
+    stage: int,
+    clip_grad: float,
+    sub_group_size: int,
+    predivide: float,
+) -> None:
+    if stage not in (1, 2, 3):
+        raise ConfigError(
+            f"ZeRO stage {stage} is not 1, 2 or 3",
+            where="zero_optimization.stage",
+            fix="use 0 for plain data parallelism (no ZeroOptimizer) or 1-3",
+        )
+    if not (
+        isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)
+        or getattr(optimizer, "zero_elementwise", False)
+    ):
+        raise UnsupportedError(
+            f"ZeRO steps flat partitions made of many parameters' pieces, which is only exact for "
+            f"elementwise optimizers; {type(optimizer).__name__} is not one of them",
+            where="optimizer",
+            fix="use Adam, AdamW or SGD with ZeRO, or turn ZeRO off (zero_optimization.stage 0)",
+        )
+    if len(optimizer.state) > 0:
+        raise ConfigError(
+            "ZeroOptimizer needs a fresh optimizer, but this one has already stepped",
+            where=type(optimizer).__name__,
+            fix="wrap the optimizer right after building it",
+        )
+    if clip_grad < 0:
+        raise ConfigError(f"clip_grad={clip_grad} is negative", where="gradient_clipping")
+    if sub_group_size <= 0:
+        raise ConfigError(
+            f"sub_group_size must be positive, got {sub_group_size}",
+            where="zero_optimization.sub_group_size",
+        )
+    if predivide <= 0:
+        raise ConfigError(
+            f"gradient_predivide_factor must be positive, got {predivide}",
+            where="gradient_predivide_factor",
+        )
+    if stage >= 2:
+        from zerotron.distributed.state import is_model_parallel_initialized, state
+
+        if is_model_parallel_initialized() and state().pp_size > 1:
+            raise UnsupportedError(
+                f"ZeRO stage {stage} with pipeline parallelism (pp={state().pp_size})",
+                where="zero_optimization.stage",
+                fix="use ZeRO stage 1 with pipeline parallelism, as DeepSpeed requires",
+            )
