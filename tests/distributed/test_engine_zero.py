@@ -1,0 +1,264 @@
+"""The Engine with a ZeroOptimizer on 2 gloo ranks, through DeepSpeed's API (loss_fn,
+train_batch, save/load_checkpoint): stages 1/2/3 resume from a checkpoint with the same losses
+bit for bit, client_state round-trips, tag None follows ``latest``, an fp16 overflow is counted
+in ``skipped_steps``; zero-to-fp32 of a real stage-2/3 save equals the weights it saved; a
+ZeRO checkpoint refuses a different data-parallel size (and a non-ZeRO engine) by naming
+zero-to-fp32.
+
+The model is zerotron's GPT, tiny (2 layers, hidden 64, vocabulary 512, sequence 16), fp32
+with dropout (its RNG state is part of what resumes), AdamW with weight decay and a warmup
+schedule; each rank trains on its own micro-batches (2 per step).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerotron.checkpoint import build_metadata, layout
+from zerotron.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from zerotron.distributed import comm
+from zerotron.distributed.rng import model_parallel_seed
+from zerotron.distributed.state import state
+from zerotron.engine import Engine, grad_norm_hooks
+from zerotron.errors import CheckpointError
+from zerotron.models.gpt import GPT, GPTConfig
+from zerotron.optim import OptimizerParamScheduler
+from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
+from zerotron.training.build import lm_loss
+
+from .spawn import run_ranks
+
+DP, SEQ, VOCAB, MBS, GAS = 2, 16, 512, 2, 2
+STEPS, SAVE_AT = 4, 2
+CONFIG = GPTConfig(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=SEQ,
+    vocab_size=VOCAB,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+)
+
+
+def micro_batch(step: int, micro: int, dp_rank: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + dp_rank)
+    ids = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+    return {
+        "tokens": ids[:, :-1],
+        "labels": ids[:, 1:],
+        "loss_mask": torch.ones(MBS, SEQ),
+        "position_ids": torch.arange(SEQ).expand(MBS, SEQ),
+    }
+
+
+def step_batches(step: int) -> list[dict[str, torch.Tensor]]:
+    return [micro_batch(step, m, state().dp_rank) for m in range(GAS)]
+
+
+def make_engine(
+    stage: int, seed: int, dtype: torch.dtype = torch.float32, wall_clock: bool = False
+) -> Engine:
+    """GPT + AdamW + schedule wrapped by ZeroOptimizer(stage) (stage 0: MixedPrecision +
+    no data parallelism, for the refusal checks)."""
+    from zerotron.zero import ZeroOptimizer
+    from zerotron.zero.stage3 import partition_parameters
+
+    torch.manual_seed(seed)
+    model_parallel_seed(seed)
+    model = GPT(CONFIG).to(dtype)
+    ps = state()
+    if stage == 3:
+        # LayerNorms (64 elements) stay whole: both kinds of stage-3 parameter are exercised.
+        partition_parameters(model, ps.dp, persistence_threshold=100)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    reduce_fn, is_counted = grad_norm_hooks(ps)
+    scaler = make_loss_scaler(dtype, initial_scale=2.0**10, hysteresis=1)
+    if stage == 0:
+        opt = MixedPrecisionOptimizer(adamw, loss_scaler=scaler, clip_grad=1.0)
+    else:
+        opt = ZeroOptimizer(
+            model,
+            adamw,
+            stage=stage,
+            group=ps.dp,
+            loss_scaler=scaler,
+            clip_grad=1.0,
+            reduce_fn=reduce_fn,
+            is_counted=is_counted,
+            reduce_bucket_size=20_000,  # several buckets
+            allgather_bucket_size=20_000,
+            sub_group_size=30_000,  # several fp32 partitions per rank
+            gather_16bit_weights_on_model_save=True,
+        )
+    sched = OptimizerParamScheduler(opt, max_lr=1e-3, lr_decay_steps=10, lr_warmup_steps=2)
+    meta = build_metadata(
+        model_config=CONFIG.to_dict(),
+        vocab_size=VOCAB,
+        padded_vocab_size=VOCAB,
+        data_parallel_size=ps.dp_size,
+    )
+    return Engine(
+        model,
+        opt,
+        sched,
+        loss_fn=lm_loss,
+        micro_batch_size=MBS,
+        gradient_accumulation_steps=GAS,
+        checkpoint_metadata=meta,
+        wall_clock_breakdown=wall_clock,
+    )
+
+
+def train(engine: Engine, steps: range) -> list[float]:
+    return [float(engine.train_batch(iter(step_batches(s)))) for s in steps]
+
+
+def _resume_case(stage: int, root: Path) -> dict:
+    """Straight run of STEPS steps, saving after SAVE_AT; a fresh engine (other init) loads
+    the latest tag and runs the rest."""
+    a = make_engine(stage, seed=1)
+    assert a.zero_optimization_stage() == stage and a.data_parallel is a.optimizer
+    losses = train(a, range(SAVE_AT))
+    client = {"epoch": 7, "ids": torch.arange(3)}
+    a.save_checkpoint(root, client_state=client)  # tag None -> global_step2, `latest`
+    # the weights at the save (stage 3: gathered, a collective); copies: stages 1/2 give views
+    saved = {k: v.clone() for k, v in a.module_state_dict().items()}
+    losses += train(a, range(SAVE_AT, STEPS))
+
+    b = make_engine(stage, seed=2)
+    where, got = b.load_checkpoint(root)  # tag None: follow `latest`
+    resumed = train(b, range(SAVE_AT, STEPS))
+    return {
+        "losses": losses,
+        "resumed": resumed,
+        "where": where,
+        "client": got,
+        "lr": (a.get_lr(), b.get_lr()),
+        "counters": ((a.global_steps, a.global_samples), (b.global_steps, b.global_samples)),
+        "weights": (a.module_state_dict(), b.module_state_dict()),  # pickled at return
+        "saved": saved,
+        "memory": a.optimizer.memory_report(),
+    }
+
+
+def _overflow_case() -> dict:
+    """fp16 stage 2: a poisoned step is skipped (counted, scale halved, weights unchanged)."""
+    engine = make_engine(2, seed=3, dtype=torch.float16)
+    poison = {"on": False}
+
+    def loss_fn(model, batch):
+        loss = lm_loss(model, batch)
+        return loss * math.inf if poison["on"] and state().dp_rank == 1 else loss
+
+    engine.loss_fn = loss_fn
+    train(engine, range(1))
+    scale, before = engine.cur_scale, engine.module_state_dict()
+    poison["on"] = True
+    train(engine, range(1, 2))
+    skipped = engine.skipped_steps
+    same = all(torch.equal(v, engine.module_state_dict()[k]) for k, v in before.items())
+    poison["on"] = False
+    train(engine, range(2, 3))
+    return {
+        "scales": (scale, engine.loss_scale),
+        "skipped": (skipped, engine.skipped_steps),
+        "unchanged": same,
+        "ok": engine.last_step.update_successful,
+    }
+
+
+def _all_cases(rank: int, root: str) -> dict:
+    out = {}
+    for stage in (1, 2, 3):
+        out[stage] = _resume_case(stage, Path(root) / f"stage{stage}")
+    out["overflow"] = _overflow_case()
+    comm.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> tuple[list[dict], Path]:
+    root = tmp_path_factory.mktemp("zero_ckpt")
+    return run_ranks(_all_cases, DP, str(root), timeout=240), root
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_gives_the_same_losses_bitwise(ranks, stage):
+    results, _ = ranks
+    for r in results:
+        case = r[stage]
+        assert case["resumed"] == case["losses"][SAVE_AT:]  # exact floats
+        assert case["where"].endswith("global_step2")
+        assert case["client"].keys() == {"epoch", "ids"} and case["client"]["epoch"] == 7
+        assert torch.equal(case["client"]["ids"], torch.arange(3))
+        assert case["lr"][0] == case["lr"][1]
+        assert case["counters"][0] == case["counters"][1] == (STEPS, STEPS * MBS * GAS * DP)
+        a, b = case["weights"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # both ranks report the same (data-parallel mean) losses
+    assert results[0][stage]["losses"] == results[1][stage]["losses"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_checkpoint_files_and_zero_to_fp32(ranks, stage):
+    results, root = ranks
+    tag_dir = root / f"stage{stage}" / "global_step2"
+    files = sorted(p.name for p in tag_dir.iterdir())
+    zero = [layout.zero_file(d) for d in range(DP)]
+    extra = ["pytorch_model.bin"] if stage == 3 else []  # gather_16bit_weights_on_model_save
+    assert files == sorted(["metadata.json", "mp_rank_00", *zero, *extra])
+    model_file = torch.load(tag_dir / layout.model_file(), weights_only=True)
+    assert "optimizer" not in model_file and model_file["zero_stage"] == stage
+    assert model_file["dp_world_size"] == DP
+    zero_file = torch.load(tag_dir / zero[1], weights_only=True)
+    assert zero_file["dp_rank"] == 1 and zero_file["zero_stage"] == stage
+
+    saved = results[0][stage]["saved"]  # fp32 training: master weights == parameters
+    assert all(torch.equal(model_file["model"][k], v) for k, v in saved.items())
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(tag_dir)
+    assert consolidated.keys() == saved.keys()
+    for k, v in saved.items():
+        assert torch.equal(consolidated[k], v), k
+    if stage == 3:
+        gathered = torch.load(tag_dir / "pytorch_model.bin", weights_only=True)
+        assert all(torch.equal(gathered[k], v) for k, v in saved.items())
+
+
+def test_fp16_overflow_is_skipped_and_counted(ranks):
+    for r in ranks[0]:
+        o = r["overflow"]
+        assert o["skipped"] == (1, 1) and o["unchanged"] and o["ok"]
+        assert o["scales"][1] == o["scales"][0] / 2
+
+
+def test_other_data_parallel_size_or_no_zero_is_refused_by_name(ranks):
+    """Loaded by one process (data-parallel size 1): ZeRO stage 2 refuses (the partitions
+    are over 2 ranks), a plain engine refuses the optimizer state; weights alone load."""
+    _, root = ranks
+    with pytest.raises(CheckpointError, match="zero-to-fp32") as e:
+        make_engine(2, seed=5).load_checkpoint(root / "stage2")
+    assert "partitioned over 2 data-parallel ranks; this run has 1" in str(e.value)
+    plain = make_engine(0, seed=5)
+    with pytest.raises(CheckpointError, match="ZeRO stage 2"):
+        plain.load_checkpoint(root / "stage2")
+    plain.load_checkpoint(root / "stage2", load_optimizer_states=False)
+    saved = torch.load(root / "stage2" / "global_step2" / layout.model_file(), weights_only=True)
+    assert all(torch.equal(v, saved["model"][k]) for k, v in plain.module.state_dict().items())
+    assert plain.global_steps == SAVE_AT
+
+
+def test_wall_clock_breakdown_times_each_phase():
+    engine = make_engine(0, seed=6, wall_clock=True)
+    assert engine.wall_clock_breakdown()
+    for mb in [micro_batch(0, m, 0) for m in range(GAS)]:
+        engine.backward(lm_loss(engine, mb))  # engine(...) is the timed forward
+    engine.step()
+    times = engine.wall_clock_summary()
+    assert set(times) == {"forward", "backward", "backward_allreduce", "step"}
+    assert times["forward"] > 0 and times["backward"] > 0 and times["step"] > 0
+    assert engine.wall_clock_summary()["forward"] == 0.0  # read with reset
