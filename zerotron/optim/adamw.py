@@ -1,10 +1,11 @@
-"""Build the optimizer: AdamW (what Megatron's and DeepSpeed's "adam" mean), Adam, or SGD.
+"""Build the optimizer: AdamW (what Megatron's and DeepSpeed's "adam" mean), Adam, SGD, or Lamb.
 
-All are torch's own implementations. ``impl="auto"`` takes the fused kernel wherever torch has
-one for the parameters' device (CUDA and, since torch 2.4, CPU), else the foreach one. On this
-project's 2-core CPU, fused AdamW steps a 30M-parameter GPT-2 4.0-4.4x faster than foreach
-(34.9 vs 139 ms on 1 thread, 18.9 vs 82.5 ms on 2) and is as accurate: both differ from an fp64
-AdamW by the same amount after 100 steps, and from each other by at most 1 ulp.
+All but Lamb (:mod:`zerotron.optim.lamb`) are torch's own implementations. ``impl="auto"``
+takes the fused kernel wherever torch has one for the parameters' device (CUDA and, since torch
+2.4, CPU), else the foreach one. On this project's 2-core CPU, fused AdamW steps a 30M-parameter
+GPT-2 4.0-4.4x faster than foreach (34.9 vs 139 ms on 1 thread, 18.9 vs 82.5 ms on 2) and is as
+accurate: both differ from an fp64 AdamW by the same amount after 100 steps, and from each other
+by at most 1 ulp.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from zerotron.errors import ConfigError, UnsupportedError
+from zerotron.optim.lamb import Lamb
 
 Impl = Literal["auto", "fused", "foreach", "for"]
 
 # Optimizers DeepSpeed or Megatron configs may name that zerotron does not (yet) provide.
-_KNOWN_UNSUPPORTED = {"lamb", "onebitadam", "onebitlamb", "zerooneadam", "adagrad", "muadam"}
+_KNOWN_UNSUPPORTED = {"onebitadam", "onebitlamb", "zerooneadam", "adagrad", "muadam"}
 
 
 def build_optimizer(
@@ -34,6 +36,8 @@ def build_optimizer(
     momentum: float = 0.0,
     nesterov: bool = False,
     adam_w_mode: bool = True,
+    max_coeff: float = 10.0,
+    min_coeff: float = 0.01,
     impl: Impl = "auto",
 ) -> torch.optim.Optimizer:
     """A torch optimizer over ``params`` (tensors or groups from ``get_param_groups``).
@@ -44,21 +48,34 @@ def build_optimizer(
         lr, weight_decay: defaults for groups that do not set their own.
         betas, eps: Adam's (Megatron: ``--adam-beta1/2``, ``--adam-eps``).
         momentum, nesterov: SGD's (Megatron: ``--sgd-momentum``).
+        max_coeff, min_coeff: Lamb's trust-ratio bounds (``"lamb"``, DeepSpeed's).
         impl: ``"auto"`` (fused where available), ``"fused"``, ``"foreach"`` or ``"for"``.
     """
     params = [_materialize(p) for p in params]
     kind = name.lower()
     if kind == "adam":
         kind = "adamw" if adam_w_mode else "adam"
-    if kind not in ("adamw", "adam", "sgd"):
+    if kind not in ("adamw", "adam", "sgd", "lamb"):
         if kind in _KNOWN_UNSUPPORTED:
             raise UnsupportedError(
                 f"optimizer {name!r} (a DeepSpeed optimizer) is not supported by zerotron",
                 where="optimizer.type",
-                fix="use adam, adamw or sgd",
+                fix="use adam, adamw, sgd or lamb",
             )
         raise ConfigError(
-            f"unknown optimizer {name!r}", where="optimizer.type", fix="use adam, adamw or sgd"
+            f"unknown optimizer {name!r}",
+            where="optimizer.type",
+            fix="use adam, adamw, sgd or lamb",
+        )
+    if kind == "lamb":
+        return Lamb(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
         )
     kw = _impl_kwargs(impl, params)
     if kind == "sgd":

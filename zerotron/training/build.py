@@ -27,7 +27,12 @@ from zerotron.distributed.rng import model_parallel_seed
 from zerotron.distributed.state import ParallelState, state
 from zerotron.engine import Engine, grad_norm_hooks
 from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
-from zerotron.optim import OptimizerParamScheduler, build_optimizer, get_param_groups
+from zerotron.optim import (
+    OptimizerParamScheduler,
+    build_ds_scheduler,
+    build_optimizer,
+    get_param_groups,
+)
 from zerotron.parallel.data_parallel import DataParallel
 from zerotron.parallel.pipeline import GPTStage, PipelineRuntime, build_gpt_stages
 from zerotron.parallel.pipeline.gpt_stage import TIED_COPY
@@ -128,6 +133,161 @@ class StageModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def build_torch_optimizer(params: Any, cfg: Config) -> torch.optim.Optimizer:
+    """The config's optimizer (``optimizer`` section) over ``params`` (tensors or groups)."""
+    o = cfg.optimizer
+    return build_optimizer(
+        params,
+        o.optimizer,
+        lr=o.lr if o.lr is not None else 0.0,  # --train-iters 0 may leave it unset
+        weight_decay=o.weight_decay,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+        momentum=o.sgd_momentum,
+        nesterov=o.sgd_nesterov,
+        adam_w_mode=o.adam_w_mode,
+        max_coeff=o.lamb_max_coeff,
+        min_coeff=o.lamb_min_coeff,
+    )
+
+
+def offload_options(cfg: Config, kind: str) -> Any:
+    """``zero.offload_{kind}_*`` as :class:`~zerotron.zero.offload.OffloadOptions` (None: off)."""
+    z = cfg.zero
+    device = getattr(z, f"offload_{kind}_device")
+    if device == "none":
+        return None
+    from zerotron.zero.offload import OffloadOptions
+
+    return OffloadOptions(
+        device=device,
+        nvme_path=getattr(z, f"offload_{kind}_nvme_path"),
+        pin_memory=getattr(z, f"offload_{kind}_pin_memory"),
+        buffer_count=getattr(z, f"offload_{kind}_buffer_count"),
+    )
+
+
+COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def wrap_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, ps: ParallelState | None = None
+) -> tuple[Any, Any]:
+    """Master weights, loss scaling, clipping and the data-parallel reduction around a fresh
+    torch ``optimizer`` over ``model``'s parameters (already in the training dtype).
+
+    Returns ``(optimizer, data_parallel)`` for the Engine. ZeRO stage 0:
+    a :class:`MixedPrecisionOptimizer` and a :class:`DataParallel` (None for one replica), the
+    latter built first so the optimizer sees its ``main_grad`` buffers. Stages 1-3: a
+    :class:`~zerotron.zero.ZeroOptimizer`, which is both (stage 3 partitions ``model``'s
+    parameters first, with the offload_param store when asked).
+    """
+    ps = ps or state()
+    z, p, o = cfg.zero, cfg.precision, cfg.optimizer
+    dtype = DTYPES[p.params_dtype]
+    scaler = make_loss_scaler(
+        dtype,
+        loss_scale=p.loss_scale,
+        initial_scale=p.initial_loss_scale,
+        scale_window=p.loss_scale_window,
+        hysteresis=p.hysteresis,
+        consecutive_hysteresis=p.consecutive_hysteresis,
+        min_scale=p.min_loss_scale,
+        raise_error_at_min_scale=False,  # Megatron keeps going at the minimum scale
+    )
+    reduce_fn, is_counted = grad_norm_hooks(ps)
+    if z.zero_stage == 0:
+        data_parallel = None
+        if ps.dp_size > 1:
+            data_parallel = DataParallel(
+                model.parameters(),
+                ps.dp,
+                bucket_size=cfg.parallel.ddp_bucket_size,
+                reduce_in_fp32=p.accumulate_allreduce_grads_in_fp32,
+            )
+        wrapped = MixedPrecisionOptimizer(
+            optimizer,
+            loss_scaler=scaler,
+            clip_grad=o.clip_grad,
+            reduce_fn=reduce_fn,
+            is_counted=is_counted,
+        )
+        return wrapped, data_parallel
+    from zerotron.zero import ZeroOptimizer
+
+    if z.zero_stage == 3:
+        from zerotron.zero.stage3 import partition_parameters
+
+        store = None
+        param_options = offload_options(cfg, "param")
+        if param_options is not None:
+            from zerotron.zero.offload import ParamStore
+
+            store = ParamStore(param_options, rank_name=f"rank{ps.rank}")
+        partition_parameters(
+            model,
+            ps.dp,
+            persistence_threshold=z.stage3_param_persistence_threshold,
+            prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+            max_live_parameters=z.stage3_max_live_parameters,
+            param_store=store,
+        )
+    wrapped = ZeroOptimizer(
+        model,
+        optimizer,
+        stage=z.zero_stage,
+        group=ps.dp,
+        loss_scaler=scaler,
+        clip_grad=o.clip_grad,
+        reduce_fn=reduce_fn,
+        is_counted=is_counted,
+        reduce_bucket_size=z.reduce_bucket_size,
+        allgather_bucket_size=z.allgather_bucket_size,
+        overlap_comm=bool(z.overlap_comm),
+        reduce_scatter=z.reduce_scatter,
+        contiguous_gradients=z.contiguous_gradients,
+        round_robin_gradients=z.round_robin_gradients,
+        offload_optimizer=offload_options(cfg, "optimizer"),
+        offload_param=offload_options(cfg, "param"),
+        sub_group_size=z.sub_group_size,
+        prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+        param_persistence_threshold=z.stage3_param_persistence_threshold,
+        max_live_parameters=z.stage3_max_live_parameters,
+        max_reuse_distance=z.stage3_max_reuse_distance,
+        gather_16bit_weights_on_model_save=z.stage3_gather_16bit_weights_on_model_save,
+        communication_data_type=COMM_DTYPES.get(z.communication_data_type or ""),
+        gradient_predivide_factor=z.gradient_predivide_factor,
+        prescale_gradients=z.prescale_gradients,
+    )
+    return wrapped, wrapped
+
+
+def build_scheduler(cfg: Config, optimizer: Any) -> Any:
+    """The config's LR schedule over ``optimizer``: DeepSpeed's ``lr_scheduler_type`` (counted
+    in iterations), else Megatron's warmup + decay (counted in samples) when the run has a
+    length; None otherwise."""
+    s, o = cfg.scheduler, cfg.optimizer
+    if s.lr_scheduler_type is not None:
+        return build_ds_scheduler(s.lr_scheduler_type, optimizer, s.lr_scheduler_params)
+    if cfg.lr_decay_steps is None:
+        return None
+    return OptimizerParamScheduler(
+        optimizer,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_decay_steps=cfg.lr_decay_steps,
+        lr_decay_style=s.lr_decay_style,
+        lr_warmup_steps=cfg.lr_warmup_steps,
+        init_lr=s.lr_warmup_init,
+        start_wd=o.start_weight_decay,
+        end_wd=o.end_weight_decay,
+        wd_incr_steps=cfg.lr_decay_steps,
+        wd_incr_style=o.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
+    )
+
+
 def flops_parameters(model: GPT) -> int:
     """The parameter count the model-FLOPs formula wants: all but the position embedding."""
     return model.num_parameters() - model.embedding.position_embeddings.weight.numel()
@@ -194,62 +354,13 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         model, pipeline = _pipeline(cfg, full, ps)
         del full  # what no chunk holds is freed
         set_random_seed(cfg.training.seed, ps)
-    # Before the optimizer: it must see the data-parallel main_grad buffers (and leave them be).
-    data_parallel = None
-    if ps.dp_size > 1:
-        data_parallel = DataParallel(
-            model.parameters(),
-            ps.dp,
-            bucket_size=cfg.parallel.ddp_bucket_size,
-            reduce_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
-        )
-    reduce_fn, is_counted = grad_norm_hooks(ps)
-
-    o, p, s = cfg.optimizer, cfg.precision, cfg.scheduler
-    optimizer = build_optimizer(
-        get_param_groups(model, o.weight_decay),
-        o.optimizer,
-        lr=o.lr if o.lr is not None else 0.0,  # --train-iters 0 may leave it unset
-        weight_decay=o.weight_decay,
-        betas=(o.adam_beta1, o.adam_beta2),
-        eps=o.adam_eps,
-        momentum=o.sgd_momentum,
-    )
-    scaler = make_loss_scaler(
-        dtype,
-        loss_scale=p.loss_scale,
-        initial_scale=p.initial_loss_scale,
-        scale_window=p.loss_scale_window,
-        hysteresis=p.hysteresis,
-        consecutive_hysteresis=p.consecutive_hysteresis,
-        min_scale=p.min_loss_scale,
-        raise_error_at_min_scale=False,  # Megatron keeps going at the minimum scale
-    )
-    optimizer = MixedPrecisionOptimizer(
-        optimizer,
-        loss_scaler=scaler,
-        clip_grad=o.clip_grad,
-        reduce_fn=reduce_fn,
-        is_counted=is_counted,
-    )
+    # Groups before ZeRO stage 3 partitions the parameters (the rule looks at their shapes).
+    groups = get_param_groups(model, cfg.optimizer.weight_decay)
+    optimizer, data_parallel = wrap_optimizer(model, build_torch_optimizer(groups, cfg), cfg, ps)
     scheduler = None
     # --train-iters 0 only builds and prints: a schedule over 0 steps is not one to build.
-    if cfg.lr_decay_steps is not None and cfg.training.train_iters != 0:
-        scheduler = OptimizerParamScheduler(
-            optimizer,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_decay_steps=cfg.lr_decay_steps,
-            lr_decay_style=s.lr_decay_style,
-            lr_warmup_steps=cfg.lr_warmup_steps,
-            init_lr=s.lr_warmup_init,
-            start_wd=o.start_weight_decay,
-            end_wd=o.end_weight_decay,
-            wd_incr_steps=cfg.lr_decay_steps,
-            wd_incr_style=o.weight_decay_incr_style,
-            use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
-            override_opt_param_scheduler=s.override_opt_param_scheduler,
-        )
+    if cfg.training.train_iters != 0:
+        scheduler = build_scheduler(cfg, optimizer)
     t = cfg.training
     metadata = build_metadata(
         model_config=gcfg.to_dict(),
@@ -273,7 +384,8 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         micro_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.num_micro_batches,
         data_parallel_size=cfg.parallel.data_parallel_size,
-        lr_increment=t.global_batch_size,
+        # Megatron's schedule counts samples, DeepSpeed's iterations
+        lr_increment=1 if cfg.scheduler.lr_scheduler_type else t.global_batch_size,
         checkpoint_metadata=metadata,
         vocab_keys=(*VOCAB_PADDED_KEYS, TIED_COPY),
         orig_vocab_size=tokenizer.vocab_size,
