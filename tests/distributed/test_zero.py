@@ -20,17 +20,22 @@ Cost: one spawn of 2 ranks for all dp2 configurations, fp16/bf16, memory and the
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
-from zerotron.distributed import comm
+from zerotron.distributed import comm, ledger
 from zerotron.distributed.comm import Group
 from zerotron.distributed.state import destroy_model_parallel, initialize_model_parallel, state
+from zerotron.errors import UnsupportedError
 from zerotron.models import GPT, GPTConfig
 from zerotron.parallel.data_parallel import DataParallel
+from zerotron.precision.loss_scaler import make_loss_scaler
 from zerotron.precision.mixed import MixedPrecisionOptimizer
 from zerotron.zero import OffloadOptions, ZeroOptimizer
+from zerotron.zero.stage3 import coordinator_of, gathered_state_dict
 
 from .spawn import run_ranks
 
@@ -143,11 +148,24 @@ def run_zero(kind: str, stage: int, tmp: str, offload: str = "none", tp: Group |
         opt = ZeroOptimizer(
             model, adamw(model), stage=stage, group=dp, clip_grad=CLIP,
             reduce_fn=reduce_fn, is_counted=is_counted, offload_optimizer=options,
+            offload_param=options if stage == 3 else None,
             reduce_bucket_size=500, allgather_bucket_size=700, sub_group_size=400,
+            param_persistence_threshold=40,  # biases stay whole, the rest is partitioned
         )  # fmt: skip  # small buckets and sub-groups: several of each
         result = train(model, opt, kind, dp, engine_like=opt)
+        result["weights"] = full_weights(model)
         opt.close()
-    return {**result, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        return result
+    return {**result, "weights": full_weights(model)}
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (stage 3 gathers them: a collective)."""
+    names = [n for n, _ in model.named_parameters()]
+    if coordinator_of(model) is not None:
+        sd = gathered_state_dict(model, rank0_only=False)
+        return {n: sd[n].clone() for n in names}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _grad_norm_hooks():
@@ -169,9 +187,15 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
     initialize_model_parallel(1)
     out: dict = {}
     for kind in ("mlp", "gpt"):
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3):
             for offload in ("none", "cpu", "nvme") if stage else ("none",):
                 out[kind, stage, offload] = run_zero(kind, stage, tmp, offload)
+    for stage in (1, 2, 3):
+        out["fp16", stage] = fp16_overflow(stage)
+        out["bf16", stage] = bf16_trains(stage)
+        out["ledger", stage] = ledger_one_step(stage)
+        out["memory", stage] = memory(stage)
+    out["ledger", 0] = ledger_one_step(0)
     return out
 
 
@@ -223,7 +247,244 @@ def test_dp2_stages_equal_one_process(dp2, references, kind):
     moved = max(rel_err(start[n].detach(), w) for n, w in ref["weights"].items())
     assert moved > 100 * TOL
     configs = [k for k in dp2[0] if k[0] == kind]
-    assert len(configs) == 7
+    assert len(configs) == 10
     for key in configs:
         for rank in range(2):
             check_equal(dp2[rank][key], ref, f"{key} rank {rank}")
+
+
+# ------------------------------------------------------------------------------------------
+# fp16 overflow, bf16, ledger, memory (run inside the same spawns)
+
+
+def _zero_mlp(stage: int, dtype: torch.dtype, **kw) -> tuple[nn.Module, ZeroOptimizer]:
+    model = make_model("mlp", dtype=dtype)
+    opt = ZeroOptimizer(
+        model, adamw(model), stage=stage, group=state().dp, param_persistence_threshold=40, **kw
+    )
+    return model, opt
+
+
+def _snapshot(model: nn.Module, opt: ZeroOptimizer) -> list[torch.Tensor]:
+    sd = opt.state_dict()
+    tensors = [t.clone() for t in sd["fp32_partitions"]]
+    for entry in sd["optimizer"]["state"].values():
+        tensors += [v.clone() for v in entry.values() if isinstance(v, torch.Tensor)]
+    return tensors + list(full_weights(model).values())
+
+
+def fp16_overflow(stage: int) -> dict:
+    """Step 1 normal; step 2 has an inf in one rank's gradient: skipped everywhere."""
+    scaler = make_loss_scaler(torch.float16, initial_scale_power=8, hysteresis=1)
+    model, opt = _zero_mlp(stage, torch.float16, loss_scaler=scaler, clip_grad=CLIP)
+    dp = state().dp
+    train(model, opt, "mlp", dp, steps=1, engine_like=opt)
+    before, scale = _snapshot(model, opt), opt.loss_scale
+    victim = list(model.parameters())[2]
+    hook = victim.register_hook(lambda g: g * math.inf if dp.rank == 0 else g)
+    for micro in range(GAS):
+        opt.sync = micro == GAS - 1
+        loss = loss_of(model, "mlp", batch("mlp", 1, dp.rank * GAS + micro))
+        opt.scale_loss(loss / GAS).backward()
+    opt.finish_grad_sync()
+    result = opt.step()
+    hook.remove()
+    after = _snapshot(model, opt)
+    out = {
+        "skipped": not result.update_successful,
+        "unchanged": len(before) == len(after)
+        and all(torch.equal(a, b) for a, b in zip(before, after)),
+        "num_skipped": opt.num_skipped_steps,
+        "scale": (scale, opt.loss_scale),
+        "state_entries": len(after),
+    }
+    train(model, opt, "mlp", dp, steps=1, engine_like=opt)  # and it trains on afterwards
+    out["next_ok"] = opt.num_skipped_steps == 1
+    opt.close()
+    return out
+
+
+def bf16_trains(stage: int) -> list[float]:
+    """bf16 parameters, the same batch every step: the loss falls."""
+    model, opt = _zero_mlp(stage, torch.bfloat16)
+    dp = state().dp
+    losses = []
+    for _ in range(6):
+        total = torch.zeros(())
+        for micro in range(GAS):
+            opt.sync = micro == GAS - 1
+            loss = loss_of(model, "mlp", batch("mlp", 0, dp.rank * GAS + micro))
+            opt.scale_loss(loss / GAS).backward()
+            total += loss.detach() / GAS
+        opt.step()
+        losses.append(comm.all_reduce(total, dp, op="avg").item())
+    opt.close()
+    return losses
+
+
+LEDGER_SIZES = (8, 32, 32, 4)  # no padding at N=2 or 4: closed forms are exact
+
+
+def _ledger_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    dims = LEDGER_SIZES
+    layers = [nn.Linear(a, b) for a, b in zip(dims, dims[1:])]
+    return nn.Sequential(*layers)
+
+
+def ledger_one_step(stage: int) -> dict:
+    """One step with one micro-batch (and one with GAS=2 for stages 1-2): the ledger."""
+    dp = state().dp
+    out = {}
+    for gas in (1, 2) if stage in (1, 2) else (1,):
+        model = _ledger_mlp()
+        if stage == 0:
+            dpar = DataParallel(model.parameters(), dp)
+            opt = MixedPrecisionOptimizer(adamw(model))
+        else:
+            dpar = opt = ZeroOptimizer(
+                model, adamw(model), stage=stage, group=dp, param_persistence_threshold=0,
+                reduce_bucket_size=300, allgather_bucket_size=600,
+            )  # fmt: skip
+        with ledger.capture() as cap:
+            for micro in range(gas):
+                dpar.sync = micro == gas - 1
+                x = torch.randn(4, LEDGER_SIZES[0], generator=torch.Generator().manual_seed(micro))
+                (model(x).pow(2).mean() / gas).backward()
+            dpar.finish_grad_sync()
+            opt.step()
+        out[gas] = cap.summary()
+        if stage:
+            opt.close()
+    return out
+
+
+def memory(stage: int) -> dict:
+    """bf16 parameters, Adam: bytes held after the first micro-batch of the second step."""
+    torch.manual_seed(0)
+    width, depth = 512, 4
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
+    model = model.to(torch.bfloat16)
+    psi = sum(p.numel() for p in model.parameters())
+    opt = ZeroOptimizer(model, torch.optim.Adam(model.parameters()), stage=stage, group=state().dp)
+    x = torch.randn(2, width, dtype=torch.bfloat16)
+    for step in range(2):
+        opt.sync = False
+        model(x).float().pow(2).mean().backward()
+        if step == 1:
+            report = opt.memory_report()
+        opt.sync = True
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+    opt.close()
+    return {"psi": psi, "report": report}
+
+
+def _dp4_rank(rank: int) -> dict:
+    initialize_model_parallel(1)
+    out = {("memory", s): memory(s) for s in (1, 2, 3)}
+    destroy_model_parallel()
+    initialize_model_parallel(1, 2)  # dp2 x pp2: stages 2/3 refuse pipelines
+    refused = []
+    for stage in (2, 3):
+        model = make_model("mlp")
+        try:
+            ZeroOptimizer(model, adamw(model), stage=stage, group=state().dp)
+        except UnsupportedError as e:
+            refused.append(str(e))
+    out["pp_refused"] = refused
+    destroy_model_parallel()
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Tests of the above
+
+
+def test_fp16_overflow_skips_the_step_in_every_stage(dp2):
+    for rank in range(2):
+        for stage in (1, 2, 3):
+            r = dp2[rank]["fp16", stage]
+            assert r["skipped"] and r["unchanged"] and r["state_entries"] > 2, (stage, r)
+            assert r["num_skipped"] == 1 and r["next_ok"], (stage, r)
+            assert r["scale"] == (256.0, 128.0), (stage, r)
+
+
+def test_bf16_trains(dp2):
+    for stage in (1, 2, 3):
+        losses = dp2[0]["bf16", stage]
+        assert losses == dp2[1]["bf16", stage]
+        assert losses[-1] < 0.8 * losses[0], (stage, losses)
+
+
+def _ledger_closed_form(world: int, stage: int, gas: int) -> dict:
+    """Bytes per step on the dp group (fp32): what each op records (see comm's docstring)."""
+    dims = LEDGER_SIZES
+    numels = [n for a, b in zip(dims, dims[1:]) for n in (a * b, b)]
+    chunks = [-(-n // world) for n in numels]
+    rs = world * sum(chunks) * 4  # every rank sends its whole padded gradient
+    ag = sum(chunks) * 4  # every rank contributes its chunks
+    if stage == 0:
+        return {"all_reduce": sum(numels) * 4}
+    if stage == 1:
+        return {"reduce_scatter": rs, "all_gather": ag}
+    if stage == 2:
+        return {"reduce_scatter": gas * rs, "all_gather": ag}
+    return {"reduce_scatter": gas * rs, "all_gather": 2 * gas * ag}  # stage 3: fwd + bwd gathers
+
+
+def _by_op(summary: dict, group: str = "dp") -> dict:
+    out = {}
+    for (g, op), (nbytes, _calls) in summary.items():
+        if g == group and not (op == "all_reduce" and nbytes <= 8):  # norm/overflow scalars
+            out[op] = out.get(op, 0) + nbytes
+    return out
+
+
+def test_comm_ledger_matches_closed_form(dp2):
+    for stage in (0, 1, 2, 3):
+        for gas, summary in dp2[0]["ledger", stage].items():
+            assert _by_op(summary) == _ledger_closed_form(2, stage, gas), (stage, gas, summary)
+    # Stage 3 moves 1.5x the bytes of plain data parallelism (on the wire of a ring: all-reduce
+    # 2(n-1)/n x, reduce-scatter (n-1)/n x, all-gather (n-1) x the recorded bytes).
+    n = 2
+    dp_wire = _by_op(dp2[0]["ledger", 0][1])["all_reduce"] * 2 * (n - 1) / n
+    s3 = _by_op(dp2[0]["ledger", 3][1])
+    s3_wire = s3["reduce_scatter"] * (n - 1) / n + s3["all_gather"] * (n - 1)
+    assert s3_wire == 1.5 * dp_wire
+
+
+ZERO_FORMULA = {1: lambda n: 2 + 2 + 12 / n, 2: lambda n: 2 + 14 / n, 3: lambda n: 16 / n}
+
+
+@pytest.fixture(scope="module")
+def dp4():
+    return run_ranks(_dp4_rank, 4, timeout=180)
+
+
+def test_memory_matches_zero_formulas(dp2, dp4):
+    for world, results in ((2, dp2), (4, dp4)):
+        for stage in (1, 2, 3):
+            for rank in range(world):
+                r = results[rank]["memory", stage]
+                expected = ZERO_FORMULA[stage](world) * r["psi"]
+                ratio = r["report"]["total"] / expected
+                assert abs(ratio - 1) <= 0.10, (world, stage, rank, ratio, r)
+
+
+def test_pipeline_refuses_stage_2_and_3(dp4):
+    assert len(dp4[0]["pp_refused"]) == 2
+    assert all("pipeline" in msg for msg in dp4[0]["pp_refused"])
+
+
+class _Lamb(torch.optim.Optimizer):
+    """Stands for any optimizer with a per-tensor (not elementwise) update."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-3})
+
+
+def test_non_elementwise_optimizer_is_refused():
+    model = make_model("mlp")
+    with pytest.raises(UnsupportedError, match="elementwise"):
+        ZeroOptimizer(model, _Lamb(model.parameters()), stage=1, group=Group.single("dp"))

@@ -180,6 +180,12 @@ class ZeroOptimizer:
         self.gather_16bit_weights_on_model_save = gather_16bit_weights_on_model_save
         self.offload_optimizer = offload_optimizer
         self.offload_param = offload_param
+        self.coordinator = None
+        """Stage 3's :class:`~zerotron.zero.stage3.ParamCoordinator` (partitions and gathers)."""
+        if stage == 3:
+            self.coordinator = self._partition_model(
+                param_persistence_threshold, prefetch_bucket_size, max_live_parameters
+            )
 
         self.infos, self.sub_groups = self._partition(optimizer, is_counted, sub_group_size)
         self._info_of = {id(i.param): i for i in self.infos}
@@ -245,8 +251,7 @@ class ZeroOptimizer:
                 ):
                     current = SubGroup(p.dtype, p.device, g)
                     subs.append(current)
-                partitioned = self.stage == 3 and hasattr(p, "zero_shard")
-                partitioned = partitioned and not getattr(p, "zero_persistent", False)
+                partitioned = self.stage == 3 and _is_partitioned(p)
                 infos.append(
                     ParamInfo(
                         p,
@@ -276,7 +281,9 @@ class ZeroOptimizer:
         master = (masters or [s.master for s in self.sub_groups])[info.sub_group]
         dst = master[info.offset : info.offset + info.length]
         if info.partitioned:
-            dst.copy_(info.param.zero_shard[: info.length])
+            from zerotron.zero.stage3 import read_shard
+
+            dst.copy_(read_shard(info.param)[: info.length])
         else:
             dst.copy_(info.param.detach().reshape(-1)[info.start : info.start + info.length])
 
@@ -290,14 +297,35 @@ class ZeroOptimizer:
         self.optimizer.param_groups.clear()
         self.optimizer.param_groups.extend(new)
 
+    def _partition_model(self, threshold: int, prefetch: int, max_live: int) -> Any:
+        """Stage 3: partition the model's parameters over the group (unless built under
+        ``zero.Init`` or partitioned already), shards in a ParamStore with ``offload_param``."""
+        from zerotron.zero import stage3
+
+        existing = stage3.coordinator_of(self.model)
+        if existing is not None:
+            return existing
+        store = None
+        if self.offload_param is not None and self.offload_param.enabled:
+            from zerotron.zero.offload import ParamStore
+
+            store = ParamStore(self.offload_param, rank_name=_rank_name())
+        return stage3.partition_parameters(
+            self.model,
+            self.group,
+            persistence_threshold=threshold,
+            prefetch_bucket_size=prefetch,
+            max_live_parameters=max_live,
+            param_store=store,
+        )
+
     def _make_offload(self, options: Any) -> Any:
         """The OffloadedOptimizer that keeps masters and states on the host or in files."""
         if options is None or not options.enabled:
             return None
         from zerotron.zero.offload import OffloadedOptimizer
 
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return OffloadedOptimizer(self.optimizer, options, rank_name=f"rank{rank}")
+        return OffloadedOptimizer(self.optimizer, options, rank_name=_rank_name())
 
     @property
     def _on_nvme(self) -> bool:
@@ -308,6 +336,9 @@ class ZeroOptimizer:
         self.remove_hooks()
         if self._offloaded is not None:
             self._offloaded.close()
+        store = getattr(self.coordinator, "param_store", None)
+        if store is not None and hasattr(store, "close"):
+            store.close()
 
     # ---- the Engine's DataParallel protocol -----------------------------------------------
 
@@ -363,6 +394,7 @@ class ZeroOptimizer:
     def step(self) -> StepResult:
         """Unscale, check, clip, step the partitions, publish the parameters, zero gradients."""
         self.finish_grad_sync()
+        self._reload_modified()
         grads = self._fp32_grads()
         overflow = False
         if self.loss_scaler is not None and self.loss_scaler.loss_scale != 1.0:
@@ -430,6 +462,19 @@ class ZeroOptimizer:
 
     # ---- internals ------------------------------------------------------------------------
 
+    def _reload_modified(self) -> None:
+        """Stage 3: parameters rewritten behind our back (``GatheredParameters`` with a
+        modifier rank, a full state dict loaded) give their new values to the masters."""
+        if self.coordinator is None:
+            return
+        from zerotron.zero.stage3 import modified_parameters
+
+        changed = modified_parameters(self.model_params)
+        if changed:
+            self.reload_model_params()  # all masters: simple, and this is rare
+            for p in changed:
+                p.zero_modified = False
+
     @torch.no_grad()
     def _deliver(self, layout: BucketLayout, row: Tensor) -> None:
         """Add a bucket's reduced row into the gradient partitions."""
@@ -466,10 +511,14 @@ class ZeroOptimizer:
     def _publish_params(self, updated: list[Tensor]) -> None:
         """Write the updated values (one flat tensor per sub-group) into the model: shards
         (stage 3) and, for whole parameters, all-gathers of the chunks."""
-        for info in self.infos:
-            if info.partitioned:
-                flat = updated[info.sub_group]
-                info.param.zero_shard.copy_(flat[info.offset : info.offset + info.chunk])
+        if self.coordinator is not None:
+            from zerotron.zero.stage3 import write_shard
+
+            for info in self.infos:
+                if info.partitioned:
+                    write_shard(
+                        info.param, updated[info.sub_group][info.offset : info.offset + info.chunk]
+                    )
         pending = []
         for layout in self._gather_buckets:
             infos = [self.infos[s.index] for s in layout.slots]
@@ -559,6 +608,16 @@ class ZeroOptimizer:
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
+
+
+def _is_partitioned(p: Tensor) -> bool:
+    return hasattr(p, "zero_shard") and not getattr(p, "zero_persistent", True)
+
+
+def _rank_name() -> str:
+    """This process's name for offload files (one directory per process)."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return f"rank{rank}"
 
 
 def _check_args(
