@@ -13,20 +13,22 @@ reference once in this process. Checked against the reference, within 1e-5 relat
 Every layout pads the vocabulary to the same 50432 rows (``--make-vocab-size-divisible-by``
 256 / tp): the same full weights at the start whatever the padding rules do.
 
-Optimizer: SGD with momentum. Adam divides each update by the gradient's running RMS, so a
-gradient element that is pure rounding noise (the attention key bias has a mathematically zero
-gradient; TP and pipeline layouts sum in another order) becomes a full-size update of arbitrary
-sign, which no per-tensor tolerance honestly covers. SGD keeps each update proportional to its
-gradient, so rounding stays rounding; the learning rate is set so the weights move by a few
-percent over the run (each weight comparison also reports how far the reference weights moved,
-so a tolerance cannot pass merely because nothing changed).
+Optimizer: AdamW (Megatron's ``adam``, weight decay 0.1) with gradient clipping at 0.5, below
+every step's gradient norm (2.6 falling to 1.2), so every step clips; the logged gradient norm
+(the global one: TP shards, pipeline stages and the tied embedding counted once) must match the
+single process's to its printed digits on every rank. ``precision.grads`` sums the norm's squares
+in fp64, so no layout's norm drifts (with torch's fp32 norm, TP layouts differed by ~2e-5).
 
-Gradient clipping is off: with it on, the step depends on the gradient norm, which
-``precision.grads`` takes per tensor with torch's fp32 ``_foreach_norm``; on CPU that is only good
-to ~1e-4 relative on the 3.2M-element embedding gradient (naive fp32 accumulation), and TP halves
-the tensor, so tp layouts then differ by ~2e-5 in loss. Clipping's cross-rank counting is
-checked where it is implemented; accumulating those norms in fp64 would let this matrix run with
-``--clip-grad 1``.
+Adam's epsilon is 1e-6, not 1e-8. Adam divides each update by the gradient's running RMS, so a
+gradient element that is pure rounding noise (the attention key bias has a mathematically zero
+gradient: softmax ignores a constant added to every score; TP, DP and pipeline layouts sum in
+another order) becomes an update of up to the full learning rate with arbitrary sign when its
+noise (~1e-10) is not small against epsilon, and no per-tensor tolerance honestly covers that
+(with 1e-8 the key biases differ by ~1e-4 relative, every other tensor is within 1e-5). With
+1e-6 such noise moves a weight by ~1e-4 of a real update and every tensor matches within 1e-5;
+the real gradients of this model (~1e-4 after clipping) are still mostly above epsilon, and
+every layout and the reference use the same value. Each weight comparison also reports how far
+the reference weights moved, so a tolerance cannot pass merely because nothing changed.
 
 Cost: one spawn per world size (2, 4 and 8 ranks), each rank running that size's layouts one
 after another (process groups destroyed between them); 2 ranks also check pp2 save and exact
@@ -38,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,13 +61,15 @@ TOL = 1e-5
 PADDED_VOCAB_MULTIPLE = 256  # --make-vocab-size-divisible-by 256 / tp: 50432 rows everywhere
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 TIED_COPY = "output_layer.weight"
+CLIP = 0.5  # below every step's gradient norm (2.6 .. 1.2): every step clips
+EPS = "1e-6"  # Adam's epsilon, see the module docstring
 
 TINY = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
     "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--optimizer", "sgd", "--sgd-momentum", "0.9", "--lr", "0.5", "--weight-decay", "0",
-    "--clip-grad", "0",  # see the module docstring
+    "--optimizer", "adam", "--lr", "1e-3", "--lr-decay-style", "constant",
+    "--weight-decay", "0.1", "--clip-grad", str(CLIP), "--adam-eps", EPS,  # see the docstring
     "--split", "80,10,10", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
     "--seed", "1234", "--train-iters", str(ITERS), "--save-interval", "1000",
     "--num-workers", "0",  # test ranks are daemons: no loader workers
@@ -103,7 +108,12 @@ def _pretrain(world: int, argv: list[str]):
     with contextlib.redirect_stdout(io.StringIO()):
         summary = pretrain(parse_megatron_args(argv, world_size=world))
     destroy_model_parallel()  # the next layout on these ranks builds its own groups
-    return {"losses": summary.losses, "valid": summary.valid_loss}
+    norms = [re.search(r"grad norm: (\S+) \|", line) for line in summary.interval_lines]
+    return {
+        "losses": summary.losses,
+        "valid": summary.valid_loss,
+        "grad_norms": [m.group(1) if m else None for m in norms],
+    }
 
 
 def _layouts_rank(rank: int, world: int, data: str, root: str, resume: bool) -> dict:
@@ -131,6 +141,8 @@ def reference(data_prefix, tmp_path_factory) -> dict:
         initial = build_run(parse_megatron_args(argv, world_size=1)).model.state_dict()
     result = _pretrain(1, argv)
     final = load_file(root, tag_for_iteration(ITERS), model_file())["model"]
+    assert len(result["grad_norms"]) == ITERS
+    assert all(float(n) > CLIP for n in result["grad_norms"])  # every step clips
     return {**result, "initial": initial, "final": final}
 
 
@@ -184,6 +196,9 @@ def _check_layout(name: str, results: list[dict], root: Path, ref: dict) -> list
         loss_err = max(loss_err, abs(got["valid"] - ref["valid"]) / ref["valid"])
     if loss_err > TOL:
         problems.append(f"{name}: losses differ by {loss_err:.3g} relative")
+    for rank, r in enumerate(results):
+        if r[name]["grad_norms"] != ref["grad_norms"]:
+            problems.append(f"{name} rank {rank}: grad norms {r[name]['grad_norms']}")
 
     meta = json.loads((root / name / tag_for_iteration(ITERS) / "metadata.json").read_text())
     if sorted(meta["files"]) != sorted(model_files(tp, pp)):
