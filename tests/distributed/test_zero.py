@@ -199,17 +199,6 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
     return out
 
 
-def _dp2_tp2_rank(rank: int, tmp: str) -> dict:
-    initialize_model_parallel(2)
-    out = {}
-    for stage in (1, 2):
-        result = run_zero("gpt", stage, tmp, tp=state().tp)
-        result["tp_rank"] = state().tp_rank
-        out["gpt", stage] = result
-    destroy_model_parallel()
-    return out
-
-
 # ------------------------------------------------------------------------------------------
 # Tests
 
@@ -394,6 +383,15 @@ def _dp4_rank(rank: int) -> dict:
             refused.append(str(e))
     out["pp_refused"] = refused
     destroy_model_parallel()
+    initialize_model_parallel(2)  # dp2 x tp2: ZeRO partitions each TP rank's shards
+    for stage in (1, 2, 3):
+        out["tp2", stage] = run_zero("gpt", stage, "", tp=state().tp)
+    model = make_model("gpt", state().tp)
+    out["tp_dims"] = {
+        n: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+        for n, p in model.named_parameters()
+    }
+    destroy_model_parallel()
     return out
 
 
@@ -460,6 +458,30 @@ ZERO_FORMULA = {1: lambda n: 2 + 2 + 12 / n, 2: lambda n: 2 + 14 / n, 3: lambda 
 @pytest.fixture(scope="module")
 def dp4():
     return run_ranks(_dp4_rank, 4, timeout=180)
+
+
+def test_dp2_tp2_stages_equal_one_process(dp4, references):
+    """Global ranks 0, 1 are TP ranks 0, 1 of DP rank 0; 2, 3 those of DP rank 1."""
+    dims = dp4[0]["tp_dims"]
+    for stage in (1, 2, 3):
+        for dp_rank in range(2):
+            shards = [dp4[2 * dp_rank + t]["tp2", stage] for t in range(2)]
+            weights = {
+                n: torch.cat([s["weights"][n] for s in shards], dim=d)
+                if d is not None
+                else shards[0]["weights"][n]
+                for n, d in dims.items()
+            }
+            for s in shards:  # replicated parameters agree across TP ranks
+                assert all(
+                    torch.equal(s["weights"][n], weights[n]) for n, d in dims.items() if d is None
+                )
+            result = {
+                "losses": shards[0]["losses"],
+                "norms": shards[0]["norms"],
+                "weights": weights,
+            }
+            check_equal(result, references["gpt"], f"tp2 stage {stage} dp rank {dp_rank}")
 
 
 def test_memory_matches_zero_formulas(dp2, dp4):
