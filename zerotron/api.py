@@ -1,0 +1,376 @@
+"""DeepSpeed's entry points: ``initialize``, ``add_config_arguments``, ``init_distributed``.
+
+A DeepSpeed training script runs on zerotron by changing its import::
+
+    import zerotron as deepspeed
+
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args()
+    engine, optimizer, loader, scheduler = deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset
+    )
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+
+:func:`initialize` does what ``deepspeed.initialize`` does, with zerotron's parts:
+
+1. the config: ``config`` (a path, a JSON string or a dict; ``config_params`` is its old name)
+   or ``args.deepspeed_config`` (``args.zerotron_config``), validated onto the schema by
+   :mod:`zerotron.config.deepspeed` with ``"auto"`` values resolved from ``args``, the passed
+   optimizer and the model; the resolved config is printed once, by rank 0;
+2. processes: the default process group from the launcher's environment (a plain
+   ``python train.py`` is one process, no group), and the tensor/pipeline/data-parallel groups:
+   from a passed ``mpu`` (its sizes, checked against zerotron's rank layout) or zerotron's state;
+3. the model: moved to the device and cast to fp16/bf16 when the config says so;
+4. the optimizer: passed (a torch optimizer, or a callable ``params -> optimizer``; it wins
+   over the config's, as in DeepSpeed) or from the config's ``optimizer`` section, wrapped
+   for precision and data parallelism by :func:`zerotron.training.build.wrap_optimizer`
+   (stage 0: MixedPrecisionOptimizer + DataParallel; stages 1-3: ZeroOptimizer with the
+   offload options);
+5. the scheduler: the config's ``scheduler`` section, else a passed scheduler (or callable
+   ``optimizer -> scheduler``), stepped by the engine once per optimizer step;
+6. ``training_data`` -> a DataLoader of micro-batches over a DistributedSampler of the
+   data-parallel ranks (``collate_fn`` passed on).
+
+Returns ``(engine, engine.optimizer, dataloader or None, engine.lr_scheduler)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerotron.errors import ConfigError, DistributedError
+
+CONFIG_ARGS = ("deepspeed_config", "zerotron_config")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's arguments (and zerotron's names for them) to ``parser``; return it.
+
+    ``--deepspeed`` / ``--zerotron`` (a switch scripts test), ``--deepspeed_config`` /
+    ``--zerotron_config`` (the JSON file), and ``--local_rank`` (passed by launchers; the
+    rank itself comes from the environment) unless the parser has it already.
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="enable the DeepSpeed-style engine (a switch for the script; zerotron always runs it)",
+    )
+    group.add_argument(
+        "--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file"
+    )
+    group.add_argument("--zerotron", default=False, action="store_true", help="same as --deepspeed")
+    group.add_argument(
+        "--zerotron_config", default=None, type=str, help="same as --deepspeed_config"
+    )
+    known = getattr(parser, "_option_string_actions", {})
+    names = [n for n in ("--local_rank", "--local-rank") if n not in known]
+    if len(names) == 2:
+        group.add_argument(
+            *names,
+            dest="local_rank",
+            type=int,
+            default=-1,
+            help="local rank passed by launchers (zerotron reads LOCAL_RANK from the environment)",
+        )
+    return parser
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: Any = None,
+    dist_init_required: bool | None = None,
+    **_: Any,
+) -> None:
+    """DeepSpeed's ``init_distributed``: the default process group from the launcher's
+    environment (none for a plain single-process run). Other DeepSpeed arguments (MPI
+    discovery, ports) are accepted and not needed."""
+    from zerotron.distributed.init import init_distributed as _init
+
+    if dist_init_required is False:
+        return
+    minutes = 10.0
+    if timeout is not None:
+        minutes = timeout.total_seconds() / 60 if hasattr(timeout, "total_seconds") else timeout
+    _init(backend=dist_backend, timeout_minutes=minutes)
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: Any = None,
+    config_params: Any = None,
+) -> tuple[Any, Any, Any, Any]:
+    """Build an :class:`~zerotron.engine.Engine` the way ``deepspeed.initialize`` builds its
+    engine (see the module docstring); returns ``(engine, optimizer, dataloader,
+    lr_scheduler)``."""
+    from zerotron.config import AutoValues, format_resolved, load_deepspeed_config
+    from zerotron.distributed.init import get_rank, get_world_size
+    from zerotron.engine import Engine
+    from zerotron.optim import build_ds_scheduler
+    from zerotron.training.build import (
+        DTYPES,
+        build_torch_optimizer,
+        default_device,
+        wrap_optimizer,
+    )
+
+    if model is None:
+        raise ConfigError(
+            "initialize() needs a model", where="initialize", fix="pass model=your_module"
+        )
+    source = _config_source(args, config, config_params)
+    init_distributed(dist_init_required=dist_init_required)
+    ps = _parallel_state(mpu)
+    auto = AutoValues(
+        args=args, optimizer_lr=_passed_lr(optimizer), hidden_size=_hidden_size(model)
+    )
+    cfg, resolved = load_deepspeed_config(
+        source,
+        world_size=get_world_size(),
+        tensor_model_parallel_size=ps.tp_size,
+        pipeline_model_parallel_size=ps.pp_size,
+        auto=auto,
+    )
+    if get_rank() == 0:
+        print(format_resolved(resolved), flush=True)
+        for warning in cfg.warnings:
+            print(f" WARNING: {warning}", flush=True)
+
+    device = default_device()
+    model.to(device=device, dtype=DTYPES[cfg.precision.params_dtype])
+    _configure_checkpointing(mpu, resolved)
+
+    params = _parameters(model, model_parameters)
+    torch_optimizer = _torch_optimizer(optimizer, params, cfg, resolved, build_torch_optimizer)
+    wrapped, data_parallel = wrap_optimizer(model, torch_optimizer, cfg, ps)
+
+    s = cfg.scheduler
+    if s.lr_scheduler_type is not None:  # the config's wins, as in DeepSpeed
+        scheduler = build_ds_scheduler(s.lr_scheduler_type, wrapped, s.lr_scheduler_params)
+    elif lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
+        # DeepSpeed hands the callable its basic (torch) optimizer
+        scheduler = _TorchSchedule.wrap(lr_scheduler(getattr(wrapped, "optimizer", wrapped)))
+    else:
+        scheduler = _TorchSchedule.wrap(lr_scheduler)
+
+    t = cfg.training
+    engine = Engine(
+        model,
+        wrapped,
+        scheduler,
+        micro_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.num_micro_batches,
+        data_parallel_size=ps.dp_size,
+        data_parallel=data_parallel,
+        wall_clock_breakdown=cfg.monitor.wall_clock_breakdown,
+        steps_per_print=t.log_interval,
+        device=device,
+    )
+    engine.config = cfg
+    engine.resolved_config = resolved
+    loader = None
+    if training_data is not None:
+        loader = build_data_loader(training_data, t.micro_batch_size, ps, collate_fn, t.seed)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def build_data_loader(
+    dataset: Any, micro_batch_size: int, ps: Any, collate_fn: Callable | None, seed: int
+) -> torch.utils.data.DataLoader:
+    """Micro-batches of ``dataset`` for this data-parallel rank (DeepSpeed's
+    ``deepspeed_io``): a shuffling DistributedSampler over the data-parallel ranks."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(
+        dataset, num_replicas=ps.dp_size, rank=ps.dp_rank, shuffle=True, seed=seed
+    )
+    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn)
+
+
+class _TorchSchedule:
+    """A torch LR scheduler under the Engine's ``step(increment)`` (torch's own ``step``
+    argument is a deprecated epoch number, not an increment)."""
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+
+    @classmethod
+    def wrap(cls, scheduler: Any) -> Any:
+        if scheduler is None or not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            return scheduler
+        return cls(scheduler)
+
+    def step(self, increment: int = 1) -> None:
+        for _ in range(increment):
+            self.scheduler.step()
+
+    def get_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    get_last_lr = get_lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    if config is not None and config_params is not None:
+        raise ConfigError(
+            "both config and config_params are given",
+            where="initialize",
+            fix="pass one of them (config_params is config's older name)",
+        )
+    config = config if config is not None else config_params
+    from_args = [getattr(args, n, None) for n in CONFIG_ARGS if getattr(args, n, None)]
+    if config is not None and from_args:
+        raise ConfigError(
+            f"a config is given both to initialize(config=...) and in args ({from_args[0]!r})",
+            where="initialize",
+            fix="pass one of them (DeepSpeed refuses this too)",
+        )
+    if config is None and from_args:
+        config = from_args[0]
+    if config is None:
+        raise ConfigError(
+            "no DeepSpeed config",
+            where="initialize",
+            fix="pass config=dict_or_path, or --deepspeed_config ds.json with "
+            "add_config_arguments(parser)",
+        )
+    return config
+
+
+def _parallel_state(mpu: Any) -> Any:
+    """zerotron's ParallelState, laid out as ``mpu`` says when one is passed."""
+    from zerotron.distributed import mpu as own_mpu
+    from zerotron.distributed.init import get_world_size
+    from zerotron.distributed.state import (
+        initialize_model_parallel,
+        is_model_parallel_initialized,
+        state,
+    )
+
+    if mpu is None or mpu is own_mpu:
+        return state()
+    tp = _call(mpu, "get_tensor_model_parallel_world_size", "get_slice_parallel_world_size")
+    if tp is None:
+        tp = _call(mpu, "get_model_parallel_world_size") or 1
+    pp = _call(mpu, "get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size") or 1
+    if get_world_size() > 1 and not is_model_parallel_initialized():
+        initialize_model_parallel(tp, pp)
+    ps = state()
+    dp_size = _call(mpu, "get_data_parallel_world_size")
+    dp_rank = _call(mpu, "get_data_parallel_rank")
+    if (dp_size, dp_rank) != (ps.dp_size, ps.dp_rank) and dp_size is not None:
+        raise DistributedError(
+            f"the mpu puts this rank at data-parallel rank {dp_rank} of {dp_size}, zerotron's "
+            f"layout (tensor fastest, then data, then pipeline) at {ps.dp_rank} of {ps.dp_size}",
+            where="initialize(mpu=...)",
+            fix="build the mpu's groups in Megatron's order, or pass zerotron.distributed.mpu",
+        )
+    return ps
+
+
+def _call(obj: Any, *names: str) -> Any:
+    for name in names:
+        fn = getattr(obj, name, None)
+        if callable(fn):
+            return fn()
+    return None
+
+
+def _passed_lr(optimizer: Any) -> float | None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer.param_groups[0]["lr"]
+    return None
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(config, name, None) if config is not None else None
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _parameters(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[Any]:
+    """What the optimizer is built over: ``model_parameters`` (tensors or groups), read once."""
+    if model_parameters is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    params = list(model_parameters)
+    if params and not isinstance(params[0], Mapping):
+        params = [p for p in params if p.requires_grad]
+    return params
+
+
+def _torch_optimizer(
+    optimizer: Any,
+    params: list[Any],
+    cfg: Any,
+    resolved: Mapping[str, Any],
+    build: Callable,
+) -> torch.optim.Optimizer:
+    from zerotron.distributed.init import get_rank
+
+    in_config = "optimizer" in resolved
+    if optimizer is None:
+        if not in_config:
+            raise ConfigError(
+                "no optimizer: the config has no 'optimizer' section and none was passed",
+                where="initialize",
+                fix='add "optimizer": {"type": "AdamW", "params": {"lr": ...}} to the config, '
+                "or pass optimizer=",
+            )
+        return build(params, cfg)
+    if in_config and get_rank() == 0:  # DeepSpeed: the passed one wins
+        print(
+            " WARNING: an optimizer was passed to initialize(); the config's 'optimizer' "
+            "section is ignored",
+            flush=True,
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        return optimizer(params)
+    raise ConfigError(
+        f"optimizer must be a torch optimizer or a callable(params), got "
+        f"{type(optimizer).__name__}",
+        where="initialize(optimizer=...)",
+    )
+
+
+def _configure_checkpointing(mpu: Any, resolved: Mapping[str, Any]) -> None:
+    """DeepSpeed configures activation checkpointing from the config's section."""
+    if not resolved.get("activation_checkpointing"):
+        return
+    from zerotron import checkpointing
+
+    checkpointing.configure(mpu, deepspeed_config=dict(resolved))
