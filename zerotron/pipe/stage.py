@@ -1,0 +1,162 @@
+"""A :class:`~zerotron.pipe.module.PipelineModule` on zerotron's pipeline runtime.
+
+:class:`PipelineModuleRuntime` is a :class:`~zerotron.parallel.pipeline.PipelineRuntime` whose
+one model chunk is :class:`PipeStage`, an adapter from DeepSpeed's data format to the runtime's
+chunk protocol (``chunk(hidden, batch)``, see :mod:`zerotron.parallel.pipeline.runtime`):
+
+- a micro-batch is DeepSpeed's ``(inputs, labels)`` tuple, as the data iterator yields it;
+- the first stage runs ``module(inputs)``; with activation checkpointing on, its floating-point
+  inputs are made to require grad first (DeepSpeed does the same: a checkpointed call whose
+  inputs need no gradient would give its parameters none);
+- later stages run ``module(received activation)``;
+- the last stage's loss is ``module.loss_fn(outputs, labels)``, or the output itself when the
+  module has no ``loss_fn`` (DeepSpeed's rule).
+
+Activations between stages are single tensors (the runtime sends one tensor per micro-batch
+and boundary, with a shape header); a stage returning a tuple is an error that says so.
+
+After the schedule's backwards, :meth:`PipelineModuleRuntime.train_step` sums the tied layers'
+gradients over the stages sharing them
+(:meth:`~zerotron.pipe.module.PipelineModule.allreduce_tied_weight_gradients`); with data
+parallelism that happens before the Engine's data-parallel average, which commutes with it.
+
+Why :class:`PipeStage` subclasses :class:`~zerotron.parallel.pipeline.GPTStage`: the Engine
+calls :func:`~zerotron.parallel.pipeline.allreduce_embedding_grads` on the runtime's chunks
+after every pipeline step, and that function wants, on the first and last stage, one GPT stage
+holding the word embedding. A PipelineModule has no GPT embedding (its tied layers are reduced
+above), so the adapter presents an empty tensor as that "embedding": the call all-reduces zero
+bytes. Once the Engine asks the module for its own tied-gradient reduction
+(``allreduce_tied_weight_gradients``, DeepSpeed's hook), the subclassing can go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerotron.errors import ConfigError, DataError
+from zerotron.parallel.pipeline import GPTStage, PipelineRuntime
+from zerotron.pipe.module import PipelineModule
+
+
+class PipeStage(GPTStage):
+    """The runtime's chunk for a :class:`PipelineModule` (see the module docstring)."""
+
+    def __init__(self, module: PipelineModule):
+        nn.Module.__init__(self)  # not a GPT stage: none of GPTStage's state applies
+        self.module = module
+        self.pre_process = module.is_first_stage()
+        self.post_process = module.is_last_stage()
+        self.layer_range = range(module.parts[module.stage_id], module.parts[module.stage_id + 1])
+        self._no_embedding = torch.zeros(0)
+
+    def word_embeddings_weight(self) -> torch.Tensor:
+        """An empty tensor: a PipelineModule's tied weights are reduced by the module itself."""
+        return self._no_embedding.to(_device(self.module))
+
+    def forward(self, hidden: torch.Tensor | None, batch: Any) -> Any:
+        if self.pre_process:
+            x = _requiring_grad(_inputs(batch), self.module.activation_checkpoint_interval > 0)
+        elif hidden is None:
+            raise ConfigError(
+                f"pipeline stage {self.module.stage_id} got no input activation",
+                where="PipeStage.forward",
+            )
+        else:
+            x = hidden
+        out = self.module(x)
+        if self.post_process:
+            return out
+        if not isinstance(out, torch.Tensor):
+            raise ConfigError(
+                f"pipeline stage {self.module.stage_id} returned {type(out).__name__}; zerotron's "
+                "pipeline runtime passes one tensor between stages",
+                where=f"PipelineModule layers {self.layer_range.start}.."
+                f"{self.layer_range.stop - 1}",
+                fix="make each stage's last layer return a single tensor (concatenate, or "
+                "partition so that the boundary falls where one tensor flows)",
+            )
+        return _sendable(out)
+
+    def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        """The runtime's ``loss_fn``: ``module.loss_fn(outputs, labels)``, else ``outputs``."""
+        if self.module.loss_fn is None:
+            return outputs
+        return self.module.loss_fn(outputs, _labels(batch))
+
+
+class PipelineModuleRuntime(PipelineRuntime):
+    """The pipeline runtime running a :class:`PipelineModule` (module docstring).
+
+    ``schedule_kind``: ``"1f1b"`` (DeepSpeed's TrainSchedule) or ``"gpipe"``; one model chunk
+    per stage, so no ``"interleaved"``.
+    """
+
+    def __init__(self, module: PipelineModule, schedule_kind: str, num_microbatches: int):
+        self.pipe_module = module
+        self.chunk = PipeStage(module)  # (self.stage is the runtime's stage index)
+        super().__init__([self.chunk], schedule_kind, num_microbatches, loss_fn=self.chunk.loss)
+
+    def train_step(
+        self, data_iterator: Iterator[Any] | None, grad_scale: float = 1.0
+    ) -> torch.Tensor | None:
+        loss = super().train_step(data_iterator, grad_scale)
+        self.pipe_module.allreduce_tied_weight_gradients()
+        return loss
+
+
+def _inputs(batch: Any) -> Any:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0]
+    raise DataError(
+        f"a pipeline micro-batch must be an (inputs, labels) pair, got {type(batch).__name__}",
+        where="PipelineModule data iterator",
+        fix="yield (inputs, labels) tuples, as DeepSpeed's pipeline engine expects",
+    )
+
+
+def _labels(batch: Any) -> Any:
+    _inputs(batch)
+    return batch[1]
+
+
+def _requiring_grad(x: Any, needed: bool) -> Any:
+    if not needed or not torch.is_grad_enabled():
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.is_floating_point()) if not x.requires_grad else x
+    if isinstance(x, tuple):
+        return tuple(_requiring_grad(t, needed) for t in x)
+    return x
+
+
+def _sendable(out: torch.Tensor) -> torch.Tensor:
+    """``out``, or a view of it when its own backward needs its values.
+
+    The runtime frees a sent output's storage (keeping its graph); that is only safe when the
+    operation that made it did not save it for backward (ReLU, tanh and in-place ops do). A view
+    is never freed.
+    """
+    node = out.grad_fn
+    if node is None:
+        return out
+    ptr = out.untyped_storage().data_ptr()
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            saved = getattr(node, name)
+        except RuntimeError:
+            continue
+        if isinstance(saved, torch.Tensor) and saved.untyped_storage().data_ptr() == ptr:
+            return out.view_as(out)
+    return out
+
+
+def _device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
