@@ -1,13 +1,20 @@
-"""``zerotron convert``: HuggingFace GPT-2 <-> zerotron checkpoints.
+"""``zerotron convert``: HuggingFace GPT-2 <-> zerotron checkpoints, and resharding.
 
 zerotron convert --from-hf ./gpt2-hf --save ./ckpt       # import (tag "release")
 zerotron convert --load ./ckpt --to-hf ./gpt2-export     # export (latest tag, or --tag)
+zerotron convert --load ./ckpt --save ./ckpt-tp1 \
+    --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2   # reshard the weights
+
+Export and resharding read a checkpoint of any tensor/pipeline layout. A resharded checkpoint
+holds model weights, step counters and metadata, not optimizer states: resume it with
+``--finetune`` or ``--no-load-optim``.
 """
 
 from __future__ import annotations
 
 from zerotron.checkpoint.hf import from_hf_state_dict, load_hf_dir, save_hf_dir, to_hf_state_dict
 from zerotron.checkpoint.model import load_gpt, save_gpt
+from zerotron.checkpoint.reshard import reshard_checkpoint
 from zerotron.config.args import ArgumentParser
 from zerotron.data.tokenizer import vocab_size_with_padding
 from zerotron.errors import ConfigError
@@ -21,13 +28,49 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--tag", help="checkpoint tag (default: --load's latest; 'release' on import)")
     p.add_argument("--to-hf", metavar="DIR", help="where to write the transformers directory")
     p.add_argument(
-        "--make-vocab-size-divisible-by", type=int, default=128, help="vocab padding on import"
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="vocab padding on import and resharding (times the tensor-parallel size)",
+    )
+    p.add_argument(
+        "--target-tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="reshard --load into --save for this tensor-parallel size",
+    )
+    p.add_argument(
+        "--target-pipeline-parallel-size",
+        type=int,
+        metavar="M",
+        help="reshard --load into --save for this pipeline-parallel size",
     )
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    targets = (args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
+    if targets != (None, None):
+        if not (args.load and args.save) or args.from_hf or args.to_hf:
+            raise ConfigError(
+                "resharding takes --load CKPT --save OUT (and no --from-hf / --to-hf)",
+                where="zerotron convert",
+            )
+        path = reshard_checkpoint(
+            args.load,
+            args.save,
+            targets[0] or 1,
+            targets[1] or 1,
+            tag=args.tag,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        )
+        print(
+            f"resharded {args.load} -> {path} (tensor parallel {targets[0] or 1}, pipeline "
+            f"parallel {targets[1] or 1}; model weights only: resume with --finetune or "
+            "--no-load-optim)"
+        )
+        return 0
     if args.from_hf and args.save and not (args.load or args.to_hf):
         hf_sd, hf_config = load_hf_dir(args.from_hf)
         padded = vocab_size_with_padding(hf_config["vocab_size"], args.make_vocab_size_divisible_by)
@@ -42,6 +85,8 @@ def main(argv: list[str]) -> int:
         print(f"exported {args.load} -> {args.to_hf}")
         return 0
     raise ConfigError(
-        "give either --from-hf DIR --save CKPT (import) or --load CKPT --to-hf DIR (export)",
+        "give either --from-hf DIR --save CKPT (import), --load CKPT --to-hf DIR (export) or "
+        "--load CKPT --save OUT --target-tensor-parallel-size N "
+        "--target-pipeline-parallel-size M (reshard)",
         where="zerotron convert",
     )

@@ -1,26 +1,34 @@
 """A GPT checkpoint as a model: build the model its metadata describes and load its weights.
 
 Used by ``zerotron generate`` and ``zerotron convert``: the checkpoint's metadata.json carries
-the shape, vocabulary and tokenizer, so no model flags need repeating.
+the shape, vocabulary, tokenizer and layout, so no model flags need repeating, and a checkpoint
+of any tensor/pipeline layout loads (merged, then split for this run's tensor-parallel rank).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import torch
 
 from zerotron.checkpoint.layout import CHECKPOINT_VERSION, RELEASE_TAG, model_file
+from zerotron.checkpoint.reshard import (
+    load_model_state_for,
+    orig_vocab_size_of,
+    target_padded_vocab_size,
+)
 from zerotron.checkpoint.save_load import (
     build_metadata,
-    load_file,
     read_metadata,
     resolve_tag,
     save_checkpoint,
 )
 from zerotron.checkpoint.state import load_model_state
-from zerotron.errors import CheckpointError, UnsupportedError
+from zerotron.distributed.comm import Group
+from zerotron.distributed.state import state
+from zerotron.errors import CheckpointError
 from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
 
 
@@ -30,38 +38,41 @@ def load_gpt(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    tp_group: Group | None = None,
 ) -> tuple[GPT, dict[str, Any]]:
-    """The model a checkpoint holds (in eval mode) and its metadata.
+    """The model a checkpoint holds (in eval mode, without pipeline stages) and its metadata.
 
-    ``dtype`` defaults to the dtype the weights were saved in.
+    The checkpoint may have any tensor/pipeline layout: its files are merged
+    (:mod:`zerotron.checkpoint.reshard`) and, when ``tp_group`` (default: the current
+    ``state().tp``) has more than one rank, this rank's tensor-parallel shard is kept. The
+    vocabulary keeps the saved padding when it splits over the group, else it is padded as
+    Megatron pads for that size. Sequence parallelism is off (generation feeds one position at
+    a time). ``dtype`` defaults to the dtype the weights were saved in.
     """
     tag = resolve_tag(load_dir, tag)
     where = os.path.join(str(load_dir), tag)
     meta = read_metadata(load_dir, tag)
-    layout = meta.get("layout", {})
-    if (
-        layout.get("tensor_model_parallel_size", 1) != 1
-        or layout.get("pipeline_model_parallel_size", 1) != 1
-    ):
-        raise UnsupportedError(
-            f"checkpoint layout {layout} is model-parallel",
-            where=where,
-            fix="this build loads tensor/pipeline size 1 checkpoints only",
-        )
     if "model" not in meta:
         raise CheckpointError("metadata.json has no model config", where=where)
     config = GPTConfig.from_dict(meta["model"], where=f"{where}/metadata.json")
-    state = load_file(load_dir, tag, model_file())["model"]
-    model = GPT(config)
+    group = state().tp if tp_group is None else tp_group
+    rows = config.vocab_size
+    if rows % group.size:
+        rows = target_padded_vocab_size(meta, group.size)
+    config = dataclasses.replace(config, vocab_size=rows, sequence_parallel=False)
+    weights, _ = load_model_state_for(
+        load_dir, tag, group.rank, group.size, 0, 1, padded_vocab_size=rows
+    )
+    model = GPT(config, tp_group=group)
     load_model_state(
         model,
-        state,
+        weights,
         vocab_keys=VOCAB_PADDED_KEYS,
-        orig_vocab_size=meta.get("vocab", {}).get("size"),
+        orig_vocab_size=orig_vocab_size_of(meta),
         ckpt_config=meta["model"],
         where=where,
     )
-    saved_dtype = next(iter(state.values())).dtype
+    saved_dtype = next(iter(weights.values())).dtype
     model.to(device=device, dtype=dtype or saved_dtype).eval()
     return model, meta
 
