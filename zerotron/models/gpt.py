@@ -63,6 +63,7 @@ from zerotron.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
+    fused_linear_cross_entropy,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     init_method_normal,
@@ -564,16 +565,34 @@ class GPT(nn.Module):
 
         if self.tp_group.size > 1:
             return self._parallel_output(x, labels)
+        if labels is not None:
+            return self._output_loss(x, labels)
         # Tied output layer over the real vocabulary only: padded ids never get probability.
         weight = self.embedding.word_embeddings.weight
         if cfg.orig_vocab_size < cfg.vocab_size:
             weight = weight[: cfg.orig_vocab_size]
         logits = F.linear(x, weight)
-        if labels is not None:
-            return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
         if cfg.orig_vocab_size < cfg.vocab_size:
             logits = F.pad(logits, (0, cfg.vocab_size - cfg.orig_vocab_size), value=-math.inf)
         return logits
+
+    def _output_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``[b, s]`` of the tied output layer over the real vocabulary (TP=1).
+
+        Eager: the output layer and the loss fused in token chunks
+        (:func:`~zerotron.parallel.tensor.fused_linear_cross_entropy`): no ``[b, s, vocab]``
+        logits, no fp32 copy of them, the gradients computed while each chunk is in cache, and
+        the tied weight's gradient produced at its padded shape. Under ``torch.compile`` the plain
+        ``F.cross_entropy`` over fp32 logits instead: inductor fuses it into its own kernels, and
+        the chunk loop would only be unrolled into the graph.
+        """
+        cfg = self.config
+        weight = self.embedding.word_embeddings.weight
+        if not torch.compiler.is_compiling():
+            return fused_linear_cross_entropy(x, weight, labels, cfg.orig_vocab_size)
+        logits = F.linear(x, weight[: cfg.orig_vocab_size])
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
+        return loss.view(labels.shape)
 
     def _parallel_output(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """The tied output layer on this rank's vocabulary rows, then the loss or all logits.

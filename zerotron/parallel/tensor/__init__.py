@@ -11,6 +11,7 @@
 """
 
 from zerotron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from zerotron.parallel.tensor.fused_cross_entropy import fused_linear_cross_entropy
 from zerotron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -43,6 +44,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
     "copy_to_tensor_model_parallel_region",
+    "fused_linear_cross_entropy",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "init_method_normal",

@@ -1,0 +1,165 @@
+"""Fused output layer + cross entropy against the unfused path (F.linear, then the loss)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zerotron.models import GPT, GPTConfig
+from zerotron.parallel.tensor import fused_linear_cross_entropy
+from zerotron.parallel.tensor.fused_cross_entropy import default_chunk_size
+
+H, V, V_PAD = 24, 50, 64
+
+
+def inputs(dtype, tokens=(3, 13), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(*tokens, H, generator=g)).to(dtype).requires_grad_()
+    w = torch.randn(V_PAD, H, generator=g)
+    w[V:] = 0.0  # padding rows, as the model initializes them
+    w = w.to(dtype).requires_grad_()
+    target = torch.randint(0, V, tokens, generator=g)
+    return x, w, target
+
+
+def unfused(x, w, target):
+    logits = F.linear(x, w[:V]).float()
+    loss = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), reduction="none")
+    return loss.view(target.shape)
+
+
+def assert_close(ours, ref, rtol=1e-6, what=""):
+    """Within ``rtol`` of the reference's largest magnitude (sums cancel: no per-element rtol)."""
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype, what
+    err = (ours.double() - ref.double()).abs().max() / ref.double().abs().max()
+    assert err <= rtol, f"{what}: max error {err.item():.2e} of the largest entry > {rtol:.0e}"
+
+
+def loss_and_grads(fn, x, w, target, upstream):
+    x.grad = w.grad = None
+    loss = fn(x, w, target)
+    (loss * upstream).sum().backward()
+    return loss.detach(), x.grad, w.grad
+
+
+def upstreams(shape, seed=1):
+    """Upstream per-token gradients: the same for all (a mean), a 0/1 loss mask, arbitrary."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(shape, generator=g) < 0.7).float()
+    return {
+        "uniform": torch.full(shape, 1 / mask.numel()),
+        "mask": mask / mask.sum(),
+        "arbitrary": torch.randn(shape, generator=g),
+    }
+
+
+@pytest.mark.parametrize("chunk", [8, 39, 1000])  # uneven chunks, one chunk per call
+def test_fp32_equals_unfused(chunk):
+    x, w, target = inputs(torch.float32)
+    for name, up in upstreams(target.shape).items():
+
+        def fused(x, w, t):
+            return fused_linear_cross_entropy(x, w, t, vocab_size=V, chunk_size=chunk)
+
+        loss, gx, gw = loss_and_grads(fused, x, w, target, up)
+        ref_loss, ref_gx, ref_gw = loss_and_grads(unfused, x, w, target, up)
+        assert loss.shape == target.shape and loss.dtype == torch.float32
+        assert_close(loss, ref_loss, what=f"loss, {name}")
+        assert_close(gx, ref_gx, what=f"grad x, {name}")
+        assert gw.shape == (V_PAD, H)
+        assert_close(gw, ref_gw, what=f"grad W, {name}")
+        assert torch.all(gw[V:] == 0), "padding rows get no gradient"
+
+
+def test_bf16_within_rounding_of_unfused():
+    x, w, target = inputs(torch.bfloat16, tokens=(4, 32))
+    exact = [t.detach().double().requires_grad_() for t in (x, w)]
+    for name, up in upstreams(target.shape).items():
+
+        def fused(x, w, t):
+            return fused_linear_cross_entropy(x, w, t, vocab_size=V, chunk_size=48)
+
+        loss, gx, gw = loss_and_grads(fused, x, w, target, up)
+        ref_loss, ref_gx, ref_gw = loss_and_grads(unfused, x, w, target, up)
+        true_loss, true_gx, true_gw = loss_and_grads(unfused, *exact, target, up.double())
+        assert loss.dtype == torch.float32 and gx.dtype == gw.dtype == torch.bfloat16
+        # The forward is the unfused one, op for op: the same bf16 logits, the same fp32 loss.
+        assert_close(loss, ref_loss, what=f"loss, {name}")
+        # Gradients: no further from float64 truth than the unfused path's (bf16 rounding).
+        for ours, theirs, true in ((gx, ref_gx, true_gx), (gw, ref_gw, true_gw)):
+            err = (ours.double() - true).norm() / true.norm()
+            ref_err = (theirs.double() - true).norm() / true.norm()
+            assert err < max(2 * ref_err, 4e-3), (name, err.item(), ref_err.item())
+        assert torch.all(gw[V:] == 0)
+
+
+def test_no_grad_and_partial_grads():
+    x, w, target = inputs(torch.float32)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(x, w, target, vocab_size=V, chunk_size=7)
+    assert_close(loss, unfused(x, w, target).detach(), what="loss")
+    frozen = w.detach()  # only the input needs a gradient
+    x.grad = None
+    fused_linear_cross_entropy(x, frozen, target, vocab_size=V, chunk_size=7).sum().backward()
+    ref = x.detach().requires_grad_()
+    unfused(ref, frozen, target).sum().backward()
+    assert_close(x.grad, ref.grad, what="grad x")
+
+
+def test_second_backward_is_refused():
+    x, w, target = inputs(torch.float32)
+    loss = fused_linear_cross_entropy(x, w, target, vocab_size=V).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()  # the saved gradients were scaled in place by the first one
+
+
+def test_default_chunk_size_splits_evenly():
+    assert default_chunk_size(2048, 50257) == 1024
+    assert default_chunk_size(100, 50257) == 100  # one chunk
+    n = default_chunk_size(2500, 50257)  # three chunks of 834, 834, 832
+    assert n == 834 and -(-2500 // n) == 3
+
+
+def gpt(dtype=torch.float32) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=128,
+        orig_vocab_size=100,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return GPT(cfg).to(dtype)
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_gpt_loss_and_grads_equal_logits_path(monkeypatch, compiling):
+    """The model's loss path (fused in eager, plain F.cross_entropy when compiling) gives the
+    loss and every parameter gradient of cross entropy over its own logits."""
+    model = gpt()
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 100, (3, 16), generator=g)
+    labels = torch.randint(0, 100, (3, 16), generator=g)
+    mask = (torch.rand(3, 16, generator=g) < 0.8).float()
+
+    def grads(loss):
+        model.zero_grad(set_to_none=True)
+        ((loss * mask).sum() / mask.sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    logits = model(tokens)[..., :100]
+    ref_loss = F.cross_entropy(logits.reshape(-1, 100), labels.reshape(-1), reduction="none")
+    ref_loss = ref_loss.view(3, 16)
+    ref = grads(ref_loss)
+    # The compiled branch is plain torch: run it eagerly (compiling in a test costs ~30 s).
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    loss = model(tokens, labels=labels)
+    assert loss.shape == (3, 16) and loss.dtype == torch.float32
+    assert_close(loss, ref_loss.detach(), what="loss")
+    ours = grads(loss)
+    for name, grad in ref.items():  # through the whole model: a few more roundings
+        assert_close(ours[name], grad, rtol=1e-5, what=name)
+    assert torch.all(ours["embedding.word_embeddings.weight"][100:] == 0)
