@@ -211,6 +211,8 @@ def _remove_dir(path: Path, lock_fd: int) -> None:
     with contextlib.suppress(OSError):
         os.unlink(f"{path}.lock")
     with contextlib.suppress(OSError):
+        path.parent.rmdir()  # zerotron_swap/, if no other process uses it
+    with contextlib.suppress(OSError):
         os.close(lock_fd)  # releases the flock
 
 
