@@ -2,9 +2,9 @@
 
 Processes: an 8-layer MLP written as LayerSpecs, cut into pp=2 stages (partition by parameters,
 uniform, with activation checkpointing every 2 layers), trained 3 steps with SGD and with
-AdamW through ``Engine.train_batch`` on (inputs, labels) micro-batches; pp=2 × dp=2 with AdamW;
-and a tied embedding (TiedLayerSpec on the first and last stage). Each must give the losses and
-final weights of ``nn.Sequential`` of the same layers (same seeds) trained in this process on
+AdamW through ``Engine.train_batch`` on (inputs, labels) micro-batches, then one
+``Engine.eval_batch``; a tied embedding (TiedLayerSpec on the first and last stage); the same
+on pp=2 × dp=2. Each must give the losses, eval loss and final weights of ``nn.Sequential`` of the same layers (same seeds) trained in this process on
 the same micro-batches, within 1e-6 relative. Without processes: partition methods, layer
 building, errors.
 """
@@ -136,8 +136,11 @@ def reference(specs, opt_kind, dp, loss_fn, tied=False):
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    with torch.no_grad():
+        evals = torch.stack([loss_fn(model(x), y) for x, y in microbatches(99, dp * M, tied)])
     names = {id(p): n for n, p in model.named_parameters()}
-    return losses, {names[id(p)]: p.detach().clone() for p in model.parameters()}
+    weights = {names[id(p)]: p.detach().clone() for p in model.parameters()}
+    return losses + [evals.mean().item()], weights
 
 
 CASES = {
@@ -175,6 +178,8 @@ def _train_rank(rank, pp, cases):
         for step in range(STEPS):
             mine = microbatches(step, st.dp_size * M, tied)[st.dp_rank * M : (st.dp_rank + 1) * M]
             losses.append(engine.train_batch(iter(mine)).item())
+        mine = microbatches(99, st.dp_size * M, tied)[st.dp_rank * M : (st.dp_rank + 1) * M]
+        losses.append(engine.eval_batch(iter(mine)).item())  # last: forward-only, after training
         out[name] = {
             "losses": losses,
             "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
