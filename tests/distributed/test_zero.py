@@ -4,23 +4,30 @@ Every configuration trains a few steps of data parallelism × gradient accumulat
 compared with a plain single-process run in this test process: the same model and initial
 weights, the same micro-batches (all ranks' data, in order), torch's AdamW with two weight
 decay groups and ``clip_grad_norm_``. Checked within 1e-5 relative: the loss of every step (the
-DP mean on every rank) and every final weight (per tensor).
+DP mean on every rank), the gradient norm of every step (Adam and clipping hide a gradient's
+scale from the weights; the norm does not) and every final weight (per tensor).
 
 Models: a plain ``nn.Sequential`` MLP with odd sizes (so chunks are padded) and zerotron's GPT
-(2 layers, hidden 64, vocab 128, sequence 16, dropout off).
+(2 layers, hidden 64, vocab 128, sequence 16, dropout off). Layouts: dp2 (stages 0-3, each
+with offload none/cpu/nvme), dp2 × tp2 (stages 1-3; 2-3 with sequence parallelism), dp2 × pp2
+(stage 1 under the 1F1B pipeline runtime, tied embedding summed before the reduction).
+
+Also: an fp16 overflow skips the step in every stage (no weight or state changes, scale
+halved, skip counted); bf16 trains; the comm ledger equals the closed form (stage 3 = 1.5× DP
+on the wire); ``memory_report`` equals the ZeRO paper's formulas at N=2 and N=4.
 
 Adam's ``eps`` is 1e-4: an element whose gradient is mathematically zero but holds rounding
 noise (the attention key bias: softmax ignores a per-query constant) would otherwise take an
 update of ``lr × noise / |noise|`` whose sign depends on the summation order; with a larger eps
 the update stays proportional to the noise (see tests/distributed/test_equivalence_matrix.py).
 
-Cost: one spawn of 2 ranks for all dp2 configurations, fp16/bf16, memory and the ledger; one of
-4 ranks for dp2 × tp2 and the 4-rank memory figures.
+Cost: two spawns (2 and 4 ranks), one test each, so pytest-xdist never runs one twice.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -32,6 +39,13 @@ from zerotron.distributed.state import destroy_model_parallel, initialize_model_
 from zerotron.errors import UnsupportedError
 from zerotron.models import GPT, GPTConfig
 from zerotron.parallel.data_parallel import DataParallel
+from zerotron.parallel.pipeline.gpt_stage import (
+    TIED_COPY,
+    allreduce_embedding_grads,
+    build_gpt_stages,
+)
+from zerotron.parallel.pipeline.runtime import PipelineRuntime
+from zerotron.parallel.tensor.sequence_parallel import sequence_parallel_params
 from zerotron.precision.loss_scaler import make_loss_scaler
 from zerotron.precision.mixed import MixedPrecisionOptimizer
 from zerotron.zero import OffloadOptions, ZeroOptimizer
@@ -48,7 +62,9 @@ VOCAB, SEQ, MB = 128, 16, 2
 # Models, data, the reference
 
 
-def make_model(kind: str, tp_group: Group | None = None, dtype=torch.float32) -> nn.Module:
+def make_model(
+    kind: str, tp_group: Group | None = None, dtype=torch.float32, sp: bool = False
+) -> nn.Module:
     torch.manual_seed(1234)
     if kind == "mlp":
         model = nn.Sequential(
@@ -57,7 +73,7 @@ def make_model(kind: str, tp_group: Group | None = None, dtype=torch.float32) ->
     else:
         cfg = GPTConfig(
             num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ,
-            vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0,
+            vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sp,
         )  # fmt: skip
         model = GPT(cfg, tp_group=tp_group or Group.single("tp"))
     return model.to(dtype)
@@ -115,7 +131,9 @@ def reference(kind: str, dp: int) -> dict:
 # What each rank runs
 
 
-def train(model, opt, kind: str, dp: Group, steps: int = STEPS, engine_like=None) -> dict:
+def train(
+    model, opt, kind: str, dp: Group, steps: int = STEPS, engine_like=None, after_sync=None
+) -> dict:
     """Engine-style loop: loss / GAS, ``sync`` on the last micro-batch, finish, step."""
     losses, norms = [], []
     for step in range(steps):
@@ -126,14 +144,18 @@ def train(model, opt, kind: str, dp: Group, steps: int = STEPS, engine_like=None
             opt.scale_loss(loss / GAS).backward()
             total += loss.detach() / GAS
         engine_like.finish_grad_sync()
+        if after_sync is not None:
+            after_sync()
         norms.append(opt.step().grad_norm)
         losses.append(comm.all_reduce(total, dp, op="avg").item())
     return {"losses": losses, "norms": norms}
 
 
-def run_zero(kind: str, stage: int, tmp: str, offload: str = "none", tp: Group | None = None):
+def run_zero(
+    kind: str, stage: int, tmp: str, offload: str = "none", tp: Group | None = None, sp=False
+):
     dp = state().dp
-    model = make_model(kind, tp)
+    model = make_model(kind, tp, sp=sp)
     if tp is not None and tp.size > 1:
         _shard_from_full(model, make_model(kind), tp)
     options = OffloadOptions(device=offload, nvme_path=tmp if offload == "nvme" else None)
@@ -152,7 +174,10 @@ def run_zero(kind: str, stage: int, tmp: str, offload: str = "none", tp: Group |
             reduce_bucket_size=500, allgather_bucket_size=700, sub_group_size=400,
             param_persistence_threshold=40,  # biases stay whole, the rest is partitioned
         )  # fmt: skip  # small buckets and sub-groups: several of each
-        result = train(model, opt, kind, dp, engine_like=opt)
+        # Sequence-parallel parameters' gradients are summed over TP after the DP reduction,
+        # on the partitions (as the Engine does).
+        sp_sum = partial(opt.allreduce_grads, sequence_parallel_params(model), tp) if sp else None
+        result = train(model, opt, kind, dp, engine_like=opt, after_sync=sp_sum)
         result["weights"] = full_weights(model)
         opt.close()
         return result
@@ -208,11 +233,6 @@ def references():
     return {kind: reference(kind, dp=2) for kind in ("mlp", "gpt")}
 
 
-@pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    return run_ranks(_dp2_rank, 2, str(tmp_path_factory.mktemp("nvme")), timeout=240)
-
-
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-12)).item()
 
@@ -228,8 +248,7 @@ def check_equal(result: dict, ref: dict, what: str) -> None:
         assert err <= TOL, f"{what}: {name} differs by {err:.2e} relative"
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt"])
-def test_dp2_stages_equal_one_process(dp2, references, kind):
+def check_dp2_stages_equal_one_process(dp2, references, kind):
     ref = references[kind]
     # the weights moved: a tolerance cannot pass just because nothing changed
     start = dict(make_model(kind).named_parameters())
@@ -382,10 +401,13 @@ def _dp4_rank(rank: int) -> dict:
         except UnsupportedError as e:
             refused.append(str(e))
     out["pp_refused"] = refused
+    out["pp2"] = pipeline_stage1()
     destroy_model_parallel()
     initialize_model_parallel(2)  # dp2 x tp2: ZeRO partitions each TP rank's shards
     for stage in (1, 2, 3):
         out["tp2", stage] = run_zero("gpt", stage, "", tp=state().tp)
+    for stage in (2, 3):
+        out["tp2_sp", stage] = run_zero("gpt", stage, "", tp=state().tp, sp=True)
     model = make_model("gpt", state().tp)
     out["tp_dims"] = {
         n: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
@@ -399,7 +421,7 @@ def _dp4_rank(rank: int) -> dict:
 # Tests of the above
 
 
-def test_fp16_overflow_skips_the_step_in_every_stage(dp2):
+def check_fp16_overflow_skips_the_step_in_every_stage(dp2):
     for rank in range(2):
         for stage in (1, 2, 3):
             r = dp2[rank]["fp16", stage]
@@ -408,7 +430,7 @@ def test_fp16_overflow_skips_the_step_in_every_stage(dp2):
             assert r["scale"] == (256.0, 128.0), (stage, r)
 
 
-def test_bf16_trains(dp2):
+def check_bf16_trains(dp2):
     for stage in (1, 2, 3):
         losses = dp2[0]["bf16", stage]
         assert losses == dp2[1]["bf16", stage]
@@ -439,7 +461,7 @@ def _by_op(summary: dict, group: str = "dp") -> dict:
     return out
 
 
-def test_comm_ledger_matches_closed_form(dp2):
+def check_comm_ledger_matches_closed_form(dp2):
     for stage in (0, 1, 2, 3):
         for gas, summary in dp2[0]["ledger", stage].items():
             assert _by_op(summary) == _ledger_closed_form(2, stage, gas), (stage, gas, summary)
@@ -455,17 +477,63 @@ def test_comm_ledger_matches_closed_form(dp2):
 ZERO_FORMULA = {1: lambda n: 2 + 2 + 12 / n, 2: lambda n: 2 + 14 / n, 3: lambda n: 16 / n}
 
 
-@pytest.fixture(scope="module")
-def dp4():
-    return run_ranks(_dp4_rank, 4, timeout=180)
+def pipeline_stage1() -> dict:
+    """dp2 x pp2, ZeRO stage 1 under the pipeline runtime (1F1B over GAS micro-batches):
+    gradients accumulate under ``no_sync``, the tied embedding's are summed over the first and
+    last stage, then the partitions are reduced."""
+    st = state()
+    stages = build_gpt_stages(make_model("gpt"), st.pp_rank, st.pp_size)
+    for stage in stages:  # the last stage's tied copy is counted in the norm on the first only
+        if hasattr(stage, "output_layer"):
+            stage.output_layer.weight.shared = True  # as zerotron.training.build marks it
+    runtime = PipelineRuntime(stages, "1f1b", GAS)
+    holder = nn.ModuleList(stages)
+    reduce_fn, is_counted = _grad_norm_hooks()
+    opt = ZeroOptimizer(
+        holder, adamw(holder), stage=1, group=st.dp, clip_grad=CLIP,
+        reduce_fn=reduce_fn, is_counted=is_counted, reduce_bucket_size=2000,
+    )  # fmt: skip
+    losses, norms = [], []
+    for step in range(STEPS):
+        micro = []
+        for k in range(GAS):
+            x, y = batch("gpt", step, st.dp_rank * GAS + k)
+            micro.append({"tokens": x, "labels": y})
+        with opt.no_sync():
+            loss = runtime.train_step(iter(micro))
+        allreduce_embedding_grads(stages)  # on the full gradients, before they are reduced
+        opt.finish_grad_sync()
+        norms.append(opt.step().grad_norm)
+        if loss is not None:
+            losses.append(comm.all_reduce(loss, st.dp, op="avg").item())
+    weights = {}
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            if name != TIED_COPY:
+                weights[name] = p.detach().clone()
+    return {"losses": losses, "norms": norms, "weights": weights}
 
 
-def test_dp2_tp2_stages_equal_one_process(dp4, references):
-    """Global ranks 0, 1 are TP ranks 0, 1 of DP rank 0; 2, 3 those of DP rank 1."""
+def check_dp2_pp2_stage1_equals_one_process(dp4, references):
+    """Global ranks 0, 1: stage 0 of DP ranks 0, 1; ranks 2, 3: stage 1 (it has the loss)."""
+    ref = references["gpt"]
+    for dp_rank in range(2):
+        first, last = dp4[dp_rank]["pp2"], dp4[2 + dp_rank]["pp2"]
+        assert first["norms"] == last["norms"] and not first["losses"]
+        weights = {**first["weights"], **last["weights"]}
+        assert sorted(weights) == sorted(ref["weights"])
+        result = {"losses": last["losses"], "norms": last["norms"], "weights": weights}
+        check_equal(result, ref, f"pp2 stage 1 dp rank {dp_rank}")
+
+
+def check_dp2_tp2_stages_equal_one_process(dp4, references):
+    """Global ranks 0, 1 are TP ranks 0, 1 of DP rank 0; 2, 3 those of DP rank 1. With
+    sequence parallelism (stages 2, 3) the gradients of replicated parameters are summed over
+    TP on the partitions (``ZeroOptimizer.allreduce_grads``)."""
     dims = dp4[0]["tp_dims"]
-    for stage in (1, 2, 3):
+    for key in [("tp2", 1), ("tp2", 2), ("tp2", 3), ("tp2_sp", 2), ("tp2_sp", 3)]:
         for dp_rank in range(2):
-            shards = [dp4[2 * dp_rank + t]["tp2", stage] for t in range(2)]
+            shards = [dp4[2 * dp_rank + t][key] for t in range(2)]
             weights = {
                 n: torch.cat([s["weights"][n] for s in shards], dim=d)
                 if d is not None
@@ -481,22 +549,42 @@ def test_dp2_tp2_stages_equal_one_process(dp4, references):
                 "norms": shards[0]["norms"],
                 "weights": weights,
             }
-            check_equal(result, references["gpt"], f"tp2 stage {stage} dp rank {dp_rank}")
+            check_equal(result, references["gpt"], f"{key} dp rank {dp_rank}")
 
 
-def test_memory_matches_zero_formulas(dp2, dp4):
-    for world, results in ((2, dp2), (4, dp4)):
-        for stage in (1, 2, 3):
-            for rank in range(world):
-                r = results[rank]["memory", stage]
-                expected = ZERO_FORMULA[stage](world) * r["psi"]
-                ratio = r["report"]["total"] / expected
-                assert abs(ratio - 1) <= 0.10, (world, stage, rank, ratio, r)
+def check_memory_matches_zero_formulas(results, world):
+    for stage in (1, 2, 3):
+        for rank in range(world):
+            r = results[rank]["memory", stage]
+            expected = ZERO_FORMULA[stage](world) * r["psi"]
+            ratio = r["report"]["total"] / expected
+            assert abs(ratio - 1) <= 0.10, (world, stage, rank, ratio, r)
 
 
-def test_pipeline_refuses_stage_2_and_3(dp4):
+def check_pipeline_refuses_stage_2_and_3(dp4):
     assert len(dp4[0]["pp_refused"]) == 2
     assert all("pipeline" in msg for msg in dp4[0]["pp_refused"])
+
+
+def test_zero_on_2_ranks(tmp_path, references):
+    """One spawn, every dp2 configuration (see the module docstring and each check)."""
+    dp2 = run_ranks(_dp2_rank, 2, str(tmp_path), timeout=240)
+    for kind in ("mlp", "gpt"):
+        check_dp2_stages_equal_one_process(dp2, references, kind)
+    check_fp16_overflow_skips_the_step_in_every_stage(dp2)
+    check_bf16_trains(dp2)
+    check_comm_ledger_matches_closed_form(dp2)
+    check_memory_matches_zero_formulas(dp2, 2)
+
+
+def test_zero_on_4_ranks(references):
+    """One spawn: dp2 x tp2 (stages 1-3, and 2-3 with sequence parallelism), dp2 x pp2 stage 1,
+    memory at N=4, pipelines refuse stages 2/3."""
+    dp4 = run_ranks(_dp4_rank, 4, timeout=240)
+    check_dp2_tp2_stages_equal_one_process(dp4, references)
+    check_dp2_pp2_stage1_equals_one_process(dp4, references)
+    check_memory_matches_zero_formulas(dp4, 4)
+    check_pipeline_refuses_stage_2_and_3(dp4)
 
 
 class _Lamb(torch.optim.Optimizer):

@@ -31,7 +31,7 @@ The object speaks both protocols the Engine uses: MixedPrecisionOptimizer's (``s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -368,6 +368,34 @@ class ZeroOptimizer:
             yield
         finally:
             self.sync = before
+
+    def grad_partitions(self, params: Iterable[Tensor]) -> list[Tensor]:
+        """This rank's reduced gradient chunks of ``params`` (views into the partitions).
+
+        After :meth:`finish_grad_sync` full gradients are gone; a sum the Engine still owes
+        over another group (sequence-parallel parameters over TP, the tied embedding over
+        the first and last pipeline stages) is done on these chunks: every rank of that group
+        holds the same chunk of a parameter of the same shape, and summing chunks commutes
+        with the data-parallel reduction.
+        """
+        out = []
+        for p in params:
+            info = self._info_of[id(p)]
+            sub = self.sub_groups[info.sub_group]
+            if sub.grad is None:
+                sub.grad = torch.zeros(sub.numel, dtype=sub.dtype, device=sub.device)
+            out.append(sub.grad[info.offset : info.offset + info.chunk])
+        return out
+
+    @torch.no_grad()
+    def allreduce_grads(self, params: Iterable[Tensor], group: Group) -> None:
+        """Sum the reduced gradients of ``params`` over ``group`` (see :meth:`grad_partitions`);
+        one flat all-reduce."""
+        chunks = self.grad_partitions(params)
+        if not chunks or group.size == 1:
+            return
+        flat = comm.all_reduce(torch.cat(chunks), group)
+        torch._foreach_copy_(chunks, list(flat.split([c.numel() for c in chunks])))
 
     # ---- the Engine's optimizer protocol --------------------------------------------------
 
