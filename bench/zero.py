@@ -1,0 +1,583 @@
+"""ZeRO stages side by side with their peers: tokens/s, peak RSS, bytes communicated per step.
+
+Every system trains the same model (zerotron's GPT, GPT-2-shaped, default 6 layers, hidden 512,
+8 heads, seq 256, vocabulary 8192, micro-batch 4; dropout 0) on the same batches, with AdamW
+and gradient clipping at 1.0, on 2 gloo CPU ranks with one torch thread each; each system in a
+fresh pair of processes, so peak RSS belongs to it alone:
+
+==============  ==============================================================================
+zerotron-0      Engine + DataParallel + MixedPrecisionOptimizer (ZeRO stage 0)
+zerotron-1/2/3  Engine + ZeroOptimizer(stage)
+zerotron-3+nvme stage 3 with offload_optimizer and offload_param on NVMe (files in --nvme-path)
+ddp             torch DistributedDataParallel (the stage-0 peer)
+fsdp2           torch.distributed.fsdp.fully_shard on every transformer layer and the root
+                (the stage-3 peer)
+deepspeed-1/2/3 deepspeed.initialize with zero_optimization.stage (when deepspeed imports;
+                ``DS_BUILD_OPS=0 pip install deepspeed``); otherwise the columns are skipped
+==============  ==============================================================================
+
+Mixed precision (``--dtype bf16``, default): zerotron and DeepSpeed hold bf16 parameters with
+fp32 master weights in the optimizer; FSDP2 holds fp32 sharded parameters and computes with
+bf16 copies (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``), DDP holds fp32
+parameters under ``torch.autocast(bfloat16)`` (torch's AMP recipe). ``--dtype fp32``: fp32
+everywhere. Each library uses its default bucket sizes.
+
+Measured per system, per rank: tokens/s (all ranks' tokens over the wall time of ``--steps``
+steps after ``--warmup``), peak RSS (``ru_maxrss``: the whole process life) and its growth over
+the RSS the rank started with (the fork of an interpreter that has imported torch), and the
+bytes communicated per step: zerotron's comm ledger, and for the peers every
+``torch.distributed`` collective they call (wrapped in the rank; DDP through its python
+all-reduce comm hook). Bytes are the logical sizes of :mod:`zerotron.distributed.comm` converted
+to what a ring puts on the wire per rank: all-reduce 2(n-1)/n x tensor, reduce-scatter (n-1)/n x
+input, all-gather (n-1) x shard, broadcast 1 x tensor.
+
+Theory, per rank per step, n ranks, Ψ parameters, p/g = bytes per parameter / gradient element
+on the wire: data parallelism (stage 0) 2(n-1)/n·Ψ·g; stages 1 and 2 a reduce-scatter of the
+gradients and an all-gather of the updated parameters, (n-1)/n·Ψ·(g + p); stage 3 gathers the
+parameters twice (forward and backward) and reduce-scatters the gradients, (n-1)/n·Ψ·(2p + g)
+-- 1.5x data parallelism when p = g. For zerotron, the model-state bytes its optimizer holds
+(``ZeroOptimizer.memory_report``) are printed beside the ZeRO paper's 2Ψ+2Ψ+12Ψ/n (stage 1),
+2Ψ+14Ψ/n (stage 2), 16Ψ/n (stage 3) with 16-bit parameters.
+
+Run: ``.venv/bin/python bench/zero.py [--quick] [--systems zerotron-2,deepspeed-2,...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.distributed.spawn import RankError, run_ranks  # noqa: E402
+from zerotron.models.gpt import GPT, GPTConfig  # noqa: E402
+from zerotron.training.build import lm_loss  # noqa: E402
+
+SYSTEMS = (
+    "zerotron-0",
+    "ddp",
+    "zerotron-1",
+    "deepspeed-1",
+    "zerotron-2",
+    "deepspeed-2",
+    "zerotron-3",
+    "fsdp2",
+    "deepspeed-3",
+    "zerotron-3+nvme",
+)
+STAGE = {
+    "zerotron-0": 0,
+    "ddp": 0,
+    "zerotron-1": 1,
+    "deepspeed-1": 1,
+    "zerotron-2": 2,
+    "deepspeed-2": 2,
+    "zerotron-3": 3,
+    "fsdp2": 3,
+    "deepspeed-3": 3,
+    "zerotron-3+nvme": 3,
+}
+LR, CLIP = 1e-4, 1.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    layers: int = 6
+    hidden: int = 512
+    heads: int = 8
+    seq: int = 256
+    vocab: int = 8192
+    micro_batch: int = 4
+    steps: int = 5
+    warmup: int = 2
+    dtype: str = "bf16"
+    nvme_path: str = ""
+
+    def config(self) -> GPTConfig:
+        return GPTConfig(
+            num_layers=self.layers,
+            hidden_size=self.hidden,
+            num_attention_heads=self.heads,
+            seq_length=self.seq,
+            vocab_size=self.vocab,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+
+
+# ------------------------------------------------------------------------------------------
+# Byte counting for the peers: wrap torch.distributed's collectives in the rank
+
+
+WIRE = {  # logical bytes -> ring bytes on the wire per rank, n = group size
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: n - 1,
+    "broadcast": lambda n: 1.0,
+}
+
+
+class TorchCounter:
+    """Counts the bytes of every torch.distributed collective called through the module."""
+
+    def __init__(self) -> None:
+        self.wire = 0.0
+        self.on = False
+        self.by_op: dict[str, float] = {}
+
+    def add(self, op: str, nbytes: int, group: object) -> None:
+        if not self.on:
+            return
+        import torch.distributed as dist
+
+        n = dist.get_world_size(group)
+        wire = WIRE[op](n) * nbytes
+        self.wire += wire
+        self.by_op[op] = self.by_op.get(op, 0.0) + wire
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        def wrap(name: str, op: str, size_of) -> None:
+            original = getattr(dist, name, None)
+            if original is None:
+                return
+
+            def counted(*args, **kwargs):
+                self.add(op, size_of(*args, **kwargs), kwargs.get("group"))
+                return original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+        def arg(i: int, key: str):
+            return lambda *a, **k: k[key] if key in k else a[i]
+
+        wrap("all_reduce", "all_reduce", lambda *a, **k: nbytes(arg(0, "tensor")(*a, **k)))
+        wrap("broadcast", "broadcast", lambda *a, **k: nbytes(arg(0, "tensor")(*a, **k)))
+        for name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
+            wrap(name, "all_gather", lambda *a, **k: nbytes(arg(1, "input_tensor")(*a, **k)))
+        wrap("all_gather", "all_gather", lambda *a, **k: nbytes(arg(1, "tensor")(*a, **k)))
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
+            wrap(name, "reduce_scatter", lambda *a, **k: nbytes(arg(1, "input")(*a, **k)))
+        wrap(
+            "reduce_scatter",
+            "reduce_scatter",
+            lambda *a, **k: sum(nbytes(t) for t in arg(1, "input_list")(*a, **k)),
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# The systems (each returns step(batch) -> loss and a memory report or None)
+
+
+def _batches(setup: Setup, rank: int, n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    b, s = setup.micro_batch, setup.seq
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, setup.vocab, (b, s + 1), generator=g)
+        out.append(
+            {
+                "tokens": ids[:, :-1],
+                "labels": ids[:, 1:],
+                "position_ids": torch.arange(s).expand(b, s),
+                "loss_mask": torch.ones(b, s),
+            }
+        )
+    return out
+
+
+def _model(setup: Setup, dtype: torch.dtype) -> GPT:
+    torch.manual_seed(1234)
+    return GPT(setup.config()).to(dtype)
+
+
+def _zerotron(setup: Setup, stage: int, nvme: bool):
+    from zerotron.distributed.state import state
+    from zerotron.engine import Engine, grad_norm_hooks
+    from zerotron.parallel.data_parallel import DataParallel
+    from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
+
+    ps = state()
+    dtype = setup.torch_dtype
+    model = _model(setup, dtype)
+    reduce_fn, is_counted = grad_norm_hooks(ps)
+    scaler = make_loss_scaler(dtype)
+    if stage == 0:
+        dp = DataParallel(model.parameters(), ps.dp)
+        adamw = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = MixedPrecisionOptimizer(
+            adamw, loss_scaler=scaler, clip_grad=CLIP, reduce_fn=reduce_fn, is_counted=is_counted
+        )
+    else:
+        from zerotron.zero import OffloadOptions, ZeroOptimizer
+
+        offload = None
+        if nvme:
+            offload = OffloadOptions(device="nvme", nvme_path=setup.nvme_path, buffer_count=2)
+        adamw = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = dp = ZeroOptimizer(
+            model,
+            adamw,
+            stage=stage,
+            group=ps.dp,
+            loss_scaler=scaler,
+            clip_grad=CLIP,
+            reduce_fn=reduce_fn,
+            is_counted=is_counted,
+            offload_optimizer=offload,
+            offload_param=offload if stage == 3 else None,
+            # NVMe streams the states through memory in pieces of this size (elements)
+            sub_group_size=2_000_000 if nvme else int(1e9),
+        )
+    engine = Engine(
+        model, opt, loss_fn=lm_loss, micro_batch_size=setup.micro_batch, data_parallel=dp
+    )
+
+    def step(batch):
+        return engine.train_batch(iter([batch]))
+
+    def report():
+        return opt.memory_report() if stage else None
+
+    return step, report
+
+
+def _ddp(setup: Setup):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _model(setup, torch.float32)
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # the python path: counted
+    adamw = torch.optim.AdamW(model.parameters(), lr=LR)
+    amp = setup.dtype == "bf16"
+
+    def step(batch):
+        with torch.autocast("cpu", torch.bfloat16) if amp else nullcontext():
+            loss = lm_loss(ddp, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        adamw.step()
+        adamw.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, lambda: None
+
+
+def _fsdp2(setup: Setup):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _model(setup, torch.float32)
+    mp = MixedPrecisionPolicy()
+    if setup.dtype == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    adamw = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(batch):
+        loss = lm_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        adamw.step()
+        adamw.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, lambda: None
+
+
+def _deepspeed(setup: Setup, stage: int):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    dtype = setup.torch_dtype
+    model = _model(setup, torch.float32)
+    adamw = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = {
+        "train_micro_batch_size_per_gpu": setup.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=adamw, config=config, dist_init_required=False
+    )
+
+    def step(batch):
+        loss = lm_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return step, lambda: None
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rank(rank: int, system: str, setup: Setup) -> dict:
+    import warnings
+
+    import torch.distributed as dist
+
+    from zerotron.distributed import comm
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated names peers call
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.set_num_threads(1)
+    start_rss = _rss()
+    counter = TorchCounter()
+    counter.install()
+    stage = STAGE[system]
+    if system.startswith("zerotron"):
+        step, report = _zerotron(setup, stage, system.endswith("+nvme"))
+    elif system == "ddp":
+        step, report = _ddp(setup)
+    elif system == "fsdp2":
+        step, report = _fsdp2(setup)
+    else:
+        step, report = _deepspeed(setup, stage)
+    batches = _batches(setup, rank, setup.warmup + setup.steps)
+    losses = []
+    for b in batches[: setup.warmup]:
+        losses.append(float(step(b)))
+    dist.barrier()
+    counter.on = True
+    times = []
+    with comm.ledger.capture() as cap:
+        for b in batches[setup.warmup :]:
+            t0 = time.perf_counter()
+            losses.append(float(step(b)))
+            times.append(time.perf_counter() - t0)
+        dist.barrier()
+    counter.on = False
+    wire = counter.wire
+    by_op = dict(counter.by_op)
+    if system.startswith("zerotron"):
+        n = dist.get_world_size()
+        wire = sum(WIRE[op](n) * b for (_, op), (b, _) in cap.summary().items() if op in WIRE)
+        by_op = {}
+        for (_, op), (b, _) in cap.summary().items():
+            if op in WIRE:
+                by_op[op] = by_op.get(op, 0.0) + WIRE[op](n) * b
+    return {
+        "times": times,
+        "losses": losses,
+        "wire_per_step": wire / max(setup.steps, 1),
+        "by_op": {k: v / max(setup.steps, 1) for k, v in by_op.items()},
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "start_rss": start_rss,
+        "memory_report": report(),
+        "numels": [p.numel() for p in GPT(setup.config()).parameters()] if rank == 0 else [],
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# Theory and report
+
+
+PERSISTENCE_THRESHOLD = int(1e5)  # zerotron's and DeepSpeed's stage-3 default
+
+
+def comm_theory(system: str, stage: int, numels: list[int], n: int, setup: Setup) -> float:
+    """Bytes on the wire per rank per step (see the module docstring). Under stage 3,
+    zerotron and DeepSpeed keep parameters of <= 1e5 elements whole (persistent): those are
+    all-gathered once after the step, as in stage 2; FSDP2 shards every parameter."""
+    psi = sum(numels)
+    bf16 = setup.dtype == "bf16"
+    p = 2 if bf16 else 4
+    g = p
+    if system == "ddp":
+        p = g = 4  # fp32 parameters under autocast: fp32 gradients are all-reduced
+    if stage == 0:
+        return 2 * (n - 1) / n * psi * g
+    persistent = 0
+    if stage == 3 and system != "fsdp2":
+        persistent = sum(k for k in numels if k <= PERSISTENCE_THRESHOLD)
+    if stage in (1, 2):
+        return (n - 1) / n * psi * (g + p)
+    return (n - 1) / n * ((psi - persistent) * (2 * p + g) + persistent * (p + g))
+
+
+def memory_theory(stage: int, psi: int, n: int) -> float | None:
+    """The ZeRO paper's model-state bytes per rank with 16-bit parameters (K = 12)."""
+    return {1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}.get(stage)
+
+
+def run_system(system: str, setup: Setup, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    try:
+        ranks = run_ranks(_rank, 2, system, setup, timeout=timeout)
+    except RankError as e:
+        last = [ln for ln in e.details.strip().splitlines() if ln.strip()]
+        return {"system": system, "error": last[-1] if last else str(e)}
+    numels = ranks[0]["numels"]
+    psi = sum(numels)
+    n = len(ranks)
+    step_s = statistics.median(max(r["times"][i] for r in ranks) for i in range(setup.steps))
+    tokens = setup.micro_batch * setup.seq * n
+    stage = STAGE[system]
+    return {
+        "system": system,
+        "stage": stage,
+        "tokens_per_s": tokens / step_s,
+        "step_s": step_s,
+        "peak_rss": max(r["peak_rss"] for r in ranks),
+        "growth": max(r["peak_rss"] - r["start_rss"] for r in ranks),
+        "wire": statistics.mean(r["wire_per_step"] for r in ranks),
+        "by_op": ranks[0]["by_op"],
+        "theory": comm_theory(system, stage, numels, n, setup),
+        "model_states": (ranks[0]["memory_report"] or {}).get("total"),
+        "memory_theory": memory_theory(stage, psi, n) if setup.dtype == "bf16" else None,
+        "losses": ranks[0]["losses"],
+        "psi": psi,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**20:,.0f}"
+
+
+def print_report(results: list[dict], setup: Setup) -> None:
+    psi = next((r["psi"] for r in results if "psi" in r), 0)
+    print(
+        f"\nGPT {setup.layers}x{setup.hidden} (heads {setup.heads}), seq {setup.seq}, vocab "
+        f"{setup.vocab}, micro-batch {setup.micro_batch}, Ψ = {psi / 1e6:.2f}M parameters, "
+        f"{setup.dtype}, 2 gloo ranks x 1 thread, {setup.steps} timed steps (median)\n"
+    )
+    head = (
+        f"{'system':<16}{'stage':>5}{'tokens/s':>10}{'peak RSS MB':>13}{'growth MB':>11}"
+        f"{'states MB':>11}{'theory MB':>11}{'comm MB/step':>14}{'theory':>9}{'meas/th':>9}"
+        f"{'vs DP':>7}  first/last loss"
+    )
+    print(head)
+    print("-" * (len(head) + 8))
+    dp_wire = next((r["wire"] for r in results if r.get("system") == "zerotron-0"), None)
+    for r in results:
+        if "error" in r:
+            print(f"{r['system']:<16} skipped: {r['error'][:150]}")
+            continue
+        ratio = r["wire"] / r["theory"] if r["theory"] else math.nan
+        vs_dp = r["wire"] / dp_wire if dp_wire else math.nan
+        print(
+            f"{r['system']:<16}{r['stage']:>5}{r['tokens_per_s']:>10,.0f}{_mb(r['peak_rss']):>13}"
+            f"{_mb(r['growth']):>11}{_mb(r['model_states']):>11}{_mb(r['memory_theory']):>11}"
+            f"{r['wire'] / 1e6:>14.2f}{r['theory'] / 1e6:>9.2f}{ratio:>9.3f}{vs_dp:>7.2f}  "
+            f"{r['losses'][0]:.4f}/{r['losses'][-1]:.4f}"
+        )
+    print("\ncommunication per rank per step by op (MB on the wire)")
+    for r in results:
+        if "error" not in r:
+            ops = ", ".join(f"{op} {b / 1e6:.2f}" for op, b in sorted(r["by_op"].items()))
+            print(f"  {r['system']:<16}{ops}")
+    by_name = {r["system"]: r for r in results if "error" not in r}
+    print("\nzerotron / peer, same stage (tokens/s: higher is better; peak RSS growth: lower)")
+    for ours, peer in (
+        ("zerotron-0", "ddp"),
+        ("zerotron-1", "deepspeed-1"),
+        ("zerotron-2", "deepspeed-2"),
+        ("zerotron-3", "fsdp2"),
+        ("zerotron-3", "deepspeed-3"),
+    ):
+        if ours in by_name and peer in by_name:
+            a, b = by_name[ours], by_name[peer]
+            speed = a["tokens_per_s"] / b["tokens_per_s"]
+            mem = a["growth"] / b["growth"]
+            peak = a["peak_rss"] / b["peak_rss"]
+            goal = "met" if speed >= 1 and peak <= 1 else "NOT met"
+            print(
+                f"  {ours:<11} / {peer:<12} tokens/s {speed:5.2f}x   peak RSS {peak:5.2f}x   "
+                f"growth {mem:5.2f}x   goal (>= 1x, <= 1x): {goal}"
+            )
+    if "zerotron-3" in by_name and "zerotron-3+nvme" in by_name:
+        a, b = by_name["zerotron-3+nvme"], by_name["zerotron-3"]
+        print(
+            f"\nNVMe offload (stage 3, optimizer + parameters): peak RSS growth "
+            f"{_mb(a['growth'])} MB vs {_mb(b['growth'])} MB without "
+            f"({a['growth'] / b['growth']:.2f}x), "
+            f"tokens/s {a['tokens_per_s'] / b['tokens_per_s']:.2f}x"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated")
+    p.add_argument("--layers", type=int, default=Setup.layers)
+    p.add_argument("--hidden", type=int, default=Setup.hidden)
+    p.add_argument("--heads", type=int, default=Setup.heads)
+    p.add_argument("--seq", type=int, default=Setup.seq)
+    p.add_argument("--vocab", type=int, default=Setup.vocab)
+    p.add_argument("--micro-batch", type=int, default=Setup.micro_batch)
+    p.add_argument("--steps", type=int, default=Setup.steps)
+    p.add_argument("--warmup", type=int, default=Setup.warmup)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=Setup.dtype)
+    p.add_argument("--nvme-path", default=None, help="directory for NVMe offload files")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--quick", action="store_true", help="tiny model, 1 step: checks it runs")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in STAGE]
+    if unknown:
+        p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    with tempfile.TemporaryDirectory(prefix="zero-bench-nvme-") as tmp:
+        setup = Setup(
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            seq=args.seq,
+            vocab=args.vocab,
+            micro_batch=args.micro_batch,
+            steps=args.steps,
+            warmup=args.warmup,
+            dtype=args.dtype,
+            nvme_path=args.nvme_path or tmp,
+        )
+        if args.quick:
+            setup = Setup(2, 64, 4, 32, 512, 2, 1, 1, args.dtype, setup.nvme_path)
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure means: no DeepSpeed columns
+            print(f"deepspeed not importable ({type(e).__name__}: {e}); its columns are skipped")
+            systems = [s for s in systems if not s.startswith("deepspeed")]
+        results = []
+        for system in systems:
+            r = run_system(system, setup, args.timeout)
+            note = r.get("error") or f"{r['tokens_per_s']:,.0f} tokens/s"
+            print(f"  {system}: {note} ({r.get('seconds', 0):.0f} s)", flush=True)
+            results.append(r)
+    print_report(results, setup)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": asdict(setup), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
