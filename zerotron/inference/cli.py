@@ -3,11 +3,20 @@
 zerotron generate --load work/demo/ckpt --prompt "It is a truth universally" --greedy
 zerotron generate --load CKPT --prompts-file prompts.txt --top-p 0.9 --temperature 0.8
 zerotron generate --load CKPT                      # interactive: empty line or `stop` quits
+zerotron launch --nproc_per_node 2 -m zerotron generate --load CKPT --prompt "..."  # TP 2
+
+A checkpoint of any tensor/pipeline layout loads (merged, see ``checkpoint.reshard``). Under
+``zerotron launch`` (or torchrun) the processes split the model tensor-parallel
+(``--tensor-model-parallel-size``, default: all of them): every rank runs the same decoding
+loop with the same seed on the same gathered logits, so they choose the same tokens as one
+process would with the same weights; only rank 0 prints, and in interactive mode reads the
+prompts and hands them to the others.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +25,15 @@ import torch
 from zerotron.checkpoint.model import load_gpt
 from zerotron.config.args import ArgumentParser
 from zerotron.data.tokenizer import build_tokenizer
+from zerotron.distributed import comm
+from zerotron.distributed.init import (
+    destroy,
+    get_rank,
+    init_distributed,
+    is_initialized,
+    local_rank,
+)
+from zerotron.distributed.state import initialize_model_parallel
 from zerotron.errors import ConfigError, DataError
 from zerotron.inference.generate import generate
 
@@ -37,6 +55,18 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="run the model in bfloat16")
     p.add_argument("--vocab-file", help="override the checkpoint's tokenizer vocab")
     p.add_argument("--merge-file", help="override the checkpoint's tokenizer merges")
+    p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        metavar="N",
+        help="under zerotron launch: ranks that split the model (default: all of them)",
+    )
+    p.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10,
+        help="under zerotron launch: how long a collective may wait",
+    )
     return p
 
 
@@ -51,9 +81,57 @@ def _prompts(args) -> list[str] | None:
     return None
 
 
+def _init_parallel(args) -> tuple[torch.device, bool]:
+    """Join the launcher's processes and build the tensor-parallel groups.
+
+    Returns the device to use and whether this call created the process group (then
+    :func:`main` tears it down again).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    tp = args.tensor_model_parallel_size or world
+    if tp < 1 or world % tp:
+        raise ConfigError(
+            f"tensor-parallel size {tp} does not divide the {world} process(es)",
+            where="--tensor-model-parallel-size",
+            fix=f"use a divisor of {world} (default: {world}, all processes)",
+        )
+    created = False
+    if world > 1:
+        created = not is_initialized()
+        init_distributed(timeout_minutes=args.distributed_timeout_minutes)
+        initialize_model_parallel(tp, 1)
+    cuda = torch.cuda.is_available()
+    return torch.device("cuda", local_rank()) if cuda else torch.device("cpu"), created
+
+
+def _share(text: str | None, device: torch.device) -> str | None:
+    """Rank 0's ``text`` on every rank (None stays None), for interactive prompts."""
+    group = comm.world_group()
+    if group.size == 1:
+        return text
+    data = b"" if text is None else text.encode("utf-8")
+    length = torch.tensor([len(data) if text is not None else -1], device=device)
+    comm.broadcast(length, group)
+    if int(length) <= 0:
+        return None if int(length) < 0 else ""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if get_rank() == 0 else None
+    buf = (buf if buf is not None else torch.empty(int(length), dtype=torch.uint8)).to(device)
+    comm.broadcast(buf, group)
+    return bytes(buf.cpu().tolist()).decode("utf-8")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device, created = _init_parallel(args)
+    try:
+        return _generate(args, device)
+    finally:
+        if created:
+            destroy()
+
+
+def _generate(args, device: torch.device) -> int:
+    is_printer = get_rank() == 0
     model, meta = load_gpt(
         args.load, args.tag, device=device, dtype=torch.bfloat16 if args.bf16 else torch.float32
     )
@@ -94,17 +172,29 @@ def main(argv: list[str]) -> int:
     prompts = _prompts(args)
     if prompts is not None:
         for i, prompt in enumerate(prompts):
-            print(prompt + run(prompt, args.seed + i), flush=True)
-            if len(prompts) > 1:
-                print("-" * 40)
+            text = prompt + run(prompt, args.seed + i)  # every rank decodes: TP needs them all
+            if is_printer:
+                print(text, flush=True)
+                if len(prompts) > 1:
+                    print("-" * 40)
         return 0
-    print("interactive generation: type a prompt; an empty line or `stop` quits", flush=True)
+    if is_printer:
+        print("interactive generation: type a prompt; an empty line or `stop` quits", flush=True)
     for i in itertools.count():
-        try:
-            prompt = input("> " if sys.stdin.isatty() else "")
-        except EOFError:
+        prompt = _read_prompt() if is_printer else None
+        prompt = _share(prompt, device)
+        if prompt is None:
             break
-        if not prompt.strip() or prompt.strip() == "stop":
-            break
-        print(prompt + run(prompt, args.seed + i), flush=True)
+        text = prompt + run(prompt, args.seed + i)
+        if is_printer:
+            print(text, flush=True)
     return 0
+
+
+def _read_prompt() -> str | None:
+    """The next interactive prompt; None at end of input, an empty line or ``stop``."""
+    try:
+        prompt = input("> " if sys.stdin.isatty() else "")
+    except EOFError:
+        return None
+    return None if not prompt.strip() or prompt.strip() == "stop" else prompt
