@@ -9,6 +9,7 @@ Megatron's selective recompute in models/gpt.py must rerun the attention core an
 
 import json
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -179,6 +180,10 @@ def test_configure_reads_the_deepspeed_section_and_explicit_args_override(tmp_pa
         synchronize=True,
         profile=True,
     )
+    # DeepSpeed's helpers change one setting.
+    ck.partition_activations_in_checkpoint(False)
+    ck.set_num_layers(6)
+    assert ck.config() == replace(cfg, partition_activations=False, num_checkpoints=6)
     # Each call replaces the whole configuration; no section means the defaults.
     assert ck.configure(None, deepspeed_config={}) == ck.CheckpointingConfig()
     ck.reset(configuration=True)

@@ -198,6 +198,17 @@ def reset(*, configuration: bool = False) -> None:
         _M.config, _M.mpu, _M.configured = CheckpointingConfig(), None, False
 
 
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    """Turn ``partition_activations`` on or off, keeping the rest (DeepSpeed's helper)."""
+    value = _checked("partition_activations", partition_activation, "partition_activations")
+    _M.config = replace(_M.config, partition_activations=value)
+
+
+def set_num_layers(nlayers: int) -> None:
+    """Set ``num_checkpoints``, the bound on live contiguous buffers (DeepSpeed's helper)."""
+    _M.config = replace(_M.config, num_checkpoints=_checked("num_checkpoints", nlayers, "nlayers"))
+
+
 def _read_section(cfg: str | Path | Mapping[str, Any]) -> tuple[Mapping[str, Any], str | None]:
     if isinstance(cfg, (str, Path)):
         from zerotron.config.files import read_config_file
@@ -608,7 +619,9 @@ __all__ = [
     "get_cuda_rng_tracker",
     "is_configured",
     "model_parallel_cuda_manual_seed",
+    "partition_activations_in_checkpoint",
     "reset",
     "saved_bytes",
+    "set_num_layers",
     "timings",
 ]
