@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 
 import pytest
@@ -600,3 +601,55 @@ def test_pretrain_flags_and_deepspeed_config(tmp_path):
     assert cfg.optimizer.clip_grad == 1.0  # no DeepSpeed config: Megatron's default
     with pytest.raises(ConfigError, match="--zero-stage"):
         parse_megatron_args(shlex.split(BASE + "--micro-batch-size 2 --lr 1 --zero-stage 5"))
+
+
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --split 80,10,10 --log-interval 1 "
+    "--eval-interval 100 --eval-iters 0 --seed 1234 --train-iters 3 --hidden-dropout 0 "
+    "--attention-dropout 0 "
+)
+
+
+def test_pretrain_trains_with_zero_from_flags_and_deepspeed_config(
+    data_prefix, tmp_path, monkeypatch
+):
+    """One process: ZeRO stages 1 and 2 (flag, then DeepSpeed JSON with its own scheduler)
+    follow the stage-0 run's losses (one rank: the same arithmetic on flat partitions)."""
+    import zerotron.training.pretrain as pretrain_module
+    from zerotron.training.build import build_run
+
+    built = []
+
+    def spy(cfg, **kw):
+        run = build_run(cfg, **kw)
+        built.append(run.engine)
+        return run
+
+    monkeypatch.setattr(pretrain_module, "build_run", spy)
+
+    def run(extra: str) -> list[float]:
+        cfg = parse_megatron_args(shlex.split(TINY + f"--data-path {data_prefix} " + extra))
+        return list(pretrain_module.pretrain(cfg).losses.values())
+
+    base = run("")
+    zero1 = run("--zero-stage 1")
+    assert built[-1].zero_optimization_stage() == 1
+    assert zero1 == pytest.approx(base, rel=1e-5)
+    path = tmp_path / "ds.json"
+    path.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e4},
+                "gradient_clipping": 1.0,
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
+            }
+        )
+    )
+    zero2 = run(f"--deepspeed --deepspeed_config {path}")
+    engine = built[-1]
+    assert engine.zero_optimization_stage() == 2
+    assert type(engine.lr_scheduler).__name__ == "WarmupLR" and engine.lr_increment == 1
+    assert engine.lr_scheduler.last_batch_iteration == 2  # stepped once per iteration
+    assert zero2[0] == pytest.approx(base[0], rel=1e-5)  # the first step runs before any update
+    assert all(math.isfinite(x) for x in zero2)

@@ -643,8 +643,12 @@ def deepspeed_keys(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     auto: AutoValues | None = None,
+    require_batch: bool = True,
 ) -> DeepSpeedKeys:
     """Validate a DeepSpeed config and sort it onto schema fields.
+
+    ``require_batch``: a config without any batch size is an error (DeepSpeed's rule); False
+    where flags may give them (``zerotron pretrain``).
 
     Raises :class:`ConfigError` naming the key path of a bad value (and ``file:line`` for a
     file), :class:`UnsupportedError` for a feature zerotron does not implement.
@@ -661,6 +665,8 @@ def deepspeed_keys(
         walker.visit(SPEC, key, value, ())
     walker.optimizer(data.get("optimizer"))
     walker.scheduler(data.get("scheduler"))
+    if not require_batch and not walker.batch and not walker.batch_auto:
+        return out
     _resolve_batch(
         out,
         walker.batch,

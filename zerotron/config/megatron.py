@@ -395,6 +395,7 @@ def _merge_deepspeed(
         world_size=world_size,
         tensor_model_parallel_size=size("tensor_model_parallel_size"),
         pipeline_model_parallel_size=size("pipeline_model_parallel_size"),
+        require_batch=False,  # the flags may give the batch sizes
     )
     for section, values in keys.nested.items():
         nested.setdefault(section, {}).update(values)
