@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -218,12 +217,16 @@ def _update(model: nn.Module, ref: nn.Module, dp: Group) -> None:
         p.grad = None
 
 
-@pytest.fixture(scope="module")
-def lifecycle() -> list[list[dict]]:
-    return run_ranks(_lifecycle, DP, timeout=120)
+def test_stage3_step_lifecycle():
+    """One spawn for all configurations (the checks below read its results)."""
+    lifecycle = run_ranks(_lifecycle, DP, timeout=120)
+    check_forward_and_grads_equal_whole_model(lifecycle)
+    check_each_parameter_gathered_twice_per_step(lifecycle)
+    check_only_shards_held_between_steps(lifecycle)
+    check_prefetch_follows_recorded_order_within_budgets(lifecycle)
 
 
-def test_partitioned_forward_and_grads_equal_whole_model(lifecycle):
+def check_forward_and_grads_equal_whole_model(lifecycle):
     for rank_results in lifecycle:
         for res in rank_results:
             for step in res["steps"]:
@@ -233,7 +236,7 @@ def test_partitioned_forward_and_grads_equal_whole_model(lifecycle):
     assert lifecycle[0][0]["steps"][0]["loss"] != lifecycle[1][0]["steps"][0]["loss"]
 
 
-def test_each_parameter_gathered_twice_per_step(lifecycle):
+def check_each_parameter_gathered_twice_per_step(lifecycle):
     for rank_results in lifecycle:
         for res in rank_results:
             # Rows are this rank's chunks: twice (forward, backward) per partitioned parameter.
@@ -245,7 +248,7 @@ def test_each_parameter_gathered_twice_per_step(lifecycle):
                 assert step["other_ops"] == {}, res["config"]  # no other traffic in stage 3
 
 
-def test_only_shards_held_between_steps(lifecycle):
+def check_only_shards_held_between_steps(lifecycle):
     for rank_results in lifecycle:
         for res in rank_results:
             want = (res["chunks"] + res["persistent_numel"]) * res["elt"]
@@ -258,7 +261,7 @@ def test_only_shards_held_between_steps(lifecycle):
             assert abs(res["chunks"] - psi / DP) < res["n_partitioned"]
 
 
-def test_prefetch_follows_recorded_order_within_budgets(lifecycle):
+def check_prefetch_follows_recorded_order_within_budgets(lifecycle):
     for res in lifecycle[0]:
         kind, _, prefetch, max_live = res["config"]
         first, second = res["steps"]
@@ -394,6 +397,14 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
     other = mlp()
     load_full_state_dict(model, other.state_dict())
     res["loaded_forward_equal"] = _equal_loss(model, other, "mlp", batch_for("mlp", rank, 2))
+    coordinator_of(model).unpartition()  # whole again on every rank, hooks gone
+    res["unpartitioned"] = (
+        all(
+            torch.equal(p, q) and not hasattr(p, "zero_shard")
+            for p, q in zip(model.parameters(), other.parameters())
+        )
+        and coordinator_of(model) is None
+    )
 
     # offload_param: shards rest in host memory or NVMe files; the math is unchanged.
     for device in ("cpu", "nvme"):
@@ -417,20 +428,23 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def init_and_gathered(tmp_path_factory) -> list[dict]:
-    nvme = tmp_path_factory.mktemp("nvme")
-    return run_ranks(_init_and_gathered, DP, str(nvme), timeout=120)
+def test_init_gathered_parameters_state_dicts_offload(tmp_path):
+    """One spawn for zero.Init, GatheredParameters, state dicts and offload_param."""
+    results = run_ranks(_init_and_gathered, DP, str(tmp_path), timeout=120)
+    check_init_builds_the_eager_model_partitioned(results)
+    check_init_memory_is_bounded_while_building(results)
+    check_gathered_parameters_and_modifier_rank(results)
+    check_offload_param_cpu_and_nvme(results)
 
 
-def test_init_builds_the_eager_model_partitioned(init_and_gathered):
+def check_init_builds_the_eager_model_partitioned(init_and_gathered):
     for res in init_and_gathered:
         assert res["init_shards_equal"]
         assert res["init_state_dict_equal"]  # rank 0: every tensor; rank 1: None
         assert res["init_forward_equal"]
 
 
-def test_init_memory_is_bounded_while_building(init_and_gathered):
+def check_init_memory_is_bounded_while_building(init_and_gathered):
     for res in init_and_gathered:
         total, layer = res["wide_total_bytes"], res["layer_bytes"]
         eager_peak, eager_largest = res["peaks"]["eager"]
@@ -445,7 +459,7 @@ def test_init_memory_is_bounded_while_building(init_and_gathered):
         assert 2 * psi / DP <= res["bf16_bytes"] < 2 * psi / DP + 2 * 6  # 6 tensors' padding
 
 
-def test_gathered_parameters_and_modifier_rank(init_and_gathered):
+def check_gathered_parameters_and_modifier_rank(init_and_gathered):
     for res in init_and_gathered:
         assert res["gathered_shape"] == (48, 64)
         assert res["gathered_value_ok"]
@@ -455,10 +469,10 @@ def test_gathered_parameters_and_modifier_rank(init_and_gathered):
         assert res["modified_flags"] == [True, True]
         assert res["modified_forward_equal"]
         assert res["still_gathered_after_forward"] and res["nothing_live"]
-        assert res["loaded_forward_equal"]
+        assert res["loaded_forward_equal"] and res["unpartitioned"]
 
 
-def test_offload_param_cpu_and_nvme(init_and_gathered):
+def check_offload_param_cpu_and_nvme(init_and_gathered):
     for res in init_and_gathered:
         for device in ("cpu", "nvme"):
             assert res[f"offload_{device}_equal"] == [True, True]
