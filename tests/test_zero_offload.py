@@ -105,6 +105,22 @@ def test_swapper_round_trip_raw_bytes(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_swapper_any_key_gets_its_own_file(tmp_path):
+    sw = NVMeSwapper(tmp_path, "rank0")
+    keys = ["_orig_mod.h.0.weight", "a/b", "a_b", "../up", "", "x" * 300]
+    for n, key in enumerate(keys):
+        sw.swap_out(key, torch.full((3,), float(n)))
+    assert len({sw.path(k) for k in keys}) == len(keys)
+    assert all(sw.path(k).parent == sw.dir for k in keys)
+    assert sw.path("_orig_mod.h.0.weight").name == "_orig_mod.h.0.weight.bin"
+    for n, key in enumerate(keys):
+        assert torch.equal(sw.swap_in(key), torch.full((3,), float(n)))
+    sw.release("a/b")
+    assert sorted(sw.keys()) == sorted(k for k in keys if k != "a/b")
+    assert len(os.listdir(sw.dir)) == len(keys) - 1
+    sw.cleanup()
+
+
 def test_swapper_truncated_or_missing_file_is_a_clear_error(tmp_path):
     sw = NVMeSwapper(tmp_path, "rank1", where="zero_optimization.offload_optimizer.nvme_path")
     sw.swap_out("k", torch.randn(100))

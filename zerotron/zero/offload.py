@@ -66,10 +66,11 @@ from zerotron.fileio import temp_path
 Device = Literal["none", "cpu", "nvme"]
 
 _ALIGN = 64  # bytes: every tensor carved from a pool slot starts on a cache line
-_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_SAME_LAYOUT = "load with the data-parallel size and sub_group_size the checkpoint was saved with"
 
 # DeepSpeed keys of the offload sections that only tune its async-I/O library: accepted, unused.
-_SAME_LAYOUT = "load with the data-parallel size and sub_group_size the checkpoint was saved with"
 _DS_TUNING_KEYS = frozenset(
     {"buffer_size", "max_in_cpu", "pipeline", "pipeline_read", "pipeline_write", "fast_init"}
 )
@@ -232,7 +233,7 @@ class NVMeSwapper:
     """
 
     def __init__(self, root: str | os.PathLike, name: str, *, where: str = "nvme_path"):
-        if not _KEY.fullmatch(name):
+        if not _NAME.fullmatch(name):
             raise ValueError(f"swap name {name!r}: use letters, digits, '.', '_' or '-'")
         self.root = Path(root)
         self.where = where
@@ -251,13 +252,25 @@ class NVMeSwapper:
         shutil.rmtree(self.dir, ignore_errors=True)  # ours, left by a process that died
         self.dir.mkdir()
         self._specs: dict[str, tuple[list[_Spec], bool]] = {}  # key -> (specs, is_list)
+        self._paths: dict[str, Path] = {}
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _remove_dir, self.dir, lock_fd)
 
     def path(self, key: str) -> Path:
-        if not _KEY.fullmatch(key):
-            raise ValueError(f"swap key {key!r}: use letters, digits, '.', '_' or '-'")
-        return self.dir / f"{key}.bin"
+        """The file of ``key``: the key itself where it is a safe file name (parameter names
+        are), else a sanitized form made unique."""
+        with self._lock:
+            path = self._paths.get(key)
+            if path is None:
+                stem = _UNSAFE.sub("_", key)[:120]
+                stem = stem if _NAME.fullmatch(stem) else f"_{stem}"
+                path = self.dir / f"{stem}.bin"
+                taken = set(self._paths.values())
+                n = 1
+                while path in taken:
+                    path, n = self.dir / f"{stem}~{n}.bin", n + 1
+                self._paths[key] = path
+            return path
 
     def __contains__(self, key: str) -> bool:
         return key in self._specs
@@ -391,13 +404,16 @@ class NVMeSwapper:
         """Forget ``key`` and delete its file."""
         with self._lock:
             self._specs.pop(key, None)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path(key))
+            path = self._paths.pop(key, None)
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def cleanup(self) -> None:
         """Delete the directory and everything in it."""
         with self._lock:
             self._specs.clear()
+            self._paths.clear()
         self._finalizer()
 
 
