@@ -4,9 +4,9 @@ Processes: an 8-layer MLP written as LayerSpecs, cut into pp=2 stages (partition
 uniform, with activation checkpointing every 2 layers), trained 3 steps with SGD and with
 AdamW through ``Engine.train_batch`` on (inputs, labels) micro-batches, then one
 ``Engine.eval_batch``; a tied embedding (TiedLayerSpec on the first and last stage); the same
-on pp=2 × dp=2. Each must give the losses, eval loss and final weights of ``nn.Sequential`` of the same layers (same seeds) trained in this process on
-the same micro-batches, within 1e-6 relative. Without processes: partition methods, layer
-building, errors.
+on pp=2 × dp=2. Each must give the losses, eval loss and final weights of ``nn.Sequential``
+of the same layers (same seeds) trained in this process on the same micro-batches, within 1e-6
+relative. Without processes: partition methods, layer building, errors.
 """
 
 import pytest
