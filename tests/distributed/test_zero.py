@@ -12,7 +12,9 @@ Models: a plain ``nn.Sequential`` MLP with odd sizes (so chunks are padded) and 
 with offload none/cpu/nvme), dp2 × tp2 (stages 1-3; 2-3 with sequence parallelism), dp2 × pp2
 (stage 1 under the 1F1B pipeline runtime, tied embedding summed before the reduction).
 
-Also: an fp16 overflow skips the step in every stage (no weight or state changes, scale
+Also: resume from a saved ZeRO state (stages 1-3, with offload) equals the uninterrupted run;
+DeepSpeed's gradient_predivide_factor, prescale_gradients, reduce_scatter=False and
+overlap_comm=False change nothing; an fp16 overflow skips the step in every stage (no weight or state changes, scale
 halved, skip counted); bf16 trains; the comm ledger equals the closed form (stage 3 = 1.5× DP
 on the wire); ``memory_report`` equals the ZeRO paper's formulas at N=2 and N=4.
 
@@ -26,6 +28,7 @@ Cost: two spawns (2 and 4 ranks), one test each, so pytest-xdist never runs one 
 
 from __future__ import annotations
 
+import io
 import math
 from functools import partial
 
@@ -132,11 +135,12 @@ def reference(kind: str, dp: int) -> dict:
 
 
 def train(
-    model, opt, kind: str, dp: Group, steps: int = STEPS, engine_like=None, after_sync=None
-) -> dict:
+    model, opt, kind: str, dp: Group, steps: int = STEPS, engine_like=None, after_sync=None,
+    first_step: int = 0,
+) -> dict:  # fmt: skip
     """Engine-style loop: loss / GAS, ``sync`` on the last micro-batch, finish, step."""
     losses, norms = [], []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         total = torch.zeros(())
         for micro in range(GAS):
             engine_like.sync = micro == GAS - 1
@@ -152,36 +156,56 @@ def train(
 
 
 def run_zero(
-    kind: str, stage: int, tmp: str, offload: str = "none", tp: Group | None = None, sp=False
-):
+    kind: str, stage: int, tmp: str, offload: str = "none", tp: Group | None = None,
+    sp: bool = False, resume_after: int | None = None, **options,
+) -> dict:  # fmt: skip
+    """Train STEPS steps; with ``resume_after`` k, save the ZeRO state after k steps (through
+    torch.save / torch.load(weights_only=True)), build a fresh model and optimizer from the
+    initial weights, load it, and train the rest. ``options`` go to ZeroOptimizer."""
     dp = state().dp
-    model = make_model(kind, tp, sp=sp)
-    if tp is not None and tp.size > 1:
-        _shard_from_full(model, make_model(kind), tp)
-    options = OffloadOptions(device=offload, nvme_path=tmp if offload == "nvme" else None)
     reduce_fn, is_counted = _grad_norm_hooks()
     if stage == 0:  # plain data parallelism, for comparison
+        model = make_model(kind, tp, sp=sp)
         dpar = DataParallel(model.parameters(), dp)
         opt = MixedPrecisionOptimizer(
             adamw(model), clip_grad=CLIP, reduce_fn=reduce_fn, is_counted=is_counted
         )
-        result = train(model, opt, kind, dp, engine_like=dpar)
-    else:
-        opt = ZeroOptimizer(
-            model, adamw(model), stage=stage, group=dp, clip_grad=CLIP,
-            reduce_fn=reduce_fn, is_counted=is_counted, offload_optimizer=options,
-            offload_param=options if stage == 3 else None,
-            reduce_bucket_size=500, allgather_bucket_size=700, sub_group_size=400,
-            param_persistence_threshold=40,  # biases stay whole, the rest is partitioned
-        )  # fmt: skip  # small buckets and sub-groups: several of each
+        return {**train(model, opt, kind, dp, engine_like=dpar), "weights": full_weights(model)}
+
+    offload_opts = OffloadOptions(device=offload, nvme_path=tmp if offload == "nvme" else None)
+    kw = dict(
+        clip_grad=CLIP, reduce_fn=reduce_fn, is_counted=is_counted,
+        offload_optimizer=offload_opts, offload_param=offload_opts if stage == 3 else None,
+        reduce_bucket_size=500, allgather_bucket_size=700, sub_group_size=400,  # several each
+        param_persistence_threshold=40,  # biases stay whole, the rest is partitioned
+    )  # fmt: skip
+    kw.update(options)
+
+    def build() -> tuple[nn.Module, ZeroOptimizer, dict]:
+        model = make_model(kind, tp, sp=sp)
+        if tp is not None and tp.size > 1:
+            _shard_from_full(model, make_model(kind), tp)
+        opt = ZeroOptimizer(model, adamw(model), stage=stage, group=dp, **kw)
         # Sequence-parallel parameters' gradients are summed over TP after the DP reduction,
         # on the partitions (as the Engine does).
         sp_sum = partial(opt.allreduce_grads, sequence_parallel_params(model), tp) if sp else None
-        result = train(model, opt, kind, dp, engine_like=opt, after_sync=sp_sum)
-        result["weights"] = full_weights(model)
+        return model, opt, {"engine_like": opt, "after_sync": sp_sum}
+
+    model, opt, loop = build()
+    first = resume_after or STEPS
+    result = train(model, opt, kind, dp, steps=first, **loop)
+    if resume_after:
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
         opt.close()
-        return result
-    return {**result, "weights": full_weights(model)}
+        model, opt, loop = build()
+        buf.seek(0)
+        opt.load_state_dict(torch.load(buf, weights_only=True))
+        rest = train(model, opt, kind, dp, steps=STEPS - first, first_step=first, **loop)
+        result = {k: result[k] + rest[k] for k in result}
+    result["weights"] = full_weights(model)
+    opt.close()
+    return result
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -215,12 +239,21 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
         for stage in (0, 1, 2, 3):
             for offload in ("none", "cpu", "nvme") if stage else ("none",):
                 out[kind, stage, offload] = run_zero(kind, stage, tmp, offload)
+    # Resume from a saved ZeRO state: the same run as without the interruption.
+    for kind, stage, offload in [("mlp", 1, "none"), ("mlp", 2, "nvme"), ("mlp", 3, "cpu"),
+                                 ("gpt", 3, "none")]:  # fmt: skip
+        out[kind, "resume", stage, offload] = run_zero(kind, stage, tmp, offload, resume_after=1)
+    # DeepSpeed's averaging and wire options change nothing in fp32 (powers of two).
+    out["mlp", "predivide"] = run_zero("mlp", 2, tmp, gradient_predivide_factor=2.0)
+    out["mlp", "prescale"] = run_zero("mlp", 1, tmp, prescale_gradients=True)
+    out["mlp", "allreduce"] = run_zero("mlp", 2, tmp, reduce_scatter=False, overlap_comm=False)
     for stage in (1, 2, 3):
         out["fp16", stage] = fp16_overflow(stage)
         out["bf16", stage] = bf16_trains(stage)
         out["ledger", stage] = ledger_one_step(stage)
         out["memory", stage] = memory(stage)
     out["ledger", 0] = ledger_one_step(0)
+    out["ledger", "bf16 wire"] = ledger_one_step(2, communication_data_type=torch.bfloat16)
     return out
 
 
@@ -255,7 +288,7 @@ def check_dp2_stages_equal_one_process(dp2, references, kind):
     moved = max(rel_err(start[n].detach(), w) for n, w in ref["weights"].items())
     assert moved > 100 * TOL
     configs = [k for k in dp2[0] if k[0] == kind]
-    assert len(configs) == 10
+    assert len(configs) == {"mlp": 10 + 3 + 3, "gpt": 10 + 1}[kind]
     for key in configs:
         for rank in range(2):
             check_equal(dp2[rank][key], ref, f"{key} rank {rank}")
@@ -340,7 +373,7 @@ def _ledger_mlp() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def ledger_one_step(stage: int) -> dict:
+def ledger_one_step(stage: int, **options) -> dict:
     """One step with one micro-batch (and one with GAS=2 for stages 1-2): the ledger."""
     dp = state().dp
     out = {}
@@ -352,7 +385,7 @@ def ledger_one_step(stage: int) -> dict:
         else:
             dpar = opt = ZeroOptimizer(
                 model, adamw(model), stage=stage, group=dp, param_persistence_threshold=0,
-                reduce_bucket_size=300, allgather_bucket_size=600,
+                reduce_bucket_size=300, allgather_bucket_size=600, **options,
             )  # fmt: skip
         with ledger.capture() as cap:
             for micro in range(gas):
@@ -472,6 +505,12 @@ def check_comm_ledger_matches_closed_form(dp2):
     s3 = _by_op(dp2[0]["ledger", 3][1])
     s3_wire = s3["reduce_scatter"] * (n - 1) / n + s3["all_gather"] * (n - 1)
     assert s3_wire == 1.5 * dp_wire
+    # communication_data_type=bf16 halves the gradients' bytes (fp32 parameters still gather
+    # in fp32).
+    for gas, summary in dp2[0]["ledger", "bf16 wire"].items():
+        expected = _ledger_closed_form(2, 2, gas)
+        expected["reduce_scatter"] //= 2
+        assert _by_op(summary) == expected, (gas, summary)
 
 
 ZERO_FORMULA = {1: lambda n: 2 + 2 + 12 / n, 2: lambda n: 2 + 14 / n, 3: lambda n: 16 / n}
