@@ -14,9 +14,10 @@ with offload none/cpu/nvme), dp2 × tp2 (stages 1-3; 2-3 with sequence paralleli
 
 Also: resume from a saved ZeRO state (stages 1-3, with offload) equals the uninterrupted run;
 DeepSpeed's gradient_predivide_factor, prescale_gradients, reduce_scatter=False and
-overlap_comm=False change nothing; an fp16 overflow skips the step in every stage (no weight or state changes, scale
-halved, skip counted); bf16 trains; the comm ledger equals the closed form (stage 3 = 1.5× DP
-on the wire); ``memory_report`` equals the ZeRO paper's formulas at N=2 and N=4.
+overlap_comm=False change nothing; an fp16 overflow skips the step in every stage (no weight
+or state changes, scale halved, skip counted); bf16 trains; the comm ledger equals the closed
+form (stage 3 = 1.5× DP on the wire); ``memory_report`` equals the ZeRO paper's formulas at
+N=2 and N=4.
 
 Adam's ``eps`` is 1e-4: an element whose gradient is mathematically zero but holds rounding
 noise (the attention key bias: softmax ignores a per-query constant) would otherwise take an
