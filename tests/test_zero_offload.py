@@ -330,6 +330,40 @@ def test_state_dict_round_trip_across_devices(tmp_path):
     )
 
 
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_load_masters_keeps_the_state(tmp_path, device):
+    opts = OffloadOptions(device, str(tmp_path), buffer_count=2)
+    off = OffloadedOptimizer(_make("adamw"), opts, rank_name="m")
+    fresh = off.state_dict()  # no optimizer state yet
+    fresh = {
+        "optimizer": fresh["optimizer"],
+        "fp32_partitions": [m.clone() for m in fresh["fp32_partitions"]],
+    }
+    off.step(_grads(0))
+    before = off.state_dict()
+    before = {
+        "optimizer": before["optimizer"],
+        "fp32_partitions": [m.clone() for m in before["fp32_partitions"]],
+    }
+    new = [
+        torch.full(m.shape, float(i)).bfloat16() for i, m in enumerate(before["fp32_partitions"])
+    ]
+    off.load_masters(new)
+    after = off.state_dict()
+    for m, n in zip(after["fp32_partitions"], new):
+        assert m.dtype == torch.float32 and torch.equal(m, n.float())
+    for i, st in before["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["optimizer"]["state"][i][k], v)
+    with pytest.raises(CheckpointError):
+        off.load_masters(new[:-1])
+    off.load_state_dict(fresh)  # back to no state: nothing stale stays behind
+    assert off.state_dict()["optimizer"]["state"] == {}
+    if device == "nvme":
+        assert off.bytes_on_disk() == sum(m.numel() * 4 for m in new)
+    off.close()
+
+
 def test_load_state_dict_checks_the_layout(tmp_path):
     off = OffloadedOptimizer(_make("sgd"), OffloadOptions("cpu"), rank_name="x")
     sd = off.state_dict()

@@ -636,18 +636,7 @@ class OffloadedOptimizer:
         """Load what :meth:`state_dict` returned (from any device). Tensors are copied: the
         caller's dict is not aliased."""
         masters = sd["fp32_partitions"]
-        if len(masters) != len(self._params):
-            raise CheckpointError(
-                f"checkpoint has {len(masters)} fp32 partitions, this rank has "
-                f"{len(self._params)} sub-groups",
-                fix=_SAME_LAYOUT,
-            )
-        for i, (m, s) in enumerate(zip(masters, self._specs)):
-            if m.shape != s.shape:
-                raise CheckpointError(
-                    f"fp32 partition {i} has shape {tuple(m.shape)}, expected {tuple(s.shape)}",
-                    fix=_SAME_LAYOUT,
-                )
+        self._check_masters(masters)
         osd = sd["optimizer"]
         state = {
             int(i): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
@@ -666,6 +655,30 @@ class OffloadedOptimizer:
                 s = {k: _cast_like_torch(k, v, p.dtype) for k, v in s.items()}
             self._write(i, masters[i].to(p.dtype), s)
             self.optimizer.state.pop(p, None)
+
+    def load_masters(self, masters: Sequence[torch.Tensor]) -> None:
+        """Replace the master values only (optimizer state untouched), e.g. after the model's
+        weights were loaded; ``masters[i]`` any device and float dtype, cast to the master's."""
+        self._check_masters(masters)
+        for i, (p, m) in enumerate(zip(self._params, masters)):
+            if self.device == "nvme":
+                self._swapper.swap_out(self._master_key(i), m.to("cpu", p.dtype))
+            else:
+                p.data.copy_(m)
+
+    def _check_masters(self, masters: Sequence[torch.Tensor]) -> None:
+        if len(masters) != len(self._params):
+            raise CheckpointError(
+                f"checkpoint has {len(masters)} fp32 partitions, this rank has "
+                f"{len(self._params)} sub-groups",
+                fix=_SAME_LAYOUT,
+            )
+        for i, (m, s) in enumerate(zip(masters, self._specs)):
+            if m.shape != s.shape:
+                raise CheckpointError(
+                    f"fp32 partition {i} has shape {tuple(m.shape)}, expected {tuple(s.shape)}",
+                    fix=_SAME_LAYOUT,
+                )
 
     def resident_tensors(self) -> list[torch.Tensor]:
         """Every tensor of masters and optimizer states in memory now: the masters and state
@@ -760,6 +773,7 @@ class OffloadedOptimizer:
         self._swapper.swap_out(self._master_key(i), master)
         if not state:
             self._records.pop(i, None)
+            self._swapper.release(self._state_key(i))
             return
         shape = self._specs[i].shape
         order = list(state)
@@ -769,6 +783,8 @@ class OffloadedOptimizer:
         small = {k: state[k] for k in order if k not in swapped}
         if swapped:
             self._swapper.swap_out(self._state_key(i), [state[k] for k in swapped])
+        else:
+            self._swapper.release(self._state_key(i))
         self._records[i] = _Record(order, swapped, small)
 
     def _executor(self) -> ThreadPoolExecutor:
