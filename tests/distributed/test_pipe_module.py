@@ -299,6 +299,29 @@ def test_one_stage_module_equals_sequential_and_names_follow_deepspeed():
     assert torch.equal(xa.grad, xb.grad)
     for (n, p), (_, q) in zip(module.named_parameters(), ckpt.named_parameters()):
         assert torch.equal(p.grad, q.grad), n
+    # Token ids into a tied embedding: the first run of layers needs no input gradient, so it is
+    # not checkpointed (it would lose the embedding's gradient); the rest is.
+    runs = []
+
+    def counting_checkpoint(fn, *args):
+        runs.append(len(args))
+        return ck.checkpoint(fn, *args)
+
+    plain, ckpt = (
+        PipelineModule(
+            tied_specs(),
+            seed_layers=True,
+            activation_checkpoint_interval=k,
+            activation_checkpoint_func=counting_checkpoint,
+        )
+        for k in (0, 3)
+    )
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    plain(tokens).sum().backward()
+    ckpt(tokens).sum().backward()
+    assert runs == [1]  # layers 3..5 only (6, a forward_fn call, holds no module)
+    for (n, p), (_, q) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
 
 
 def test_modules_callables_and_tied_layers_on_one_stage():

@@ -28,7 +28,8 @@ Layers may be ``LayerSpec`` (built here), ``TiedLayerSpec``, ready ``nn.Module``
 callables (``lambda x: x.flatten(1)``). ``forward(x)`` runs the local layers in order, each on the
 previous one's output; with ``activation_checkpoint_interval=k`` every ``k`` consecutive layers
 that hold parameters run through ``activation_checkpoint_func``
-(:func:`zerotron.checkpointing.checkpoint`).
+(:func:`zerotron.checkpointing.checkpoint`), unless no input of theirs requires grad (token ids
+into an embedding): checkpointed, their parameters would get no gradient, so they run plainly.
 
 Tied layers: all ``TiedLayerSpec`` with one ``key`` share one module per stage (built at the
 first use on that stage; later uses call it again, through ``forward_fn(module, x)`` when
@@ -293,8 +294,11 @@ class PipelineModule(nn.Module):
         for start in range(0, n, interval):
             stop = min(start + interval, n)
             run = self._exec_range(start, stop)
-            if self._is_checkpointable(self.forward_funcs[start:stop]):
-                args = x if isinstance(x, tuple) else (x,)
+            args = x if isinstance(x, tuple) else (x,)
+            # A checkpointed run whose inputs need no gradient (token ids into an embedding)
+            # would give its parameters none: such a run goes without checkpointing.
+            needs_grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            if needs_grad and self._is_checkpointable(self.forward_funcs[start:stop]):
                 x = self.activation_checkpoint_func(run, *args)
             else:
                 x = run(x)
