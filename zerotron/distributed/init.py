@@ -10,10 +10,15 @@ is a no-op.
 Backend: nccl when the device is CUDA, gloo otherwise. The timeout
 (``--distributed-timeout-minutes``) bounds every collective: when a rank dies or raises, the
 others fail with a timeout or connection error instead of waiting forever.
+
+A process group created here is destroyed again at interpreter exit (``atexit``), also when the
+program ends on an exception: without that, a gloo worker's shutdown sometimes aborts the
+process after the traceback. A group someone else created is left alone.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -24,6 +29,7 @@ from zerotron.errors import DistributedError
 
 BACKENDS = ("gloo", "nccl")
 _LAUNCH_FIX = "start the job with `zerotron launch` or `torchrun`, which set these variables"
+_teardown_registered = False  # atexit holds _destroy_at_exit (registered once per process)
 
 
 def is_initialized() -> bool:
@@ -99,7 +105,25 @@ def init_distributed(
         # nccl: bind the communicator to this rank's GPU now, not at the first collective.
         device_id=torch.device("cuda", local_rank()) if backend == "nccl" else None,
     )
+    _register_teardown()
     return rank, world
+
+
+def _register_teardown() -> None:
+    """Destroy the process group at exit, once per process (only :func:`init_distributed`'s)."""
+    global _teardown_registered
+    if not _teardown_registered:
+        atexit.register(_destroy_at_exit)
+        _teardown_registered = True
+
+
+def _destroy_at_exit() -> None:
+    # At exit nothing can be done about a failing teardown; the exit status is already decided.
+    try:
+        if is_initialized():
+            destroy()
+    except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        pass
 
 
 def destroy() -> None:
