@@ -326,12 +326,23 @@ def _recorder(calls):
 # ---- partition_activations on two tensor-parallel ranks ----------------------------------------
 
 
+class ForeignMpu:
+    """A Megatron-style mpu object that is not zerotron's module (its groups are torch's)."""
+
+    def get_tensor_model_parallel_group(self):
+        return mpu.get_tensor_model_parallel_group()
+
+    def get_tensor_model_parallel_rank(self):
+        return mpu.get_tensor_model_parallel_rank()
+
+
 def _partition_rank(rank):
     initialize_model_parallel(tensor_model_parallel_size=2)
     out = {}
     for name, kw in {
         "plain": {},
         "partition": {"partition_activations": True},
+        "partition-foreign-mpu": {"partition_activations": True, "mpu_": ForeignMpu()},
         "partition+cpu+contiguous": {
             "partition_activations": True,
             "checkpoint_in_cpu": True,
@@ -339,7 +350,7 @@ def _partition_rank(rank):
             "num_checkpoints": 3,
         },
     }.items():
-        ck.configure(mpu, **kw)
+        ck.configure(kw.pop("mpu_", mpu), **kw)
         # Partitioning assumes block inputs equal on the TP ranks (Megatron's replicated
         # residual stream): dropout here draws from the default stream, seeded alike.
         blocks = _blocks()
@@ -357,7 +368,7 @@ def test_partition_activations_on_two_tensor_parallel_ranks():
     full = 4 * 6 * 16 * 4  # bytes of one block input
     for rank, r in enumerate(results):
         ref = r["reference"]
-        for name in ("plain", "partition", "partition+cpu+contiguous"):
+        for name in ("plain", "partition", "partition-foreign-mpu", "partition+cpu+contiguous"):
             assert _same(r[name]["result"], ref), f"rank {rank} {name}"
         assert r["plain"]["ledger"] == {}
         assert r["plain"]["kept"] == full
@@ -365,6 +376,8 @@ def test_partition_activations_on_two_tensor_parallel_ranks():
         assert r["partition+cpu+contiguous"]["kept"] == full // 2
         # One all-gather of the half per checkpointed block in backward.
         assert r["partition"]["ledger"] == {("tp", "all_gather"): (3 * full // 2, 3)}
+        assert r["partition-foreign-mpu"]["ledger"] == r["partition"]["ledger"]
+        assert r["partition-foreign-mpu"]["kept"] == full // 2
     # Gathered from both halves: the ranks' gradients agree with each other as well.
     assert _same(results[0]["partition"]["result"], results[1]["partition"]["result"])
 
