@@ -198,6 +198,7 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, {"weight_decay": 0.0}),
     "adam": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05, "amsgrad": True}, {}),
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}, {"lr": 0.05}),
+    "sgd-plain": (torch.optim.SGD, {"lr": 0.1}, {}),  # no state at all
 }
 IMPLS = {"for": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 

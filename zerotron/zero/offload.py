@@ -627,8 +627,10 @@ class OffloadedOptimizer:
             rec = self._records.get(i)
             if rec is None:
                 continue
-            tensors = dict(zip(rec.swapped, self._swapper.swap_in(self._state_key(i))))
-            state[i] = {k: tensors[k] if k in tensors else rec.small[k] for k in rec.order}
+            tensors = {k: v.clone() if torch.is_tensor(v) else v for k, v in rec.small.items()}
+            if rec.swapped:
+                tensors.update(zip(rec.swapped, self._swapper.swap_in(self._state_key(i))))
+            state[i] = {k: tensors[k] for k in rec.order}
         sd["state"] = state
         return {"optimizer": sd, "fp32_partitions": masters}
 
