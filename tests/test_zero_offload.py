@@ -279,6 +279,24 @@ def test_offloaded_step_is_bitwise_torch(tmp_path, name, impl):
         off.close()
 
 
+def test_wrapping_an_optimizer_that_has_state(tmp_path):
+    ref = _reference("adam", "foreach", 3)
+    for device in ("cpu", "nvme"):
+        opt = _make("adam")
+        for p, g in zip([p for g in opt.param_groups for p in g["params"]], _grads(0)):
+            p.grad = g
+        opt.step()  # state exists before offload takes over
+        opt.zero_grad()
+        opts = OffloadOptions(device, str(tmp_path), buffer_count=2)
+        off = OffloadedOptimizer(opt, opts, rank_name=device)
+        if device == "nvme":
+            assert len(opt.state) == 0 and off.resident_state_bytes() == 6 * 4  # "step"s
+        for s in (1, 2):
+            off.step(_grads(s))
+        _assert_same(off, ref)
+        off.close()
+
+
 def test_masters_stream_and_grads_of_other_dtypes(tmp_path):
     ref = _make("adamw")
     params = [p for g in ref.param_groups for p in g["params"]]
