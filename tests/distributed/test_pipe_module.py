@@ -223,6 +223,12 @@ def test_pipeline_module_pp2_matches_sequential():
     # type:linear|scale: matching layers 0, 2, 4, 6, 7 -> 3 | 2.
     assert r0["adamw-type-checkpointed"]["parts"] == [0, 6, 8]
     assert r0["tied-embedding"]["parts"] == [0, 4, 7]
+    # Each rank built only its own stage's layers.
+    for stage, r in enumerate(results):
+        for name in cases:
+            lo, hi = r[name]["parts"][stage : stage + 2]
+            held = {int(n.split(".")[0]) for n in r[name]["weights"] if n[0].isdigit()}
+            assert held and held <= set(range(lo, hi)), (name, stage, held)
     # The tied embedding lives on both stages; the last stage's copy is not counted twice.
     assert "tied_modules.embed.weight" in r0["tied-embedding"]["weights"]
     assert "tied_modules.embed.weight" in r1["tied-embedding"]["weights"]
