@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group, Pending
-from zerotron.zero.partition import BucketLayout, build_buckets
+from zerotron.zero.partition import BucketLayout, build_buckets, full_shape
 
 Deliver = Callable[[BucketLayout, Tensor], None]
 """``deliver(bucket, row)``: add a reduced, averaged row into the owner's partitions."""
@@ -83,7 +83,7 @@ class GradReducer:
         self.prescale = prescale
         self.sync = True
         """Whether this backward reduces (stage 1; the Engine sets it on the last micro-batch)."""
-        shapes = [_full_shape(p) for p in self.params]
+        shapes = [full_shape(p) for p in self.params]
         # Backward reaches the last layers first: reversed order fills the first bucket first.
         layouts = build_buckets(
             shapes,
@@ -191,9 +191,3 @@ class GradReducer:
             {"numel": b.layout.numel, "dtype": str(b.wire), "params": len(b.params)}
             for b in self.buckets
         ]
-
-
-def _full_shape(p: Tensor) -> torch.Size:
-    """The parameter's full shape, also while stage 3 holds it partitioned."""
-    shape = getattr(p, "zero_shape", None)
-    return torch.Size(shape) if shape is not None else p.shape

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ from torch import Tensor, nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
-from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
+from zerotron.errors import CheckpointError
 from zerotron.precision.grads import (
     IsCounted,
     ReduceFn,
@@ -53,57 +52,15 @@ from zerotron.precision.grads import (
 )
 from zerotron.precision.loss_scaler import LossScaler
 from zerotron.precision.mixed import StepResult
-from zerotron.zero.grads import GradReducer, _full_shape
-from zerotron.zero.memory import memory_report
-from zerotron.zero.partition import BucketLayout, build_buckets, chunk_bounds, chunk_size
-
-ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.RMSprop,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adadelta,
+from zerotron.zero.grads import GradReducer
+from zerotron.zero.masters import (
+    ParamInfo,
+    build_partitions,
+    check_args,
+    load_master_chunk,
 )
-"""Optimizers whose update of an element depends only on that element (and the step count).
-Another class may declare ``zero_elementwise = True`` to be accepted."""
-
-
-@dataclass
-class ParamInfo:
-    """Where one parameter's chunk lives on this rank."""
-
-    param: nn.Parameter
-    name: str
-    shape: torch.Size
-    numel: int
-    chunk: int
-    start: int
-    """Element offset of this rank's chunk in the flattened parameter."""
-    length: int
-    """Real (unpadded) elements of this rank's chunk."""
-    sub_group: int
-    offset: int
-    """Element offset of the chunk in its sub-group's flat tensors."""
-    counted: bool
-    partitioned: bool
-    """Stage 3 holds the parameter as a shard (``p.zero_shard``), not whole."""
-
-
-class SubGroup:
-    """A run of chunks of one dtype and torch param group, stepped as one flat fp32 tensor."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device, group_index: int):
-        self.dtype = dtype
-        self.device = device
-        self.group_index = group_index
-        self.params: list[int] = []
-        self.numel = 0
-        self.master: Tensor = torch.empty(0)
-        self.grad: Tensor | None = None
-        """The reduced gradient partition in the parameters' dtype; None until a reduction."""
+from zerotron.zero.memory import memory_report
+from zerotron.zero.partition import BucketLayout, build_buckets
 
 
 class ZeroOptimizer:
@@ -167,7 +124,7 @@ class ZeroOptimizer:
         gradient_predivide_factor: float = 1.0,
         prescale_gradients: bool = False,
     ):
-        _check_args(optimizer, stage, clip_grad, sub_group_size, gradient_predivide_factor)
+        check_args(optimizer, stage, clip_grad, sub_group_size, gradient_predivide_factor)
         self.model = model
         self.optimizer = optimizer
         self.stage = stage
@@ -187,7 +144,14 @@ class ZeroOptimizer:
                 param_persistence_threshold, prefetch_bucket_size, max_live_parameters
             )
 
-        self.infos, self.sub_groups = self._partition(optimizer, is_counted, sub_group_size)
+        self.infos, self.sub_groups = build_partitions(
+            optimizer.param_groups,
+            {id(p): n for n, p in model.named_parameters()},
+            group,
+            stage3=stage == 3,
+            is_counted=is_counted,
+            sub_group_size=sub_group_size,
+        )
         self._info_of = {id(i.param): i for i in self.infos}
         self.model_params = [i.param for i in self.infos]
         self.check_overflow = loss_scaler is not None or any(
@@ -220,72 +184,10 @@ class ZeroOptimizer:
             key=lambda k: (self.infos[k].param.dtype, self.infos[k].param.device),
         )
 
-    # ---- layout ---------------------------------------------------------------------------
-
-    def _partition(
-        self,
-        optimizer: torch.optim.Optimizer,
-        is_counted: IsCounted | None,
-        sub_group_size: int,
-    ) -> tuple[list[ParamInfo], list[SubGroup]]:
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        world, rank = self.group.size, self.group.rank
-        infos: list[ParamInfo] = []
-        subs: list[SubGroup] = []
-        seen: set[int] = set()
-        for g, pgroup in enumerate(optimizer.param_groups):
-            current: SubGroup | None = None
-            for p in pgroup["params"]:
-                if not p.requires_grad or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                shape = _full_shape(p)
-                numel = shape.numel()
-                chunk = chunk_size(numel, world)
-                start, length = chunk_bounds(numel, world, rank)
-                if (
-                    current is None
-                    or current.dtype != p.dtype
-                    or current.device != p.device
-                    or (current.numel and current.numel + chunk > sub_group_size)
-                ):
-                    current = SubGroup(p.dtype, p.device, g)
-                    subs.append(current)
-                partitioned = self.stage == 3 and _is_partitioned(p)
-                infos.append(
-                    ParamInfo(
-                        p,
-                        names.get(id(p), f"param{len(infos)}"),
-                        shape,
-                        numel,
-                        chunk,
-                        start,
-                        length,
-                        len(subs) - 1,
-                        current.numel,
-                        is_counted is None or bool(is_counted(p)),
-                        partitioned,
-                    )
-                )
-                current.params.append(len(infos) - 1)
-                current.numel += chunk
-        for s in subs:
-            s.master = torch.zeros(s.numel, dtype=torch.float32, device=s.device)
-        for info in infos:
-            self._load_master_chunk(info, [s.master for s in subs])
-        return infos, subs
-
     @torch.no_grad()
     def _load_master_chunk(self, info: ParamInfo, masters: list[Tensor] | None = None) -> None:
         """Copy this rank's chunk of the parameter's current value into its master."""
-        master = (masters or [s.master for s in self.sub_groups])[info.sub_group]
-        dst = master[info.offset : info.offset + info.length]
-        if info.partitioned:
-            from zerotron.zero.stage3 import read_shard
-
-            dst.copy_(read_shard(info.param)[: info.length])
-        else:
-            dst.copy_(info.param.detach().reshape(-1)[info.start : info.start + info.length])
+        load_master_chunk(info, (masters or [s.master for s in self.sub_groups])[info.sub_group])
 
     def _rebuild_param_groups(self) -> None:
         """Point the torch optimizer at the flat masters, keeping each group's settings."""
@@ -638,63 +540,7 @@ class ZeroOptimizer:
         self.reducer.remove_hooks()
 
 
-def _is_partitioned(p: Tensor) -> bool:
-    return hasattr(p, "zero_shard") and not getattr(p, "zero_persistent", True)
-
-
 def _rank_name() -> str:
     """This process's name for offload files (one directory per process)."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return f"rank{rank}"
-
-
-def _check_args(
-    optimizer: torch.optim.Optimizer,
-    stage: int,
-    clip_grad: float,
-    sub_group_size: int,
-    predivide: float,
-) -> None:
-    if stage not in (1, 2, 3):
-        raise ConfigError(
-            f"ZeRO stage {stage} is not 1, 2 or 3",
-            where="zero_optimization.stage",
-            fix="use 0 for plain data parallelism (no ZeroOptimizer) or 1-3",
-        )
-    if not (
-        isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)
-        or getattr(optimizer, "zero_elementwise", False)
-    ):
-        raise UnsupportedError(
-            f"ZeRO steps flat partitions made of many parameters' pieces, which is only exact for "
-            f"elementwise optimizers; {type(optimizer).__name__} is not one of them",
-            where="optimizer",
-            fix="use Adam, AdamW or SGD with ZeRO, or turn ZeRO off (zero_optimization.stage 0)",
-        )
-    if len(optimizer.state) > 0:
-        raise ConfigError(
-            "ZeroOptimizer needs a fresh optimizer, but this one has already stepped",
-            where=type(optimizer).__name__,
-            fix="wrap the optimizer right after building it",
-        )
-    if clip_grad < 0:
-        raise ConfigError(f"clip_grad={clip_grad} is negative", where="gradient_clipping")
-    if sub_group_size <= 0:
-        raise ConfigError(
-            f"sub_group_size must be positive, got {sub_group_size}",
-            where="zero_optimization.sub_group_size",
-        )
-    if predivide <= 0:
-        raise ConfigError(
-            f"gradient_predivide_factor must be positive, got {predivide}",
-            where="gradient_predivide_factor",
-        )
-    if stage >= 2:
-        from zerotron.distributed.state import is_model_parallel_initialized, state
-
-        if is_model_parallel_initialized() and state().pp_size > 1:
-            raise UnsupportedError(
-                f"ZeRO stage {stage} with pipeline parallelism (pp={state().pp_size})",
-                where="zero_optimization.stage",
-                fix="use ZeRO stage 1 with pipeline parallelism, as DeepSpeed requires",
-            )

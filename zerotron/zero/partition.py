@@ -46,6 +46,12 @@ def chunk_bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
     return start, max(0, min(chunk, numel - start))
 
 
+def full_shape(p: Tensor) -> torch.Size:
+    """A parameter's full shape, also while stage 3 holds it partitioned (``p.zero_shape``)."""
+    shape = getattr(p, "zero_shape", None)
+    return torch.Size(shape) if shape is not None else p.shape
+
+
 def padded_view(flat: Tensor, world: int) -> Tensor:
     """``flat`` (1-D) as ``[world, chunk]``, zero-padded at the end (a copy only if padded)."""
     chunk = chunk_size(flat.numel(), world)
