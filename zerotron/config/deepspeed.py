@@ -299,7 +299,6 @@ SPEC: dict[str, Any] = {
         "fp16_master_weights_and_grads": Refused(
             "fp16 master weights are not implemented: masters are always fp32"
         ),
-        "type": Ignored(""),
     },
     "bf16": {
         "enabled": Leaf("bf16", BOOL, False),
@@ -346,7 +345,6 @@ SPEC: dict[str, Any] = {
     },
     # accepted, no effect
     "zero_allow_untested_optimizer": Ignored(""),
-    "zero_optimization_stage": Ignored("use zero_optimization.stage"),
     "memory_breakdown": Ignored("memory is not broken down per step"),
     "dump_state": Ignored(""),
     "disable_allgather": Ignored(""),
@@ -355,7 +353,6 @@ SPEC: dict[str, Any] = {
     "pipeline": Ignored(""),  # zerotron.pipe.PipelineModule takes its options as arguments
     "data_types": Ignored("gradients accumulate in fp32"),
     "gradient_accumulation_dtype": Ignored("gradients accumulate in fp32"),
-    "train_micro_batch_size": Ignored("did you mean train_micro_batch_size_per_gpu?"),
     # known, not implemented
     "amp": Refused("apex AMP is not supported; use fp16 or bf16"),
     "torch_autocast": Refused("torch autocast is not supported; use fp16 or bf16"),
@@ -366,7 +363,7 @@ SPEC: dict[str, Any] = {
     "data_efficiency": Refused("DeepSpeed Data Efficiency is not implemented"),
     "sparse_attention": Refused("sparse attention is not implemented", lambda v: not v),
     "elasticity": Refused("elastic training is not implemented"),
-    "autotuning": Refused("DeepSpeed's autotuner is not supported; use `zerotron tune`"),
+    "autotuning": Refused("DeepSpeed's autotuner is not supported"),
     "flops_profiler": Refused("the flops profiler is not implemented"),
     "quantize_training": Refused("quantization-aware training is not implemented"),
     "eigenvalue": Refused("eigenvalue computation is not implemented"),
@@ -410,8 +407,6 @@ UNSUPPORTED_OPTIMIZERS = {
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",
     "musgd": "MuSGD",
-    "cpuadam": "CPUAdam",
-    "fusedadam": "FusedAdam",
 }
 
 _ADAM_PARAMS: dict[str, Any] = {
