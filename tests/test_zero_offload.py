@@ -283,8 +283,8 @@ def test_wrapping_an_optimizer_that_has_state(tmp_path):
     ref = _reference("adam", "foreach", 3)
     for device in ("cpu", "nvme"):
         opt = _make("adam")
-        for p, g in zip([p for g in opt.param_groups for p in g["params"]], _grads(0)):
-            p.grad = g
+        for p, grad in zip([q for grp in opt.param_groups for q in grp["params"]], _grads(0)):
+            p.grad = grad
         opt.step()  # state exists before offload takes over
         opt.zero_grad()
         opts = OffloadOptions(device, str(tmp_path), buffer_count=2)
