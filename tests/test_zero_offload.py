@@ -148,6 +148,19 @@ def test_swapper_directory_is_private(tmp_path):
     NVMeSwapper(tmp_path, "rank0").cleanup()  # free again once the first is gone
 
 
+def test_swapper_files_survive_a_forked_child(tmp_path):
+    sw = NVMeSwapper(tmp_path, "rank0")
+    sw.swap_out("k", torch.ones(4))
+    pid = os.fork()
+    if pid == 0:  # e.g. a data-loader worker: its exit must not delete the parent's files
+        sw.cleanup()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert torch.equal(sw.swap_in("k"), torch.ones(4))
+    sw.cleanup()
+    assert not sw.dir.exists()
+
+
 def _fake_writes(monkeypatch, root, mode):
     """Make os.write on files under ``root`` behave like a disk that fills up."""
     real = os.write

@@ -207,7 +207,9 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def _remove_dir(path: Path, lock_fd: int) -> None:
+def _remove_dir(path: Path, lock_fd: int, owner: int) -> None:
+    if os.getpid() != owner:  # a forked child exiting must not delete its parent's files
+        return
     shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.unlink(f"{path}.lock")
@@ -254,7 +256,7 @@ class NVMeSwapper:
         self._specs: dict[str, tuple[list[_Spec], bool]] = {}  # key -> (specs, is_list)
         self._paths: dict[str, Path] = {}
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _remove_dir, self.dir, lock_fd)
+        self._finalizer = weakref.finalize(self, _remove_dir, self.dir, lock_fd, os.getpid())
 
     def path(self, key: str) -> Path:
         """The file of ``key``: the key itself where it is a safe file name (parameter names
