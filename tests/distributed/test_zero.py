@@ -17,7 +17,8 @@ DeepSpeed's gradient_predivide_factor, prescale_gradients, reduce_scatter=False 
 overlap_comm=False change nothing; an fp16 overflow skips the step in every stage (no weight
 or state changes, scale halved, skip counted); bf16 trains; the comm ledger equals the closed
 form (stage 3 = 1.5× DP on the wire); ``memory_report`` equals the ZeRO paper's formulas at
-N=2 and N=4.
+N=2 and N=4; stage 3 reloads the masters of parameters rewritten under
+GatheredParameters(modifier_rank=0), and only those.
 
 Adam's ``eps`` is 1e-4: an element whose gradient is mathematically zero but holds rounding
 noise (the attention key bias: softmax ignores a per-query constant) would otherwise take an
@@ -52,7 +53,7 @@ from zerotron.parallel.pipeline.runtime import PipelineRuntime
 from zerotron.parallel.tensor.sequence_parallel import sequence_parallel_params
 from zerotron.precision.loss_scaler import make_loss_scaler
 from zerotron.precision.mixed import MixedPrecisionOptimizer
-from zerotron.zero import OffloadOptions, ZeroOptimizer
+from zerotron.zero import GatheredParameters, OffloadOptions, ZeroOptimizer
 from zerotron.zero.stage3 import coordinator_of, gathered_state_dict
 
 from .spawn import run_ranks
@@ -254,6 +255,7 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
         out["ledger", stage] = ledger_one_step(stage)
         out["memory", stage] = memory(stage)
     out["ledger", 0] = ledger_one_step(0)
+    out["modified"] = stage3_modified()
     out["ledger", "bf16 wire"] = ledger_one_step(2, communication_data_type=torch.bfloat16)
     return out
 
@@ -344,6 +346,27 @@ def fp16_overflow(stage: int) -> dict:
     out["next_ok"] = opt.num_skipped_steps == 1
     opt.close()
     return out
+
+
+def stage3_modified() -> dict:
+    """Stage 3, bf16: a parameter rewritten in a ``GatheredParameters(modifier_rank=0)`` block
+    reloads its fp32 master at the next step; the other masters keep their fp32 bits."""
+    model, opt = _zero_mlp(3, torch.bfloat16)
+    dp = state().dp
+    train(model, opt, "mlp", dp, steps=1, engine_like=opt)  # masters now finer than bf16
+    before = opt.state_dict()
+    before = {"layout": before["layout"], "parts": [t.clone() for t in before["fp32_partitions"]]}
+    for group in opt.param_groups:
+        group["lr"] = 0.0  # the next step changes nothing by itself
+    target = model[0].weight
+    with GatheredParameters([target], modifier_rank=0):
+        if dp.rank == 0:
+            target.data.fill_(0.5)
+    train(model, opt, "mlp", dp, steps=1, engine_like=opt)
+    after = [t.clone() for t in opt.state_dict()["fp32_partitions"]]
+    weight = full_weights(model)["0.weight"]
+    opt.close()
+    return {**before, "after": after, "weight": weight}
 
 
 def bf16_trains(stage: int) -> list[float]:
@@ -462,6 +485,20 @@ def check_fp16_overflow_skips_the_step_in_every_stage(dp2):
             assert r["skipped"] and r["unchanged"] and r["state_entries"] > 2, (stage, r)
             assert r["num_skipped"] == 1 and r["next_ok"], (stage, r)
             assert r["scale"] == (256.0, 128.0), (stage, r)
+
+
+def check_stage3_modified_parameters_reload_their_masters(dp2):
+    for rank in range(2):
+        r = dp2[rank]["modified"]
+        assert r["weight"].eq(0.5).all()
+        for e in r["layout"]:
+            span = slice(e["offset"], e["offset"] + e["length"])
+            got, was = r["after"][e["partition"]][span], r["parts"][e["partition"]][span]
+            if e["name"] == "0.weight":
+                assert got.eq(0.5).all()
+            else:
+                assert torch.equal(got, was), e["name"]
+                assert e["length"] == 0 or not torch.equal(was, was.bfloat16().float()), e["name"]
 
 
 def check_bf16_trains(dp2):
@@ -613,6 +650,7 @@ def test_zero_on_2_ranks(tmp_path, references):
         check_dp2_stages_equal_one_process(dp2, references, kind)
     check_fp16_overflow_skips_the_step_in_every_stage(dp2)
     check_bf16_trains(dp2)
+    check_stage3_modified_parameters_reload_their_masters(dp2)
     check_comm_ledger_matches_closed_form(dp2)
     check_memory_matches_zero_formulas(dp2, 2)
 
@@ -638,3 +676,38 @@ def test_non_elementwise_optimizer_is_refused():
     model = make_model("mlp")
     with pytest.raises(UnsupportedError, match="elementwise"):
         ZeroOptimizer(model, _Lamb(model.parameters()), stage=1, group=Group.single("dp"))
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (2, "nvme")])
+def test_layout_and_reload_model_params(tmp_path, stage, offload):
+    """No processes: rank 1 of a 2-rank group (construction and reload do not communicate).
+    Every layout entry points at the chunk of its parameter in the fp32 partitions — before
+    and after the model's weights are replaced and ``reload_model_params`` is called."""
+    model = make_model("mlp")
+    options = OffloadOptions(device=offload, nvme_path=str(tmp_path) if offload == "nvme" else None)
+    opt = ZeroOptimizer(
+        model, adamw(model), stage=stage, group=Group("dp", (0, 1), 1, None),
+        offload_optimizer=options, sub_group_size=300,
+    )  # fmt: skip
+    params = dict(model.named_parameters())
+
+    def check() -> None:
+        sd = opt.state_dict()
+        assert sd["dp_rank"] == 1 and sd["dp_size"] == 2 and len(sd["fp32_partitions"]) > 1
+        for e in sd["layout"]:
+            flat = params[e["name"]].detach().reshape(-1)
+            assert e["start"] == e["chunk"] and e["length"] == min(
+                e["chunk"], e["numel"] - e["start"]
+            )
+            part = sd["fp32_partitions"][e["partition"]]
+            got = part[e["offset"] : e["offset"] + e["length"]]
+            assert torch.equal(got, flat[e["start"] : e["start"] + e["length"]]), e["name"]
+            assert part[e["offset"] + e["length"] : e["offset"] + e["chunk"]].eq(0).all()
+
+    check()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    opt.reload_model_params()
+    check()
+    opt.close()

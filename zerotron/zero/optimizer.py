@@ -380,15 +380,18 @@ class ZeroOptimizer:
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refresh the masters from the model's parameters (after loading model weights)."""
+        self._reload_masters(self.infos)
+
+    def _reload_masters(self, infos: list[ParamInfo]) -> None:
         if not self._on_nvme:
-            for info in self.infos:
+            for info in infos:
                 self._load_master_chunk(info)
             return
-        masters = [torch.zeros(s.numel, dtype=torch.float32) for s in self.sub_groups]
-        for info in self.infos:
+        # The masters live in files: read them all, change these chunks, write them back.
+        masters = [view.tensor.clone() for view in self._offloaded.masters()]
+        for info in infos:
             self._load_master_chunk(info, masters)
-        sd = self._offloaded.state_dict()
-        self._offloaded.load_state_dict({**sd, "fp32_partitions": masters})
+        self._offloaded.load_masters(masters)
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -400,8 +403,8 @@ class ZeroOptimizer:
         from zerotron.zero.stage3 import modified_parameters
 
         changed = modified_parameters(self.model_params)
-        if changed:
-            self.reload_model_params()  # all masters: simple, and this is rare
+        if changed:  # only these: the others' fp32 masters are finer than their 16-bit shards
+            self._reload_masters([self._info_of[id(p)] for p in changed])
             for p in changed:
                 p.zero_modified = False
 
