@@ -1,7 +1,8 @@
 """examples/deepspeed/train.py, a DeepSpeed script with only its import changed, runs under
 `zerotron launch --nproc_per_node 2` with the ZeRO-2 and ZeRO-3 configs of examples/ (which hold
 "auto" values), and as a plain single process: it exits 0, its printed losses fall, and the
-checkpoint's client_state comes back (the script asserts it)."""
+checkpoint's client_state comes back (the script asserts it). And initialize() lays out its groups
+as a passed mpu says (refusing one that disagrees with the rank grid)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "deepspeed")
@@ -61,3 +63,71 @@ def test_deepspeed_script_as_a_plain_single_process(tmp_path):
     losses = _losses(r.stdout, 2)
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     assert "client_state restored from" in r.stdout
+
+
+class _Mpu:
+    """A Megatron-style mpu: tensor-parallel 2, pipeline 1, data-parallel rank from ``dp_rank``."""
+
+    def __init__(self, rank: int, swap: bool = False):
+        self.dp = (rank // 2) ^ int(swap)
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return 2
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_data_parallel_world_size(self) -> int:
+        return 2
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp
+
+
+def _initialize_with_mpu(rank: int) -> dict:
+    from torch import nn
+
+    import zerotron
+    from zerotron.distributed.state import state
+    from zerotron.errors import DistributedError
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+    }
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+    try:  # an mpu whose data-parallel ranks disagree with the rank grid
+        zerotron.initialize(model=model, config=config, mpu=_Mpu(rank, swap=True))
+        refused = ""
+    except DistributedError as e:
+        refused = str(e)
+    data = [(torch.randn(4), torch.randn(1)) for _ in range(16)]
+    engine, _, loader, _ = zerotron.initialize(
+        model=model, config=config, mpu=_Mpu(rank), training_data=data
+    )
+    for x, y in loader:
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    ps = state()
+    return {
+        "refused": refused,
+        "tp": ps.tp_size,
+        "dp": (ps.dp_rank, engine.data_parallel_size, engine.train_batch_size()),
+        "steps": engine.global_steps,
+        "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "batches": len(loader),
+    }
+
+
+def test_initialize_honours_a_passed_mpu():
+    from .spawn import run_ranks
+
+    results = run_ranks(_initialize_with_mpu, 4)
+    for rank, r in enumerate(results):
+        assert "data-parallel rank" in r["refused"] and "of 2" in r["refused"]
+        assert r["tp"] == 2
+        assert r["dp"] == (rank // 2, 2, 8)  # 2 per micro-batch x 2 accumulation x dp 2
+        assert r["steps"] == 2 and r["batches"] == 4  # 16 samples / dp 2 / 2 per batch
+        assert torch.equal(r["weights"], results[0]["weights"])  # replicas stay equal
