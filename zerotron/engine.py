@@ -55,6 +55,8 @@ from zerotron.checkpoint import (
     set_rng_state,
 )
 from zerotron.checkpoint.layout import CHECKPOINT_VERSION, zero_file
+from zerotron.checkpoint.layout import tag_dir as layout_tag_dir
+from zerotron.checkpoint.zero_repartition import repartition_zero_state
 from zerotron.checkpoint.zero_to_fp32 import SHARED_PARAMS_KEY
 from zerotron.distributed import comm
 from zerotron.distributed.rng import get_rng_tracker
@@ -317,6 +319,9 @@ class Engine:
         self._forward = torch.compile(model) if compile else model
 
         self._sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+        self.repartition_zero_checkpoints = True
+        """Load a ZeRO checkpoint saved with another data-parallel size by re-partitioning its
+        masters and optimizer state (False: refuse, naming zero-to-fp32)."""
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -717,8 +722,10 @@ class Engine:
 
         ``tag`` None means the tag the ``latest`` file names. ``load_module_only`` (Megatron's
         ``--finetune``) loads weights and nothing else: step counters stay at zero. Under ZeRO
-        each rank reads its own partition file; the data-parallel size must be the one that
-        saved (``zerotron zero-to-fp32`` turns a ZeRO checkpoint into plain weights otherwise).
+        each rank reads its own partition file; a checkpoint saved with another data-parallel
+        size is re-partitioned from all of them (masters and elementwise optimizer state, see
+        :mod:`zerotron.checkpoint.zero_repartition`) unless :attr:`repartition_zero_checkpoints`
+        is off (then it is refused, naming ``zerotron zero-to-fp32``).
         """
         tag = resolve_tag(load_dir, tag)
         where = str(Path(load_dir) / tag)
@@ -836,6 +843,12 @@ class Engine:
             )
         saved_dp = int(state.get(DP_SIZE_KEY, meta.get("layout", {}).get("data_parallel_size", 0)))
         dp = self.data_parallel.group.size
+        if saved_dp != dp and self.repartition_zero_checkpoints:
+            # Cut the saved partitions again for this data-parallel size (masters and
+            # elementwise optimizer state), from the layout entries of all saved files.
+            return repartition_zero_state(
+                layout_tag_dir(load_dir, tag), ps.tp_rank, ps.pp_rank, self.optimizer.state_dict()
+            )
         if saved_dp != dp:
             raise CheckpointError(
                 f"the ZeRO optimizer state is partitioned over {saved_dp} data-parallel ranks; "

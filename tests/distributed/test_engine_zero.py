@@ -1,9 +1,9 @@
 """The Engine with a ZeroOptimizer on 2 gloo ranks, through DeepSpeed's API (loss_fn,
 train_batch, save/load_checkpoint): stages 1/2/3 resume from a checkpoint with the same losses
 bit for bit, client_state round-trips, tag None follows ``latest``, an fp16 overflow is counted
-in ``skipped_steps``; zero-to-fp32 of a real stage-2/3 save equals the weights it saved; a
-ZeRO checkpoint refuses a different data-parallel size (and a non-ZeRO engine) by naming
-zero-to-fp32.
+in ``skipped_steps``; zero-to-fp32 of a real stage-1/2/3 save equals the weights it saved; a
+ZeRO checkpoint loads at another data-parallel size by re-partitioning (or, with that off,
+refuses by naming zero-to-fp32), and a non-ZeRO engine refuses its optimizer state.
 
 The model is zerotron's GPT, tiny (2 layers, hidden 64, vocabulary 512, sequence 16), fp32
 with dropout (its RNG state is part of what resumes), AdamW with weight decay and a warmup
@@ -12,6 +12,7 @@ schedule; each rank trains on its own micro-batches (2 per step).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -61,7 +62,12 @@ def step_batches(step: int) -> list[dict[str, torch.Tensor]]:
 
 
 def make_engine(
-    stage: int, seed: int, dtype: torch.dtype = torch.float32, wall_clock: bool = False
+    stage: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    wall_clock: bool = False,
+    dropout: float = 0.1,
+    gas: int = GAS,
 ) -> Engine:
     """GPT + AdamW + schedule wrapped by ZeroOptimizer(stage) (stage 0: MixedPrecision +
     no data parallelism, for the refusal checks)."""
@@ -70,7 +76,8 @@ def make_engine(
 
     torch.manual_seed(seed)
     model_parallel_seed(seed)
-    model = GPT(CONFIG).to(dtype)
+    config = dataclasses.replace(CONFIG, hidden_dropout=dropout, attention_dropout=dropout)
+    model = GPT(config).to(dtype)
     ps = state()
     if stage == 3:
         # LayerNorms (64 elements) stay whole: both kinds of stage-3 parameter are exercised.
@@ -108,7 +115,7 @@ def make_engine(
         sched,
         loss_fn=lm_loss,
         micro_batch_size=MBS,
-        gradient_accumulation_steps=GAS,
+        gradient_accumulation_steps=gas,
         checkpoint_metadata=meta,
         wall_clock_breakdown=wall_clock,
     )
@@ -172,11 +179,20 @@ def _overflow_case() -> dict:
     }
 
 
+def _repartition_case(root: Path) -> list[float]:
+    """Stage 2 without dropout (so one process can replay it): save at SAVE_AT, go on."""
+    engine = make_engine(2, seed=4, dropout=0.0)
+    train(engine, range(SAVE_AT))
+    engine.save_checkpoint(root)
+    return train(engine, range(SAVE_AT, STEPS))
+
+
 def _all_cases(rank: int, root: str) -> dict:
     out = {}
     for stage in (1, 2, 3):
         out[stage] = _resume_case(stage, Path(root) / f"stage{stage}")
     out["overflow"] = _overflow_case()
+    out["repartition"] = _repartition_case(Path(root) / "repartition")
     comm.barrier()
     return out
 
@@ -236,12 +252,27 @@ def test_fp16_overflow_is_skipped_and_counted(ranks):
         assert o["scales"][1] == o["scales"][0] / 2
 
 
-def test_other_data_parallel_size_or_no_zero_is_refused_by_name(ranks):
-    """Loaded by one process (data-parallel size 1): ZeRO stage 2 refuses (the partitions
-    are over 2 ranks), a plain engine refuses the optimizer state; weights alone load."""
-    _, root = ranks
+def test_other_data_parallel_size_is_repartitioned_or_refused_by_name(ranks):
+    """A dp2 stage-2 checkpoint loaded by one process (data-parallel size 1): re-partitioned,
+    it continues as the two ranks did (same global batches; the sums run in another order);
+    with re-partitioning off it is refused naming zero-to-fp32, as a plain engine refuses the
+    partitioned optimizer state (weights alone load)."""
+    results, root = ranks
+    one = make_engine(2, seed=5, dropout=0.0, gas=GAS * DP)
+    where, _ = one.load_checkpoint(root / "repartition")
+    assert where.endswith("global_step2") and one.global_steps == SAVE_AT
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(root / "repartition")
+    assert all(torch.equal(v, consolidated[k]) for k, v in one.module.state_dict().items())
+    losses = [
+        float(one.train_batch(iter([micro_batch(s, m, r) for r in range(DP) for m in range(GAS)])))
+        for s in range(SAVE_AT, STEPS)
+    ]
+    assert losses == pytest.approx(results[0]["repartition"], rel=1e-5, abs=0)
+
+    strict = make_engine(2, seed=5)
+    strict.repartition_zero_checkpoints = False
     with pytest.raises(CheckpointError, match="zero-to-fp32") as e:
-        make_engine(2, seed=5).load_checkpoint(root / "stage2")
+        strict.load_checkpoint(root / "stage2")
     assert "partitioned over 2 data-parallel ranks; this run has 1" in str(e.value)
     plain = make_engine(0, seed=5)
     with pytest.raises(CheckpointError, match="ZeRO stage 2"):
