@@ -20,6 +20,7 @@ from zerotron.checkpoint.reshard import (
     TIED_COPY,
     WORD_EMBEDDING,
     load_model_state_for,
+    load_shared_entries,
     merge_model_shards,
     partition_dim,
     split_model_state,
@@ -185,6 +186,7 @@ def test_convert_command_round_trip_and_metadata(tp1_checkpoint, tmp_path, capsy
     # The same weights at tp2 x pp2, read for one rank without the offline command.
     state, _ = load_model_state_for(back, None, 1, 2, 1, 2, padded_vocab_size=128)
     assert_same_tensors(state, rank["model"])
+    assert load_shared_entries(out) == {"checkpoint_version": 3.0}  # what every rank shares
 
 
 def test_convert_argument_errors(tp1_checkpoint, tmp_path):

@@ -368,6 +368,16 @@ def load_model_state_for(
 DROPPED_ENTRIES = ("optimizer", "rng_state", "args")
 
 
+def load_shared_entries(load_dir: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+    """What a checkpoint's model files share whatever the layout: the first rank's entries
+    without the weights and :data:`DROPPED_ENTRIES` (iteration, consumed samples, step counters,
+    LR-scheduler state, checkpoint version). For loading weights from another layout."""
+    tag = resolve_tag(load_dir, tag)
+    _, pp = checkpoint_layout(read_metadata(load_dir, tag))
+    state = _file_state(load_dir, tag, model_file(0, 0, pp))
+    return {k: v for k, v in state.items() if k != "model" and k not in DROPPED_ENTRIES}
+
+
 def reshard_checkpoint(
     load_dir: str | os.PathLike,
     save_dir: str | os.PathLike,
