@@ -599,6 +599,10 @@ def test_pretrain_flags_and_deepspeed_config(tmp_path):
     )
     assert (cfg.zero.zero_stage, cfg.zero.offload_optimizer_device) == (2, "cpu")
     assert cfg.optimizer.clip_grad == 1.0  # no DeepSpeed config: Megatron's default
+    # Megatron's distributed optimizer is ZeRO stage 1
+    flags = BASE + "--micro-batch-size 2 --lr 1e-3 --use-distributed-optimizer"
+    cfg = parse_megatron_args(shlex.split(flags), world_size=2)
+    assert cfg.zero.zero_stage == 1
     with pytest.raises(ConfigError, match="--zero-stage"):
         parse_megatron_args(shlex.split(BASE + "--micro-batch-size 2 --lr 1 --zero-stage 5"))
 

@@ -113,9 +113,6 @@ UNSUPPORTED: dict[str, Known] = {
         True, "Transformer Engine is not used: the layers are plain PyTorch", ("local",)
     ),
     "--fp8-format": Known(True, "FP8 training is not implemented; use --bf16 or --fp16"),
-    "--use-distributed-optimizer": Known(
-        False, "Megatron's distributed optimizer is not implemented (ZeRO stage 1 is the same idea)"
-    ),
     "--overlap-param-gather": Known(False, "needs the distributed optimizer, not implemented"),
     "--use-torch-fsdp2": Known(False, "FSDP2 is not used (ZeRO stage 3 is the same idea)"),
     "--tp-comm-overlap": Known(False, "TP communication/GEMM overlap is not implemented"),
@@ -285,6 +282,14 @@ def build_parser() -> ArgumentParser:
                 dest="recompute_granularity",
                 help="same as --recompute-granularity selective (Megatron's shorthand)",
             )
+    parser.add_argument(
+        "--use-distributed-optimizer",
+        action="store_const",
+        const=1,
+        dest="zero_stage",
+        help="Megatron's distributed optimizer: fp32 master weights and optimizer states "
+        "sharded over data-parallel ranks, i.e. ZeRO stage 1 (same as --zero-stage 1)",
+    )
     ds = parser.add_argument_group("DeepSpeed")
     ds.add_argument(
         "--deepspeed",
