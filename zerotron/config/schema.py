@@ -1,7 +1,7 @@
 """The one configuration schema: typed sections, validation, and the values derived from them.
 
-Every entry point (Megatron-style flags, our YAML/JSON files, later DeepSpeed JSON) is a loader
-onto :class:`Config`. Field names are Megatron's argument names, unique across sections, so a
+Every entry point (Megatron-style flags, our YAML/JSON files, DeepSpeed JSON) is a loader onto
+:class:`Config`. Field names are Megatron's argument names, unique across sections, so a
 flat key (``hidden_size``) and a sectioned key (``model.hidden_size``) name the same thing.
 
 A Config holds two kinds of values:
@@ -25,7 +25,9 @@ DeepSpeed's JSON maps onto the same fields (train_batch_size -> global_batch_siz
 train_micro_batch_size_per_gpu -> micro_batch_size, gradient_accumulation_steps ->
 num_micro_batches, fp16.initial_scale_power p -> initial_loss_scale 2**p, gradient_clipping ->
 clip_grad, steps_per_print -> log_interval); what Megatron has no flag for (ZeRO, offload,
-monitors) becomes new sections in :data:`SECTIONS`, which the flag parser picks up by itself.
+monitors) lives in the sections ``zero``, ``activation_checkpointing`` and ``monitor``, which the
+flag parser picks up by itself (``--zero-stage``, ``--reduce-bucket-size``, ...). The loader is
+:mod:`zerotron.config.deepspeed`.
 """
 
 from __future__ import annotations

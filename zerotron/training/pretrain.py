@@ -17,6 +17,11 @@ rank, as Megatron does.
 Pipeline parallelism (``--pipeline-model-parallel-size P``) runs 1F1B by default, the interleaved
 schedule with ``--num-layers-per-virtual-pipeline-stage``, GPipe with ``--pipeline-schedule
 gpipe``; each step runs the config's ``num_micro_batches`` (global batch / (micro batch × dp)).
+
+ZeRO (``--zero-stage N``, ``--use-distributed-optimizer``, or ``--deepspeed --deepspeed_config
+ds.json`` as in DeepSpeed's Megatron tutorial): :func:`~zerotron.training.build.wrap_optimizer`
+builds a :class:`~zerotron.zero.ZeroOptimizer` instead of DataParallel + MixedPrecisionOptimizer;
+the loop does not change.
 """
 
 from __future__ import annotations
