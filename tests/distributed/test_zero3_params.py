@@ -5,8 +5,9 @@ GatheredParameters broadcasts a modifier rank's changes; offloaded shards work t
 
 Each rank feeds its own batch to a partitioned copy of a reference model and compares with the
 reference in the same process (bitwise: the gathered weights are the reference's values). Models:
-zerotron's 2-layer, 64-wide GPT (vocab 100, seq 16, dropout on; with and without full
-recompute) and an ``nn.Sequential`` MLP. Persistence threshold 100: LayerNorm parameters (64
+zerotron's 2-layer, 64-wide GPT (vocab 101, seq 16, dropout on; with and without full
+recompute), an ``nn.Sequential`` MLP, and a module whose forward takes one of two branches (the
+recorded fetch order goes stale). Persistence threshold 100: LayerNorm parameters (64
 elements) stay whole, everything else is partitioned (with padding: 100 * 64 rows, odd sizes).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -22,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from zerotron.distributed.comm import Group, ledger
 from zerotron.distributed.state import state
+from zerotron.errors import ConfigError
 from zerotron.models import GPT, GPTConfig
 from zerotron.zero.init import Init
 from zerotron.zero.partition import chunk_size, shard
@@ -61,10 +64,24 @@ def mlp() -> nn.Sequential:
     )
 
 
+class Branchy(nn.Module):
+    """Takes layer ``a`` or ``b`` as told: the fetch order changes between passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.out = nn.Linear(32, 4)
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(torch.tanh(self.b(h) if self.use_b else self.a(h)))
+
+
 def loss_of(model: nn.Module, kind: str, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     torch.manual_seed(7)  # dropout masks: the same draw for the reference and the copy
-    if kind == "mlp":
+    if kind in ("mlp", "branchy"):
         return nn.functional.mse_loss(model(x), y)
     return model(x, labels=y).float().mean()
 
@@ -73,6 +90,8 @@ def batch_for(kind: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tens
     g = torch.Generator().manual_seed(1000 * rank + step)
     if kind == "mlp":
         return torch.randn(6, 24, generator=g), torch.randn(6, 5, generator=g)
+    if kind == "branchy":
+        return torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
     ids = torch.randint(0, 101, (2, 17), generator=g)
     return ids[:, :-1], ids[:, 1:]
 
@@ -81,6 +100,8 @@ def build(kind: str, dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(1234)
     if kind == "mlp":
         return mlp().to(dtype)
+    if kind == "branchy":
+        return Branchy().to(dtype)
     return gpt("full" if kind == "gpt-recompute" else None, dtype)
 
 
@@ -96,7 +117,9 @@ CONFIGS = [
     ("gpt", torch.float32, int(5e7), 30000),
     ("mlp", torch.float32, 4000, int(1e9)),
     ("gpt", torch.bfloat16, int(5e7), int(1e9)),
+    ("branchy", torch.float32, int(5e7), int(1e9)),
 ]
+PATHS = {"branchy": "aabbb"}  # per step: the branch taken (others: STEPS steps)
 
 
 def _lifecycle(rank: int) -> list[dict]:
@@ -134,7 +157,9 @@ def _lifecycle(rank: int) -> list[dict]:
             m.register_forward_pre_hook(see_gathered)
 
         steps = []
-        for step in range(STEPS):
+        paths = PATHS.get(kind, "a" * STEPS)
+        for step, path in enumerate(paths):
+            model.use_b = ref.use_b = path == "b"
             batch = batch_for(kind, rank, step)
             prefetches = coord.prefetches
             with ledger.capture() as cap:
@@ -147,11 +172,17 @@ def _lifecycle(rank: int) -> list[dict]:
             ref_loss = loss_of(ref, kind, batch)
             ref_loss.backward()
             bad_grads = []
+            used_chunks = 0  # of the partitioned parameters this path uses
             for name, rp in ref_params.items():
                 p = dict(model.named_parameters())[name]
-                g = grads.pop(name) if is_partitioned(p) else p.grad
-                if g is None or not torch.equal(g, rp.grad):
+                g = grads.pop(name, None) if is_partitioned(p) else p.grad
+                if rp.grad is None:
+                    if g is not None:
+                        bad_grads.append(name)
+                elif g is None or not torch.equal(g, rp.grad):
                     bad_grads.append(name)
+                elif is_partitioned(p):
+                    used_chunks += chunk_size(p.zero_numel, DP)
             # Between steps: only shards, nothing gathered, every gathered storage freed.
             held = sum(
                 read_shard(p).nbytes if is_partitioned(p) else p.data.nbytes
@@ -172,6 +203,13 @@ def _lifecycle(rank: int) -> list[dict]:
                     "freed": all(s.expired() for s in gathered_storages),
                     "held_bytes": held,
                     "prefetches": coord.prefetches - prefetches,
+                    "used_chunks": used_chunks,
+                    # The first pass records the order. A pass that departs from it drops it
+                    # (after prefetching along it up to there) and the next pass records anew
+                    # (here the no-grad forward of the check: the step after has both kinds).
+                    "records": step == 0,
+                    "after_change": step > 1 and paths[step - 1] != paths[step - 2],
+                    "path_changed": step > 0 and path != paths[step - 1],
                 }
             )
             steps[-1]["no_grad_loss_equal"] = _equal_loss(model, ref, kind, batch)
@@ -239,13 +277,19 @@ def check_forward_and_grads_equal_whole_model(lifecycle):
 def check_each_parameter_gathered_twice_per_step(lifecycle):
     for rank_results in lifecycle:
         for res in rank_results:
-            # Rows are this rank's chunks: twice (forward, backward) per partitioned parameter.
-            want = 2 * res["chunks"] * res["elt"]
             padding = DP * res["chunks"] - res["partitioned_numel"]
             assert 0 <= padding < DP * res["n_partitioned"]
             for step in res["steps"]:
-                assert step["ag_bytes"] == want, res["config"]
+                # Rows are this rank's chunks: twice (forward, backward) per partitioned
+                # parameter the pass uses (all of them, except on one branch of Branchy).
+                want = 2 * step["used_chunks"] * res["elt"]
+                if step["path_changed"]:  # gathers prefetched for the old path are wasted
+                    assert step["ag_bytes"] >= want, res["config"]
+                else:
+                    assert step["ag_bytes"] == want, res["config"]
                 assert step["other_ops"] == {}, res["config"]  # no other traffic in stage 3
+            if res["config"][0] != "branchy":
+                assert all(step["used_chunks"] == res["chunks"] for step in res["steps"])
 
 
 def check_only_shards_held_between_steps(lifecycle):
@@ -264,12 +308,11 @@ def check_only_shards_held_between_steps(lifecycle):
 def check_prefetch_follows_recorded_order_within_budgets(lifecycle):
     for res in lifecycle[0]:
         kind, _, prefetch, max_live = res["config"]
-        first, second = res["steps"]
-        assert first["prefetches"] == 0  # the first step records the order
-        if prefetch == 0:
-            assert second["prefetches"] == 0
-        else:
-            assert second["prefetches"] > 0, res["config"]
+        for step in res["steps"]:
+            if step["records"] or prefetch == 0:
+                assert step["prefetches"] == 0, res["config"]
+            elif not (step["path_changed"] or step["after_change"]):  # the recorded order
+                assert step["prefetches"] > 0, res["config"]
         if max_live < int(1e9):
             assert res["peak_live"] <= max(max_live, res["largest_fetch"])
 
@@ -479,3 +522,28 @@ def check_offload_param_cpu_and_nvme(init_and_gathered):
             assert res[f"offload_{device}_placeholder"]
         assert res["offload_cpu_disk"] == 0
         assert res["offload_nvme_disk"] >= res["offload_nvme_chunks"] > 0
+
+
+# --------------------------------------------------------------------------------------------
+# One process (no spawn): a one-rank group, and misuse
+
+
+def test_one_rank_group_and_misuse():
+    ref = build("gpt-recompute", torch.float32)
+    model = copy.deepcopy(ref)
+    coord = partition_parameters(model, Group.single("dp"), persistence_threshold=THRESHOLD)
+    batch = batch_for("gpt", 0, 0)
+    loss, ref_loss = loss_of(model, "gpt", batch), loss_of(ref, "gpt", batch)
+    loss.backward()
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, rp.grad)
+        assert p.numel() == 0 if is_partitioned(p) else p.numel() == rp.numel()
+    assert coord.live_numel == 0
+    with pytest.raises(ConfigError, match="already stage-3"):
+        partition_parameters(model, Group.single("dp"))
+    with pytest.raises(ConfigError, match="deep-copied"):
+        copy.deepcopy(model)
+    with pytest.raises(ConfigError, match=">= 0"):
+        partition_parameters(mlp(), Group.single("dp"), prefetch_bucket_size=-1)

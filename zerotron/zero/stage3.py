@@ -41,15 +41,18 @@ stage-3 forward runs, a saved-tensor hook stores such a view as (parameter, shap
 rebuilds it from the re-gathered parameter in backward, so release really frees the memory
 (what DeepSpeed's ``mem_efficient_linear`` does for linear layers, here for every op).
 
-Optimizer contract: :class:`~zerotron.zero.optimizer.ZeroOptimizer` builds its fp32 masters from
-``p.zero_shard``, reduce-scatters the full ``p.grad`` in its own post-accumulate-grad hook and
-writes updated chunks back into ``p.zero_shard``. ``p.zero_modified`` set by a
-:class:`GatheredParameters` block with ``modifier_rank`` tells it to reload its master chunk
-from ``p.zero_shard`` (and clear the flag): see :func:`modified_parameters`.
+Optimizer contract: :class:`~zerotron.zero.optimizer.ZeroOptimizer` calls
+:func:`partition_parameters` (unless the model has a coordinator already), builds its fp32
+masters from :func:`read_shard`, reduce-scatters the full ``p.grad`` in its own
+post-accumulate-grad hook and writes updated chunks back with :func:`write_shard`.
+``p.zero_modified``, set by a :class:`GatheredParameters` block with ``modifier_rank`` or by
+:func:`load_full_state_dict`, tells it to reload its master chunk (and clear the flag): see
+:func:`modified_parameters`.
 
-Offload (``offload_param``): with a ``param_store`` the shards live in the store (host memory or
-NVMe files) between uses; a fetch reads them from there and ``p.zero_shard`` is only a
-placeholder while the store holds the values.
+Offload (``offload_param``): with a ``param_store`` (:class:`zerotron.zero.offload.ParamStore`)
+the shards rest in the store between uses and a fetch reads them from there. With ``cpu``,
+``p.zero_shard`` is the store's host tensor itself; with ``nvme`` only the file holds the values
+and ``p.zero_shard`` is an empty placeholder: go through :func:`read_shard` / :func:`write_shard`.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from torch import Tensor, nn
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group, Pending
 from zerotron.errors import ConfigError, DistributedError
-from zerotron.zero.partition import BucketLayout, chunk_bounds, shard
+from zerotron.zero.partition import BucketLayout, shard
 
 __all__ = [
     "GatheredParameters",
@@ -72,11 +75,15 @@ __all__ = [
     "coordinator_of",
     "gathered_state_dict",
     "is_partitioned",
+    "iter_partitioned",
     "load_full_state_dict",
     "modified_parameters",
+    "partition_param",
     "partition_parameters",
+    "read_shard",
     "register_external_parameter",
     "unregister_external_parameter",
+    "write_shard",
 ]
 
 # Status of a partitioned parameter.
@@ -102,7 +109,8 @@ class ParamStore(Protocol):
 
 
 class _ParamState:
-    """Bookkeeping of one partitioned parameter (``p._zero``)."""
+    """Stage-3 bookkeeping of one parameter (``p._zero``; persistent ones have it too, for
+    their group)."""
 
     __slots__ = (
         "group",
@@ -126,14 +134,6 @@ class _ParamState:
         self.key = key
         self.store = store
         self.coordinator: ParamCoordinator | None = None  # set by partition_parameters
-
-    def __deepcopy__(self, memo: dict) -> _ParamState:
-        raise ConfigError(
-            "a stage-3 partitioned parameter cannot be deep-copied",
-            where="zero.stage3",
-            fix="copy the module before partition_parameters(), or gather it first "
-            "(gathered_state_dict)",
-        )
 
 
 def is_partitioned(p: Tensor) -> bool:
@@ -479,6 +479,15 @@ class ParamCoordinator:
         self._partition()
         _register_known_externals(module)
         self._install_hooks()
+
+    def __deepcopy__(self, memo: dict) -> ParamCoordinator:
+        # torch copies a Parameter as its (empty) data alone: the copy would be unusable.
+        raise ConfigError(
+            "a stage-3 module cannot be deep-copied (its parameters are empty shards)",
+            where="zero.stage3",
+            fix="copy the module before partition_parameters(), or build a new one and "
+            "load_full_state_dict(gathered_state_dict(...)) into it",
+        )
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -870,19 +879,18 @@ def gathered_state_dict(
     ``stage3_gather_16bit_weights_on_model_save`` writes as the model file.
     """
     sd = module.state_dict(keep_vars=True)
+    if group is None:
+        group = next((_state(t).group for t in sd.values() if is_partitioned(t)), None)
+    if group is None:
+        from zerotron.distributed.state import state
+
+        group = state().dp
+    keep = group.rank == 0 or not rank0_only
     out: dict[str, Tensor] = {}
-    rank = 0
-    for p in sd.values():
-        if is_partitioned(p):
-            rank = _state(p).group.rank
-            break
-    if group is not None:
-        rank = group.rank
-    keep = rank == 0 or not rank0_only
     for name, t in sd.items():
-        full = _gather_now(t) if is_partitioned(t) else t.detach()
+        full = _gather_now(t) if isinstance(t, Tensor) and is_partitioned(t) else t
         if keep:
-            out[name] = full.detach().to("cpu", copy=True)
+            out[name] = full.detach().to("cpu", copy=True) if isinstance(full, Tensor) else full
     return out if keep else None
 
 
@@ -902,6 +910,8 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor]) ->
     with torch.no_grad():
         for name, t in own.items():
             src = state_dict[name]
+            if not isinstance(t, Tensor):  # extra state: the module's own business
+                continue
             if is_partitioned(t):
                 if torch.Size(src.shape) != _full_shape(t):
                     raise ConfigError(
@@ -932,6 +942,3 @@ def __getattr__(name: str) -> Any:
 
         return Init
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_ = chunk_bounds  # re-exported helper used by callers that index shards
