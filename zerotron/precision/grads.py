@@ -86,12 +86,12 @@ def _power_sum(grads: list[Tensor], p: float) -> Tensor:
                     torch.linalg.vector_norm(block, p, dim=1, dtype=torch.float32).to(first)
                 )
         if full < flat.numel():
-            rest.append(flat[full:].to(device=first, dtype=torch.float64))
+            rest.append(flat[full:].to(first))
     total = torch.zeros((), dtype=torch.float64, device=first)
     if rows:
         total = total + _pow(torch.cat(rows).double(), p).sum()
-    if rest:
-        total = total + _pow(torch.cat(rest).abs(), p).sum()
+    for group in _by_device_dtype(rest).values():  # one concatenation per dtype
+        total = total + _pow(torch.cat(group).to(torch.float64).abs(), p).sum()
     return total
 
 
