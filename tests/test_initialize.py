@@ -387,6 +387,20 @@ def test_half_precision_casts_module_and_trains(dtype):
     assert last < 0.9 * first
 
 
+def test_fp16_auto_cast_casts_float_inputs():
+    model = mlp()
+    config = ds_config(fp16={"enabled": True, "auto_cast": True})
+    engine, *_ = zerotron.initialize(model=model, config=config)
+    x, y = batches(1)[0]  # fp32 inputs
+    out = engine(x)
+    assert out.dtype == torch.float16
+    engine.backward(nn.functional.mse_loss(out.float(), y))
+    # without auto_cast an fp32 input meets fp16 weights
+    engine, *_ = zerotron.initialize(model=mlp(), config=ds_config(fp16={"enabled": True}))
+    with pytest.raises(RuntimeError):
+        engine(x)
+
+
 def test_add_config_arguments():
     parser = zerotron.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json", "--local_rank=1"])

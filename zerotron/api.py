@@ -23,7 +23,8 @@ A DeepSpeed training script runs on zerotron by changing its import::
 2. processes: the default process group from the launcher's environment (a plain
    ``python train.py`` is one process, no group), and the tensor/pipeline/data-parallel groups:
    from a passed ``mpu`` (its sizes, checked against zerotron's rank layout) or zerotron's state;
-3. the model: moved to the device and cast to fp16/bf16 when the config says so;
+3. the model: moved to the device and cast to fp16/bf16 when the config says so (with
+   ``fp16.auto_cast`` its floating-point inputs are cast to fp16 too);
 4. the optimizer: passed (a torch optimizer, or a callable ``params -> optimizer``; it wins
    over the config's, as in DeepSpeed) or from the config's ``optimizer`` section, wrapped
    for precision and data parallelism by :func:`zerotron.training.build.wrap_optimizer`
@@ -155,6 +156,8 @@ def initialize(
 
     device = default_device()
     model.to(device=device, dtype=DTYPES[cfg.precision.params_dtype])
+    if cfg.precision.fp16 and cfg.precision.fp16_auto_cast:
+        model.register_forward_pre_hook(_cast_inputs_half, with_kwargs=True)
     _configure_checkpointing(mpu, resolved)
 
     params = _parameters(model, model_parameters)
@@ -365,6 +368,22 @@ def _torch_optimizer(
         f"{type(optimizer).__name__}",
         where="initialize(optimizer=...)",
     )
+
+
+def _half(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.half() if value.is_floating_point() else value
+    if isinstance(value, Mapping):
+        return {k: _half(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_half(v) for v in value)
+    return value
+
+
+def _cast_inputs_half(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """fp16.auto_cast: floating-point inputs of the model's forward become fp16 (DeepSpeed's
+    ``_cast_inputs_half``)."""
+    return _half(args), _half(kwargs)
 
 
 def _configure_checkpointing(mpu: Any, resolved: Mapping[str, Any]) -> None:
