@@ -256,6 +256,7 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
         out["memory", stage] = memory(stage)
     out["ledger", 0] = ledger_one_step(0)
     out["modified"] = stage3_modified()
+    out["overlap"] = {stage: overlap(stage) for stage in (1, 2)}
     out["ledger", "bf16 wire"] = ledger_one_step(2, communication_data_type=torch.bfloat16)
     return out
 
@@ -344,6 +345,26 @@ def fp16_overflow(stage: int) -> dict:
     }
     train(model, opt, "mlp", dp, steps=1, engine_like=opt)  # and it trains on afterwards
     out["next_ok"] = opt.num_skipped_steps == 1
+    opt.close()
+    return out
+
+
+def overlap(stage: int) -> list[tuple[int, int]]:
+    """Per micro-batch: (reduce-scatters launched before backward reaches the first layer,
+    reduce-scatters launched by the end of the backward)."""
+    model = _ledger_mlp()
+    opt = ZeroOptimizer(model, adamw(model), stage=stage, group=state().dp, reduce_bucket_size=40)
+    seen = []
+    with ledger.capture() as cap:
+        model[0].register_full_backward_pre_hook(
+            lambda *_: seen.append(cap.count(op="reduce_scatter"))
+        )
+        out = []
+        for micro in range(GAS):
+            opt.sync = micro == GAS - 1
+            x = torch.randn(4, LEDGER_SIZES[0], generator=torch.Generator().manual_seed(micro))
+            model(x.requires_grad_()).pow(2).mean().backward()  # (full hooks want an input grad)
+            out.append((seen[-1], cap.count(op="reduce_scatter")))
     opt.close()
     return out
 
@@ -501,6 +522,19 @@ def check_stage3_modified_parameters_reload_their_masters(dp2):
                 assert e["length"] == 0 or not torch.equal(was, was.bfloat16().float()), e["name"]
 
 
+def check_buckets_overlap_with_backward(dp2):
+    """Later layers' buckets are on the wire before backward reaches the first layer; stage 1
+    communicates only on the micro-batch that ends the accumulation, stage 2 on every one."""
+    buckets = 3  # reduce_bucket_size=40: one per layer (bias 4 or 32 elements, then weight)
+    for rank in range(2):
+        (s1_before0, s1_after0), (s1_before1, s1_after1) = dp2[rank]["overlap"][1]
+        assert (s1_before0, s1_after0) == (0, 0)
+        assert 0 < s1_before1 < s1_after1 == buckets
+        (s2_before0, s2_after0), (s2_before1, s2_after1) = dp2[rank]["overlap"][2]
+        assert 0 < s2_before0 < s2_after0 == buckets
+        assert buckets < s2_before1 < s2_after1 == 2 * buckets
+
+
 def check_bf16_trains(dp2):
     for stage in (1, 2, 3):
         losses = dp2[0]["bf16", stage]
@@ -650,6 +684,7 @@ def test_zero_on_2_ranks(tmp_path, references):
         check_dp2_stages_equal_one_process(dp2, references, kind)
     check_fp16_overflow_skips_the_step_in_every_stage(dp2)
     check_bf16_trains(dp2)
+    check_buckets_overlap_with_backward(dp2)
     check_stage3_modified_parameters_reload_their_masters(dp2)
     check_comm_ledger_matches_closed_form(dp2)
     check_memory_matches_zero_formulas(dp2, 2)

@@ -160,9 +160,13 @@ class ZeroOptimizer:
         self._rebuild_param_groups()
         self._offloaded = self._make_offload(offload_optimizer)
 
-        params = self.model_params
+        # Buckets follow the model's registration order (reversed: roughly the order backward
+        # produces gradients), not the optimizer's, whose weight-decay groups would put the
+        # first layer's bias in the first bucket and hold every launch back until the end.
+        position = {id(p): k for k, (_, p) in enumerate(model.named_parameters())}
+        self._grad_order = sorted(self.infos, key=lambda i: position.get(id(i.param), -1))
         self.reducer = GradReducer(
-            params,
+            [i.param for i in self._grad_order],
             group,
             self._deliver,
             every_microbatch=stage >= 2,
@@ -413,7 +417,7 @@ class ZeroOptimizer:
         """Add a bucket's reduced row into the gradient partitions."""
         dsts, srcs = [], []
         for slot, view in zip(layout.slots, layout.row_views(row)):
-            info = self.infos[slot.index]
+            info = self._grad_order[slot.index]
             sub = self.sub_groups[info.sub_group]
             if sub.grad is None:
                 sub.grad = torch.zeros(sub.numel, dtype=sub.dtype, device=sub.device)
