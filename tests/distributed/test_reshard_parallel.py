@@ -22,7 +22,6 @@ import contextlib
 import io
 from pathlib import Path
 
-import pytest
 import torch
 
 from zerotron.checkpoint import load_file, model_files, read_latest_tag
@@ -109,10 +108,12 @@ def _rank(rank: int, data: str, root: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def spawned(data_prefix, tmp_path_factory) -> tuple[list[dict], Path]:
-    root = tmp_path_factory.mktemp("reshard")
-    return run_ranks(_rank, 4, data_prefix, str(root), timeout=240), root
+def test_tp2_pp2_checkpoint_resharded_and_generated(data_prefix, tmp_path):
+    # One test, one spawn (a module fixture would run once per xdist worker).
+    results = run_ranks(_rank, 4, data_prefix, str(tmp_path), timeout=240)
+    _check_logits(results, tmp_path)
+    _check_round_trip(tmp_path)
+    _check_generation(results, tmp_path)
 
 
 def _close(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -121,8 +122,7 @@ def _close(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max())
 
 
-def test_resharded_layouts_give_the_same_logits(spawned):
-    results, root = spawned
+def _check_logits(results: list[dict], root: Path) -> None:
     last_stage = [2, 3]  # tp2 x pp2: ranks 2 and 3 hold stage 1
     ref = results[2]["tp2pp2"]
     assert ref.shape == (2, 16, 50432)
@@ -144,20 +144,18 @@ def test_resharded_layouts_give_the_same_logits(spawned):
     assert ref[..., ORIG_VOCAB:].eq(float("-inf")).all()  # padding never gets probability
 
 
-def test_tp2_to_tp1_to_tp2_gives_the_same_bytes(spawned, tmp_path):
-    _, root = spawned
+def _check_round_trip(root: Path) -> None:
     tag = read_latest_tag(root / "tp2pp2")
-    reshard_checkpoint(root / "tp1pp1", tmp_path / "back", 2, 2)
+    reshard_checkpoint(root / "tp1pp1", root / "back", 2, 2)
     for f in model_files(2, 2):
         original = load_file(root / "tp2pp2", tag, f)["model"]
-        back = load_file(tmp_path / "back", tag, f)["model"]
+        back = load_file(root / "back", tag, f)["model"]
         assert original.keys() == back.keys(), f
         for key, t in original.items():
             assert back[key].dtype == t.dtype and torch.equal(back[key], t), f"{f}: {key}"
 
 
-def test_generate_at_tp2_equals_the_merged_model(spawned):
-    results, root = spawned
+def _check_generation(results: list[dict], root: Path) -> None:
     model, _ = load_gpt(root / "tp1pp1")
     greedy = generate(model, PROMPT, NEW_TOKENS, greedy=True)
     sampled = generate(model, PROMPT, NEW_TOKENS, **SAMPLING)
