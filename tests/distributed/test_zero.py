@@ -256,6 +256,7 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
         out["memory", stage] = memory(stage)
     out["ledger", 0] = ledger_one_step(0)
     out["modified"] = stage3_modified()
+    out["memory", "fp32 accum"] = memory(2, grad_accum_dtype=torch.float32)
     out["overlap"] = {stage: overlap(stage) for stage in (1, 2)}
     out["ledger", "bf16 wire"] = ledger_one_step(2, communication_data_type=torch.bfloat16)
     return out
@@ -445,14 +446,16 @@ def ledger_one_step(stage: int, **options) -> dict:
     return out
 
 
-def memory(stage: int) -> dict:
+def memory(stage: int, **options) -> dict:
     """bf16 parameters, Adam: bytes held after the first micro-batch of the second step."""
     torch.manual_seed(0)
     width, depth = 512, 4
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
     model = model.to(torch.bfloat16)
     psi = sum(p.numel() for p in model.parameters())
-    opt = ZeroOptimizer(model, torch.optim.Adam(model.parameters()), stage=stage, group=state().dp)
+    opt = ZeroOptimizer(
+        model, torch.optim.Adam(model.parameters()), stage=stage, group=state().dp, **options
+    )
     x = torch.randn(2, width, dtype=torch.bfloat16)
     for step in range(2):
         opt.sync = False
@@ -672,6 +675,12 @@ def check_memory_matches_zero_formulas(results, world):
             assert abs(ratio - 1) <= 0.10, (world, stage, rank, ratio, r)
 
 
+def check_grad_accum_dtype(dp2):
+    """fp32 gradient partitions under bf16 parameters: 4 bytes per element of the partition."""
+    r = dp2[0]["memory", "fp32 accum"]
+    assert r["report"]["grads"] == 4 * r["psi"] // 2
+
+
 def check_pipeline_refuses_stage_2_and_3(dp4):
     assert len(dp4[0]["pp_refused"]) == 2
     assert all("pipeline" in msg for msg in dp4[0]["pp_refused"])
@@ -688,6 +697,7 @@ def test_zero_on_2_ranks(tmp_path, references):
     check_stage3_modified_parameters_reload_their_masters(dp2)
     check_comm_ledger_matches_closed_form(dp2)
     check_memory_matches_zero_formulas(dp2, 2)
+    check_grad_accum_dtype(dp2)
 
 
 def test_zero_on_4_ranks(references):
