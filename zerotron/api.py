@@ -174,6 +174,11 @@ def initialize(
         scheduler = _TorchSchedule.wrap(lr_scheduler)
 
     t = cfg.training
+    pipeline = None
+    if _is_pipeline_module(model):  # engine.train_batch(data_iter) runs DeepSpeed's 1F1B
+        from zerotron.pipe.stage import PipelineModuleRuntime
+
+        pipeline = PipelineModuleRuntime(model, "1f1b", t.num_micro_batches)
     engine = Engine(
         model,
         wrapped,
@@ -182,6 +187,7 @@ def initialize(
         gradient_accumulation_steps=t.num_micro_batches,
         data_parallel_size=ps.dp_size,
         data_parallel=data_parallel,
+        pipeline=pipeline,
         wall_clock_breakdown=cfg.monitor.wall_clock_breakdown,
         steps_per_print=t.log_interval,
         device=device,
@@ -299,6 +305,12 @@ def _parallel_state(mpu: Any) -> Any:
             fix="build the mpu's groups in Megatron's order, or pass zerotron.distributed.mpu",
         )
     return ps
+
+
+def _is_pipeline_module(model: nn.Module) -> bool:
+    from zerotron.pipe import PipelineModule
+
+    return isinstance(model, PipelineModule)
 
 
 def _call(obj: Any, *names: str) -> Any:

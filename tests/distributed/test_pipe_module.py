@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import zerotron
 import zerotron.checkpointing as ck
 from zerotron.distributed.state import initialize_model_parallel
 from zerotron.errors import ConfigError, DataError, UnsupportedError
@@ -149,6 +150,7 @@ CASES = {
     "adamw-uniform": ("mlp", "adamw", "uniform", 0),
     "adamw-type-checkpointed": ("mlp", "adamw", "type:linear|scale", 2),
     "tied-embedding": ("tied", "adamw", "uniform", 0),
+    "adamw-initialize": ("mlp", "adamw", "uniform", 0),  # built by zerotron.initialize
 }
 
 
@@ -168,12 +170,19 @@ def _train_rank(rank, pp, cases):
             partition_method=partition,
             activation_checkpoint_interval=interval,
         )
-        engine = pipeline_engine(
-            module,
-            make_optimizer(opt_kind, module.parameters()),
-            num_microbatches=M,
-            micro_batch_size=B,
-        )
+        if name == "adamw-initialize":  # DeepSpeed's way: initialize(model=PipelineModule)
+            engine, *_ = zerotron.initialize(
+                model=module,
+                optimizer=make_optimizer(opt_kind, module.parameters()),
+                config={"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": M},
+            )
+        else:
+            engine = pipeline_engine(
+                module,
+                make_optimizer(opt_kind, module.parameters()),
+                num_microbatches=M,
+                micro_batch_size=B,
+            )
         losses = []
         for step in range(STEPS):
             mine = microbatches(step, st.dp_size * M, tied)[st.dp_rank * M : (st.dp_rank + 1) * M]
@@ -220,6 +229,7 @@ def test_pipeline_module_pp2_matches_sequential():
     # (560); of the splits reaching it the later boundary wins: [L T S T L T | L S].
     assert r0["sgd-parameters"]["parts"] == [0, 6, 8]
     assert r0["adamw-uniform"]["parts"] == [0, 4, 8]
+    assert r0["adamw-initialize"]["parts"] == [0, 4, 8]
     # type:linear|scale: matching layers 0, 2, 4, 6, 7 -> 3 | 2.
     assert r0["adamw-type-checkpointed"]["parts"] == [0, 6, 8]
     assert r0["tied-embedding"]["parts"] == [0, 4, 7]
