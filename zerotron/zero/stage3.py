@@ -237,6 +237,9 @@ class _Fetch:
         shards = [_gather_source(p) for p in params]
         row = shards[0] if len(shards) == 1 else torch.cat(shards)
         self.pending: Pending | None = comm.all_gather_async(row, group)
+        # One parameter's rows are its chunks in order: the buffer is the parameter (no copy).
+        # At size 1 the "gathered" buffer is the shard itself, which must not be aliased.
+        self.in_place = len(params) == 1 and group.size > 1
         for p in params:
             st = _state(p)
             st.status, st.fetch = INFLIGHT, self
@@ -248,7 +251,11 @@ class _Fetch:
             return
         buf = self.pending.wait()
         self.pending = None
-        fulls = self.layout.unpack(buf)  # new tensors (a copy out of the strided columns)
+        if self.in_place:
+            p = self.params[0]
+            fulls = [buf.view(-1)[: p.zero_numel].view(_full_shape(p))]  # type: ignore[attr-defined]
+        else:
+            fulls = self.layout.unpack(buf)  # new tensors (a copy out of the strided columns)
         for p, full in zip(self.params, fulls):
             st = _state(p)
             p.data = full
