@@ -23,6 +23,7 @@ from zerotron.distributed.comm import Group
 from zerotron.errors import ConfigError, UnsupportedError
 from zerotron.precision.grads import IsCounted
 from zerotron.zero.partition import chunk_bounds, chunk_size, full_shape
+from zerotron.zero.stage3 import read_shard
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD,
@@ -141,8 +142,6 @@ def load_master_chunk(info: ParamInfo, master: Tensor) -> None:
     """Copy this rank's chunk of the parameter's current value into its sub-group's master."""
     dst = master[info.offset : info.offset + info.length]
     if info.partitioned:
-        from zerotron.zero.stage3 import read_shard
-
         dst.copy_(read_shard(info.param)[: info.length])
     else:
         dst.copy_(info.param.detach().reshape(-1)[info.start : info.start + info.length])

@@ -12,7 +12,7 @@ One step:
 
 1. gradients: :class:`~zerotron.zero.grads.GradReducer` has reduce-scattered every bucket into
    this rank's gradient partition (stage 1 at the boundary, stages 2/3 every micro-batch), in
-   the parameters' dtype, averaged over the group;
+   the parameters' dtype (or ``grad_accum_dtype``), averaged over the group;
 2. the partition is taken to fp32; fp16: unscale and check inf/nan; the flag is combined over
    the data-parallel group and the model-parallel ``reduce_fn``; an overflow skips the step
    leaving weights and optimizer states untouched (the scaler lowers the scale);
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
-from zerotron.errors import CheckpointError
+from zerotron.errors import CheckpointError, ConfigError
 from zerotron.precision.grads import (
     IsCounted,
     ReduceFn,
@@ -61,7 +61,15 @@ from zerotron.zero.masters import (
     load_master_chunk,
 )
 from zerotron.zero.memory import memory_report
+from zerotron.zero.offload import OffloadedOptimizer, OffloadOptions, ParamStore
 from zerotron.zero.partition import BucketLayout, build_buckets
+from zerotron.zero.stage3 import (
+    ParamCoordinator,
+    coordinator_of,
+    modified_parameters,
+    partition_parameters,
+    write_shard,
+)
 
 
 class ZeroOptimizer:
@@ -116,8 +124,8 @@ class ZeroOptimizer:
         reduce_scatter: bool = True,
         contiguous_gradients: bool = True,
         round_robin_gradients: bool = False,
-        offload_optimizer: Any = None,
-        offload_param: Any = None,
+        offload_optimizer: OffloadOptions | None = None,
+        offload_param: OffloadOptions | None = None,
         sub_group_size: int = int(1e9),
         prefetch_bucket_size: int = int(5e7),
         param_persistence_threshold: int = int(1e5),
@@ -143,7 +151,7 @@ class ZeroOptimizer:
         self.offload_optimizer = offload_optimizer
         self.offload_param = offload_param
         self.grad_accum_dtype = grad_accum_dtype
-        self.coordinator = None
+        self.coordinator: ParamCoordinator | None = None
         """Stage 3's :class:`~zerotron.zero.stage3.ParamCoordinator` (partitions and gathers)."""
         if stage == 3:
             self.coordinator = self._partition_model(
@@ -209,20 +217,23 @@ class ZeroOptimizer:
         self.optimizer.param_groups.clear()
         self.optimizer.param_groups.extend(new)
 
-    def _partition_model(self, threshold: int, prefetch: int, max_live: int) -> Any:
+    def _partition_model(self, threshold: int, prefetch: int, max_live: int) -> ParamCoordinator:
         """Stage 3: partition the model's parameters over the group (unless built under
         ``zero.Init`` or partitioned already), shards in a ParamStore with ``offload_param``."""
-        from zerotron.zero import stage3
-
-        existing = stage3.coordinator_of(self.model)
+        existing = coordinator_of(self.model)
         if existing is not None:
+            if existing.group.ranks != self.group.ranks:
+                raise ConfigError(
+                    f"the model's parameters are partitioned over ranks "
+                    f"{list(existing.group.ranks)}, ZeRO runs over {list(self.group.ranks)}",
+                    where="ZeroOptimizer(stage=3)",
+                    fix="build the model under zero.Init with the data-parallel group",
+                )
             return existing
         store = None
         if self.offload_param is not None and self.offload_param.enabled:
-            from zerotron.zero.offload import ParamStore
-
             store = ParamStore(self.offload_param, rank_name=_rank_name())
-        return stage3.partition_parameters(
+        return partition_parameters(
             self.model,
             self.group,
             persistence_threshold=threshold,
@@ -231,12 +242,10 @@ class ZeroOptimizer:
             param_store=store,
         )
 
-    def _make_offload(self, options: Any) -> Any:
+    def _make_offload(self, options: OffloadOptions | None) -> OffloadedOptimizer | None:
         """The OffloadedOptimizer that keeps masters and states on the host or in files."""
         if options is None or not options.enabled:
             return None
-        from zerotron.zero.offload import OffloadedOptimizer
-
         return OffloadedOptimizer(self.optimizer, options, rank_name=_rank_name())
 
     @property
@@ -410,8 +419,6 @@ class ZeroOptimizer:
         modifier rank, a full state dict loaded) give their new values to the masters."""
         if self.coordinator is None:
             return
-        from zerotron.zero.stage3 import modified_parameters
-
         changed = modified_parameters(self.model_params)
         if changed:  # only these: the others' fp32 masters are finer than their 16-bit shards
             self._reload_masters([self._info_of[id(p)] for p in changed])
@@ -459,8 +466,6 @@ class ZeroOptimizer:
         """Write the updated values (one flat tensor per sub-group) into the model: shards
         (stage 3) and, for whole parameters, all-gathers of the chunks."""
         if self.coordinator is not None:
-            from zerotron.zero.stage3 import write_shard
-
             for info in self.infos:
                 if info.partitioned:
                     write_shard(
