@@ -536,9 +536,14 @@ class ParamCoordinator:
             self._handles.append(p.register_post_accumulate_grad_hook(self._after_grad))
 
     def _install_hooks(self) -> None:
+        # Bookkeeping and collectives, not tensor math: torch.compile runs them eagerly.
+        pre, post = (
+            torch.compiler.disable(self._pre_forward),
+            torch.compiler.disable(self._post_forward),
+        )
         for m in self.module.modules():
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward, prepend=True))
-            self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+            self._handles.append(m.register_forward_pre_hook(pre, prepend=True))
+            self._handles.append(m.register_forward_hook(post, always_call=True))
         self.module.__dict__["_zero3_coordinator"] = self
 
     def remove_hooks(self) -> None:
