@@ -18,7 +18,8 @@ overlap_comm=False change nothing; an fp16 overflow skips the step in every stag
 or state changes, scale halved, skip counted); bf16 trains; the comm ledger equals the closed
 form (stage 3 = 1.5× DP on the wire); ``memory_report`` equals the ZeRO paper's formulas at
 N=2 and N=4; stage 3 reloads the masters of parameters rewritten under
-GatheredParameters(modifier_rank=0), and only those.
+GatheredParameters(modifier_rank=0), and only those; a reentrant activation checkpoint (nested
+backward) does not make buckets go twice.
 
 Adam's ``eps`` is 1e-4: an element whose gradient is mathematically zero but holds rounding
 noise (the attention key bias: softmax ignores a per-query constant) would otherwise take an
@@ -38,6 +39,7 @@ import pytest
 import torch
 from torch import nn
 
+from zerotron import checkpointing
 from zerotron.distributed import comm, ledger
 from zerotron.distributed.comm import Group
 from zerotron.distributed.state import destroy_model_parallel, initialize_model_parallel, state
@@ -258,6 +260,7 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
     out["modified"] = stage3_modified()
     out["memory", "fp32 accum"] = memory(2, grad_accum_dtype=torch.float32)
     out["overlap"] = {stage: overlap(stage) for stage in (1, 2)}
+    out["reentrant"] = {ck: reentrant_checkpoint(ck) for ck in (False, True)}
     out["ledger", "bf16 wire"] = ledger_one_step(2, communication_data_type=torch.bfloat16)
     return out
 
@@ -368,6 +371,35 @@ def overlap(stage: int) -> list[tuple[int, int]]:
             out.append((seen[-1], cap.count(op="reduce_scatter")))
     opt.close()
     return out
+
+
+class _Checkpointed(nn.Module):
+    """A layer run under DeepSpeed-style (reentrant) activation checkpointing."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpointing.checkpoint(self.inner, x)
+
+
+def reentrant_checkpoint(checkpointed: bool) -> tuple[dict, list[torch.Tensor]]:
+    """Stage 2 with the last two layers recomputed in nested backward passes: the ledger of
+    two micro-batches and a step, and the weights after it."""
+    torch.manual_seed(0)
+    model = _ledger_mlp()
+    if checkpointed:
+        model[1], model[2] = _Checkpointed(model[1]), _Checkpointed(model[2])
+    opt = ZeroOptimizer(model, adamw(model), stage=2, group=state().dp, reduce_bucket_size=40)
+    with ledger.capture() as cap:
+        for micro in range(GAS):
+            seed = micro + 10 * state().dp.rank
+            x = torch.randn(4, LEDGER_SIZES[0], generator=torch.Generator().manual_seed(seed))
+            opt.scale_loss(model(x).pow(2).mean()).backward()
+        opt.step()
+    opt.close()
+    return cap.summary(), [p.detach().clone() for p in model.parameters()]
 
 
 def stage3_modified() -> dict:
@@ -538,6 +570,15 @@ def check_buckets_overlap_with_backward(dp2):
         assert buckets < s2_before1 < s2_after1 == 2 * buckets
 
 
+def check_reentrant_checkpointing_sends_each_bucket_once(dp2):
+    """A nested backward (reentrant recompute) does not end the reduction early: each bucket is
+    reduce-scattered once per micro-batch, and the result equals the plain run's."""
+    plain, ckpt = dp2[0]["reentrant"][False], dp2[0]["reentrant"][True]
+    assert plain[0][("dp", "reduce_scatter")][1] == GAS * 3
+    assert ckpt[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(ckpt[1], plain[1]))
+
+
 def check_bf16_trains(dp2):
     for stage in (1, 2, 3):
         losses = dp2[0]["bf16", stage]
@@ -694,6 +735,7 @@ def test_zero_on_2_ranks(tmp_path, references):
     check_fp16_overflow_skips_the_step_in_every_stage(dp2)
     check_bf16_trains(dp2)
     check_buckets_overlap_with_backward(dp2)
+    check_reentrant_checkpointing_sends_each_bucket_once(dp2)
     check_stage3_modified_parameters_reload_their_masters(dp2)
     check_comm_ledger_matches_closed_form(dp2)
     check_memory_matches_zero_formulas(dp2, 2)

@@ -113,9 +113,7 @@ class GradReducer:
     def _on_grad(self, param: Tensor) -> None:
         if not (self.every_microbatch or self.sync):
             return  # stage 1 mid-accumulation: autograd keeps summing into p.grad
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
+        self.queue_end_of_backward()  # normally done already, from the model's output
         self._bucket_of[id(param)].ready += 1
         self._launch_ready()
 
@@ -127,6 +125,18 @@ class GradReducer:
                 return
             self._launch(bucket)
             self._next_launch += 1
+
+    def queue_end_of_backward(self, *_: Any) -> None:
+        """Have :meth:`reduce_all` run when the current backward ends (once per backward).
+
+        Called from a hook on the model's output, so the callback joins the *outermost*
+        backward: a reentrant activation checkpoint runs a nested backward inside it, and a
+        callback queued from there would end the reduction early (correct, but every bucket
+        sent again, zeros and all, by the outer backward's own callback).
+        """
+        if not self._callback_queued and (self.every_microbatch or self.sync):
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

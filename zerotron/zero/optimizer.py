@@ -191,6 +191,7 @@ class ZeroOptimizer:
             predivide_factor=gradient_predivide_factor,
             prescale=prescale_gradients,
         )
+        self._output_hook = model.register_forward_hook(self._hook_outputs)
         # Whole parameters (all of stages 1/2; stage 3's persistent ones) are refreshed by an
         # all-gather of the updated chunks after each step.
         whole = [k for k, i in enumerate(self.infos) if not i.partitioned]
@@ -251,6 +252,15 @@ class ZeroOptimizer:
     @property
     def _on_nvme(self) -> bool:
         return self._offloaded is not None and self._offloaded.device == "nvme"
+
+    def _hook_outputs(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """The first gradient to reach the model's output starts a backward: queue the
+        reduction's end there (see ``GradReducer.queue_end_of_backward``)."""
+        if not torch.is_grad_enabled():
+            return
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(self.reducer.queue_end_of_backward)
 
     def close(self) -> None:
         """Detach the hooks and release offload files (the optimizer is unusable after)."""
@@ -560,6 +570,18 @@ class ZeroOptimizer:
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
+        self._output_hook.remove()
+
+
+def _tensors(output: Any) -> list[Tensor]:
+    """The tensors in a module's output (a tensor, or nested tuples, lists and dicts)."""
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    return []
 
 
 def _rank_name() -> str:
