@@ -79,10 +79,24 @@ class Branchy(nn.Module):
         return self.out(torch.tanh(self.b(h) if self.use_b else self.a(h)))
 
 
+class UsesOther(nn.Module):
+    """Reads ``other.weight`` without calling ``other``, inside GatheredParameters(fwd_module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.own, self.other = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with GatheredParameters(self.other.weight, fwd_module=self):
+            h = nn.functional.linear(x, self.other.weight)
+        return self.out(torch.tanh(self.own(torch.tanh(h))))
+
+
 def loss_of(model: nn.Module, kind: str, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     torch.manual_seed(7)  # dropout masks: the same draw for the reference and the copy
-    if kind in ("mlp", "branchy"):
+    if kind in ("mlp", "branchy", "uses_other"):
         return nn.functional.mse_loss(model(x), y)
     return model(x, labels=y).float().mean()
 
@@ -447,6 +461,35 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
         res["still_gathered_after_forward"] = model[0].weight.numel() == 24 * 64
     res["nothing_live"] = coordinator_of(model).live_numel == 0
 
+    # fwd_module: a forward that uses another module's weight inside a block.
+    torch.manual_seed(11)
+    uo_ref = UsesOther()
+    uo = copy.deepcopy(uo_ref)
+    partition_parameters(uo, dp, persistence_threshold=THRESHOLD)
+    chunks = 2 * chunk_size(16 * 16, DP)  # own.weight, other.weight
+    res["fwd_module"] = []
+    for step in range(2):
+        batch = batch_for("branchy", rank, step)
+        with ledger.capture() as cap:
+            loss = loss_of(uo, "uses_other", batch)
+            loss.backward()
+        ref_loss = loss_of(uo_ref, "uses_other", batch)
+        ref_loss.backward()
+        grads_equal = all(  # other.bias is never used: no gradient on either side
+            (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+            for p, q in zip(uo.parameters(), uo_ref.parameters())
+        )
+        res["fwd_module"].append(
+            (
+                bool(torch.equal(loss, ref_loss)),
+                grads_equal,
+                cap.total("dp", "all_gather") == 2 * chunks * 4,
+                uo.other.weight.numel() == 0,
+            )
+        )
+        uo.zero_grad(set_to_none=True)
+        uo_ref.zero_grad(set_to_none=True)
+
     # load_full_state_dict: every rank takes its chunks of whole tensors.
     torch.manual_seed(9)
     other = mlp()
@@ -525,6 +568,8 @@ def check_gathered_parameters_and_modifier_rank(init_and_gathered):
         assert res["modified_forward_equal"]
         assert res["still_gathered_after_forward"] and res["nothing_live"]
         assert res["loaded_forward_equal"] and res["unpartitioned"]
+        # Exact; the borrowed weight is gathered once forward and once backward, then freed.
+        assert res["fwd_module"] == [(True, True, True, True)] * 2
 
 
 def check_offload_param_cpu_and_nvme(init_and_gathered):

@@ -592,6 +592,8 @@ class ParamCoordinator:
             self._saved_hooks.__enter__()
         self._fwd_depth += 1
         params = self._fetch_list(module)
+        # What this call holds, released as is after it (registrations may change meanwhile).
+        module.__dict__.setdefault("_zero_fwd_held", []).append(params)
         if params:
             upcoming = self._traces["fwd"].step(module)
             for p in params:
@@ -601,10 +603,10 @@ class ParamCoordinator:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if torch._C._current_graph_task_id() != -1:
             return output  # recompute: the parameters stay for the backward that follows
-        params = self._fetch_list(module)
+        params = module.__dict__["_zero_fwd_held"].pop()
         for p in params:
             _drop_ref(p)
-        if params and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and (params or self._fetch_list(module)):
             output = _wrap_outputs(output, _BackwardToken(self, module))
         self._fwd_depth -= 1
         if self._fwd_depth == 0:
@@ -801,8 +803,10 @@ class GatheredParameters:
     With ``modifier_rank`` r, the values rank r leaves in the parameters when the block ends are
     broadcast to every rank and re-partitioned (persistent parameters are broadcast too), and
     each gets ``p.zero_modified = True`` so that an optimizer reloads its master weights;
-    without it, changes made inside the block are lost. ``fwd_module``: the parameters count as
-    external parameters of that module while the block lasts. DeepSpeed's semantics.
+    without it, changes made inside the block are lost. ``fwd_module``: the parameters are
+    registered as external parameters of that module (and stay registered, so that its backward
+    gathers them too: for a forward that uses another module's parameter inside the block).
+    DeepSpeed's semantics.
     """
 
     def __init__(
@@ -836,9 +840,6 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc[0] is None:
                 self._broadcast_and_repartition(self.modifier_rank)
         finally:
-            if self.fwd_module is not None:
-                for p in self.params:
-                    unregister_external_parameter(self.fwd_module, p)
             for p in self.params:
                 _drop_ref(p)
 
