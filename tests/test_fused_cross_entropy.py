@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from zerotron.models import GPT, GPTConfig
 from zerotron.parallel.tensor import fused_linear_cross_entropy
-from zerotron.parallel.tensor.fused_cross_entropy import default_chunk_size
+from zerotron.parallel.tensor.fused_cross_entropy import ChunkWorkspace, default_chunk_size
 
 H, V, V_PAD = 24, 50, 64
 
@@ -113,11 +113,29 @@ def test_second_backward_is_refused():
         loss.backward()  # the saved gradients were scaled in place by the first one
 
 
+def test_workspace_is_reused_and_changes_nothing():
+    x, w, target = inputs(torch.bfloat16)
+    up = upstreams(target.shape)["arbitrary"]  # backward recomputes through the workspace too
+    workspace = ChunkWorkspace()
+
+    def fused(x, w, t, ws=None):
+        return fused_linear_cross_entropy(x, w, t, vocab_size=V, chunk_size=16, workspace=ws)
+
+    ref = loss_and_grads(fused, x, w, target, up)
+    first = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
+    buffers = {k: b.data_ptr() for k, b in workspace._buffers.items()}
+    assert sorted(buffers) == ["16bit", "fp32"]
+    again = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
+    assert {k: b.data_ptr() for k, b in workspace._buffers.items()} == buffers
+    for a, b, c in zip(ref, first, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_default_chunk_size_splits_evenly():
-    assert default_chunk_size(2048, 50257) == 1024
+    assert default_chunk_size(2048, 50257) == 512
     assert default_chunk_size(100, 50257) == 100  # one chunk
-    n = default_chunk_size(2500, 50257)  # three chunks of 834, 834, 832
-    assert n == 834 and -(-2500 // n) == 3
+    n = default_chunk_size(1100, 50257)  # three chunks of 367, 367, 366
+    assert n == 367 and -(-1100 // n) == 3
 
 
 def gpt(dtype=torch.float32) -> GPT:

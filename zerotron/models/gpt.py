@@ -72,6 +72,7 @@ from zerotron.parallel.tensor import (
     tp_group_attribute,
     vocab_parallel_cross_entropy,
 )
+from zerotron.parallel.tensor.fused_cross_entropy import ChunkWorkspace
 
 # State-dict keys whose dim 0 is the padded vocabulary (re-padded when the padding changes).
 VOCAB_PADDED_KEYS = ("embedding.word_embeddings.weight",)
@@ -513,6 +514,7 @@ class GPT(nn.Module):
         )
         if self.sequence_parallel:
             mark_sequence_parallel(self.final_layernorm.parameters())
+        self._loss_workspace = ChunkWorkspace()  # the fused loss's chunk buffers (CPU)
 
     def forward(
         self,
@@ -589,7 +591,9 @@ class GPT(nn.Module):
         cfg = self.config
         weight = self.embedding.word_embeddings.weight
         if not torch.compiler.is_compiling():
-            return fused_linear_cross_entropy(x, weight, labels, cfg.orig_vocab_size)
+            return fused_linear_cross_entropy(
+                x, weight, labels, cfg.orig_vocab_size, workspace=self._loss_workspace
+            )
         logits = F.linear(x, weight[: cfg.orig_vocab_size])
         loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
         return loss.view(labels.shape)

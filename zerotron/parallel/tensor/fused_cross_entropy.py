@@ -37,9 +37,9 @@ from __future__ import annotations
 import torch
 
 # fp32 logits of one chunk, in bytes: large enough for efficient matmuls (the weight is re-read
-# once per chunk), small enough that the chunk's memory passes stay cheap. Measured on a 2-core
-# CPU for GPT-2's vocabulary (see bench/README.md): 1024 tokens per chunk.
-DEFAULT_CHUNK_BYTES = 1024 * 50257 * 4
+# once per chunk), small enough to keep the buffers modest. On the 2-core CPU of bench/README.md
+# 256 to 1024 GPT-2 tokens per chunk run within noise of each other; this is 512.
+DEFAULT_CHUNK_BYTES = 512 * 50257 * 4
 
 
 def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
@@ -50,126 +50,135 @@ def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
     return -(-num_tokens // chunks)
 
 
-def _chunk_grad_logits(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    target: torch.Tensor,
-    logits: torch.Tensor | None,
-    work: torch.Tensor,
-    grad_logits: torch.Tensor,
-    loss: torch.Tensor | None,
-    with_grad: bool,
-) -> None:
-    """One chunk: its per-token loss into ``loss`` and (``with_grad``) ``softmax - one_hot``
-    into ``grad_logits`` (``x.dtype``). ``logits`` is a ``x.dtype`` buffer (None for fp32),
-    ``work`` an fp32 buffer; both ``[rows, V]``, reused across chunks (no large allocations)."""
-    # Every step works in place on reused buffers: on CPU, mixed-dtype ``out=`` ops fall off
-    # the vectorized path and a fresh [rows, V] allocation costs page faults (each ~10x a pass).
-    t = target.unsqueeze(1)
-    if logits is None:  # fp32: the logits buffer is the work buffer
-        torch.mm(x, w.t(), out=work)
-    else:
-        torch.mm(x, w.t(), out=logits)
-        work.copy_(logits)
-    work.sub_(work.amax(dim=1, keepdim=True))  # stability: exp never overflows
-    target_logit = work.gather(1, t)  # logit[target] - max
-    work.exp_()
-    sum_exp = work.sum(dim=1, keepdim=True)
-    if loss is not None:
-        torch.sub(sum_exp.log(), target_logit, out=loss.unsqueeze(1))
-    if not with_grad:
-        return
-    # d loss / d logits = softmax - one_hot(target), in fp32 (as the unfused path's backward)
-    target_grad = work.gather(1, t).div_(sum_exp).sub_(1.0)
-    work.div_(sum_exp)
-    work.scatter_(1, t, target_grad)  # (scatter_ into bf16 is ~1000x slower on CPU)
-    if grad_logits is not work:
-        grad_logits.copy_(work)
+class ChunkWorkspace:
+    """The ``[rows, V]`` chunk buffers, kept from one call to the next (on CPU only).
+
+    On CPU a fresh buffer this large is mapped anew by the allocator on every call and each of
+    its pages faults on first touch: ~0.4 ms per MB, as much as several passes over it. The
+    model keeps one workspace for its loss; on other devices the caching allocator already
+    reuses blocks, so nothing is held between calls there.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype):
+        """An uninitialized ``[rows, cols]`` tensor of ``dtype`` on ``like``'s device."""
+        if like.device.type != "cpu":
+            return like.new_empty(rows, cols, dtype=dtype)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < rows * cols or buf.dtype != dtype:
+            buf = self._buffers[name] = like.new_empty(rows * cols, dtype=dtype)
+        return buf[: rows * cols].view(rows, cols)
+
+    def clear(self) -> None:
+        """Drop the buffers (they are made again on the next call)."""
+        self._buffers.clear()
+
+
+class _Chunks:
+    """Token chunks of ``x`` and the buffers to push them through the output layer."""
+
+    def __init__(self, x, weight, target, vocab_size, chunk_size, workspace, with_grad):
+        self.x, self.target, self.size = x, target, chunk_size
+        self.w = weight[:vocab_size]  # a contiguous prefix: no copy
+        rows, v = min(chunk_size, x.shape[0]), vocab_size
+        ws = workspace or ChunkWorkspace()
+        self.work = ws.get("fp32", rows, v, x, torch.float32)
+        # 16-bit: the logits come out of the matmul here, and the gradient goes back in here
+        self.low = ws.get("16bit", rows, v, x, x.dtype) if x.dtype != torch.float32 else None
+        self.with_grad = with_grad
+
+    def __iter__(self):
+        for start in range(0, self.x.shape[0], self.size):
+            yield slice(start, min(start + self.size, self.x.shape[0]))
+
+    def grad_logits(
+        self, rows: slice, loss: torch.Tensor | None, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The chunk's per-token loss into ``loss``; returns ``softmax - one_hot(target)`` in
+        ``x``'s dtype (rows times ``scale``, if given), or None without ``with_grad``.
+
+        Everything happens in place in reused buffers: on CPU, mixed-dtype ``out=`` ops leave the
+        vectorized path (~10x slower than a pass) and so does ``scatter_`` into bf16 (~1000x).
+        The operations on each element are the unfused path's, in its order.
+        """
+        x, t = self.x[rows], self.target[rows].unsqueeze(1)
+        n = x.shape[0]
+        work = self.work[:n]
+        if self.low is None:
+            torch.mm(x, self.w.t(), out=work)
+        else:
+            low = self.low[:n]
+            torch.mm(x, self.w.t(), out=low)
+            work.copy_(low)
+        work.sub_(work.amax(dim=1, keepdim=True))  # stability: exp never overflows
+        target_logit = work.gather(1, t)  # logit[target] - max
+        work.exp_()
+        sum_exp = work.sum(dim=1, keepdim=True)
+        if loss is not None:
+            torch.sub(sum_exp.log(), target_logit, out=loss[rows].unsqueeze(1))
+        if not self.with_grad:
+            return None
+        target_grad = work.gather(1, t).div_(sum_exp).sub_(1.0)
+        work.div_(sum_exp)
+        work.scatter_(1, t, target_grad)
+        if scale is not None:
+            work.mul_(scale[rows].unsqueeze(1))
+        if self.low is None:
+            return work
+        return low.copy_(work)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Per-token ``cross_entropy(x @ weight[:vocab_size]^T, target)``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, vocab_size: int, chunk_size: int) -> torch.Tensor:
+    def forward(ctx, x, weight, target, vocab_size, chunk_size, workspace):
         need_x, need_w = ctx.needs_input_grad[:2]
-        with_grad = need_x or need_w
-        n_tok, v = x.shape[0], vocab_size
-        w = weight[:v]  # a contiguous prefix: no copy
-        loss = torch.empty(n_tok, dtype=torch.float32, device=x.device)
+        chunks = _Chunks(x, weight, target, vocab_size, chunk_size, workspace, need_x or need_w)
+        loss = x.new_empty(x.shape[0], dtype=torch.float32)
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.empty_like(weight) if need_w else None
         if need_w:
-            grad_w[v:].zero_()  # padding rows: only they are filled
-        rows = min(chunk_size, n_tok)
-        work = x.new_empty(rows, v, dtype=torch.float32)
-        low = x.dtype != torch.float32
-        logits = x.new_empty(rows, v) if low else None
-        grad_logits = x.new_empty(rows, v) if (low and with_grad) else work
-        for start in range(0, n_tok, chunk_size):
-            end = min(start + chunk_size, n_tok)
-            n = end - start
-            xc = x[start:end]
-            g = grad_logits[:n]
-            _chunk_grad_logits(
-                xc,
-                w,
-                target[start:end],
-                logits[:n] if low else None,
-                work[:n],
-                g,
-                loss[start:end],
-                with_grad,
-            )
+            grad_w[vocab_size:].zero_()  # padding rows: the only ones not written below
+        for rows in chunks:
+            g = chunks.grad_logits(rows, loss)
             if need_x:
-                torch.mm(g, w, out=grad_x[start:end])
+                torch.mm(g, chunks.w, out=grad_x[rows])
             if need_w:
-                if start == 0:
-                    torch.mm(g.t(), xc, out=grad_w[:v])
-                else:
-                    grad_w[:v].addmm_(g.t(), xc)
-        ctx.vocab_size, ctx.chunk_size = vocab_size, chunk_size
+                _accumulate_grad_w(grad_w[:vocab_size], g, x[rows], first=rows.start == 0)
+        ctx.args = (vocab_size, chunk_size, workspace)
         ctx.needs = (need_x, need_w)
         ctx.save_for_backward(x, weight, target, grad_x, grad_w)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        # The saved gradients are scaled in place: a second backward (retain_graph) is refused
+        # by autograd's version check on them.
         x, weight, target, grad_x, grad_w = ctx.saved_tensors
         need_x, need_w = ctx.needs
-        scale = grad_loss.unsqueeze(1)
         if need_x:  # rows are tokens: any per-token gradient scales them exactly
-            grad_x.mul_(scale)
+            grad_x.mul_(grad_loss.unsqueeze(1))
         if need_w:
             if bool((grad_loss == grad_loss[0]).all()):
-                grad_w.mul_(grad_loss[0])  # the same weight for every token
-            else:
-                _weighted_grad_w(
-                    x, weight, target, grad_loss, ctx.vocab_size, ctx.chunk_size, grad_w
-                )
-        return grad_x, grad_w, None, None, None
+                grad_w.mul_(grad_loss[0])  # the same weight for every token (a plain mean)
+            else:  # a sum over tokens: recompute it with each token's weight
+                vocab_size, chunk_size, workspace = ctx.args
+                chunks = _Chunks(x, weight, target, vocab_size, chunk_size, workspace, True)
+                for rows in chunks:
+                    g = chunks.grad_logits(rows, None, scale=grad_loss)
+                    _accumulate_grad_w(grad_w[:vocab_size], g, x[rows], first=rows.start == 0)
+        return grad_x, grad_w, None, None, None, None
 
 
-def _weighted_grad_w(x, weight, target, grad_loss, v, chunk_size, out) -> None:
-    """``grad_W = sum_t grad_loss[t] * (softmax_t - one_hot_t)^T x_t``, recomputed by chunks."""
-    w = weight[:v]
-    rows = min(chunk_size, x.shape[0])
-    work = x.new_empty(rows, v, dtype=torch.float32)
-    low = x.dtype != torch.float32
-    logits = x.new_empty(rows, v) if low else None
-    grad_logits = x.new_empty(rows, v) if low else work
-    for start in range(0, x.shape[0], chunk_size):
-        end = min(start + chunk_size, x.shape[0])
-        n = end - start
-        g = grad_logits[:n]
-        _chunk_grad_logits(
-            x[start:end], w, target[start:end], logits[:n] if low else None, work[:n], g, None, True
-        )
-        g.mul_(grad_loss[start:end].unsqueeze(1))
-        if start == 0:
-            torch.mm(g.t(), x[start:end], out=out[:v])
-        else:
-            out[:v].addmm_(g.t(), x[start:end])
+def _accumulate_grad_w(out: torch.Tensor, grad_logits, x, first: bool) -> None:
+    """``out (+)= grad_logits^T @ x``."""
+    if first:
+        torch.mm(grad_logits.t(), x, out=out)
+    else:
+        out.addmm_(grad_logits.t(), x)
 
 
 def fused_linear_cross_entropy(
@@ -178,18 +187,20 @@ def fused_linear_cross_entropy(
     target: torch.Tensor,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
+    workspace: ChunkWorkspace | None = None,
 ) -> torch.Tensor:
     """Per-token cross entropy (fp32, ``target``'s shape) of the logits ``hidden @ weight^T``.
 
     ``hidden`` [..., h] and ``weight`` [V_pad, h] share a dtype (fp32 or 16-bit); only the first
     ``vocab_size`` rows of ``weight`` are the vocabulary (default: all). ``target`` [...] holds
-    ids below ``vocab_size``. ``chunk_size`` tokens go through at a time (default: about 200 MB
-    of fp32 logits for GPT-2's vocabulary, see :func:`default_chunk_size`). Gradients reach
-    ``hidden`` and ``weight``; the full logits are never materialized.
+    ids below ``vocab_size``. ``chunk_size`` tokens go through at a time (default: about 100 MB
+    of fp32 logits, see :func:`default_chunk_size`). ``workspace`` keeps the chunk buffers for
+    the next call (see :class:`ChunkWorkspace`). Gradients reach ``hidden`` and ``weight``; the
+    full logits are never materialized.
     """
     v = weight.shape[0] if vocab_size is None else vocab_size
     x = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1)
     n = chunk_size or default_chunk_size(x.shape[0], v)
-    loss = _FusedLinearCrossEntropy.apply(x, weight, t, v, n)
+    loss = _FusedLinearCrossEntropy.apply(x, weight, t, v, n, workspace)
     return loss.view(target.shape)
