@@ -603,7 +603,10 @@ class ParamCoordinator:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if torch._C._current_graph_task_id() != -1:
             return output  # recompute: the parameters stay for the backward that follows
-        params = module.__dict__["_zero_fwd_held"].pop()
+        held = module.__dict__.get("_zero_fwd_held")
+        if not held:  # the pre-hook failed before taking anything (the error propagates)
+            return output
+        params = held.pop()
         for p in params:
             _drop_ref(p)
         if torch.is_grad_enabled() and (params or self._fetch_list(module)):
