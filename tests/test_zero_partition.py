@@ -61,6 +61,13 @@ def test_pack_then_unpack_is_identity(world, dtype):
     outs = [torch.empty_like(t) for t in tensors]
     layout.unpack_into(buf.reshape(-1), outs)
     assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
+    # a non-contiguous destination (a transposed view) gets the same values
+    strided = [
+        torch.empty(t.shape[::-1], dtype=dtype).t() if t.dim() == 2 else None for t in tensors
+    ]
+    outs = [s if s is not None else torch.empty_like(t) for s, t in zip(strided, tensors)]
+    layout.unpack_into(buf, outs)
+    assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

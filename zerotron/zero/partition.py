@@ -159,8 +159,16 @@ class BucketLayout:
         buf = buffer.view(self.world, self.row_len)
         for slot, out in zip(self.slots, outs, strict=True):
             cols = buf[:, slot.row_offset : slot.row_offset + slot.chunk]
-            flat = cols.reshape(-1)[: slot.numel]  # a copy: the columns are strided
-            out.detach().copy_(flat.view(out.shape))
+            if not out.is_contiguous():  # rare: through a contiguous copy
+                out.detach().copy_(cols.reshape(-1)[: slot.numel].view(out.shape))
+                continue
+            flat = out.detach().view(-1)
+            full = slot.numel // slot.chunk if slot.chunk else 0  # rows that fit completely
+            if full:  # one strided copy straight into the parameter
+                flat[: full * slot.chunk].view(full, slot.chunk).copy_(cols[:full])
+            rest = slot.numel - full * slot.chunk
+            if rest:
+                flat[full * slot.chunk :].copy_(cols[full, :rest])
 
     def row_views(self, row: Tensor) -> list[Tensor]:
         """Views into one row (a rank's share): each slot's chunk, padding included."""
