@@ -136,3 +136,23 @@ def test_bad_sizes_are_errors():
     layout = BucketLayout([torch.Size([3])], 2, [0])
     with pytest.raises(ConfigError, match="elements"):
         layout.pack([torch.zeros(4)])
+
+
+def test_pack_writes_every_element(monkeypatch):
+    """The buffer starts uninitialized: padding and missing tensors must be written as zeros."""
+    real_full = torch.full
+
+    def garbage_empty(*shape, dtype=None, device=None):
+        return real_full(shape, float("nan"), dtype=dtype, device=device)
+
+    tensors = _tensors(SHAPES)
+    tensors[2] = None
+    layout = BucketLayout(SHAPES, 4, range(len(SHAPES)))
+    monkeypatch.setattr(torch, "empty", garbage_empty)
+    buf = layout.pack(tensors)
+    monkeypatch.undo()
+    assert not buf.isnan().any()
+    for r in range(4):
+        for t, view in zip(tensors, layout.row_views(buf[r])):
+            want = torch.zeros_like(view) if t is None else shard(t, 4, r)
+            assert torch.equal(view, want)

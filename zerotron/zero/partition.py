@@ -128,15 +128,17 @@ class BucketLayout:
         if dtype is None:
             dtype = first.dtype if first is not None else torch.float32
         device = first.device if first is not None else torch.device("cpu")
-        buf = torch.zeros(self.world, self.row_len, dtype=dtype, device=device)
+        # Not zeros(): every element is written once below (values, or zeros for padding).
+        buf = torch.empty(self.world, self.row_len, dtype=dtype, device=device)
         for slot, t in zip(self.slots, tensors, strict=True):
+            view = buf[:, slot.row_offset : slot.row_offset + slot.chunk]
             if t is None:
+                view.zero_()
                 continue
             _check(
                 t.numel() == slot.numel,
                 f"tensor {slot.index} has {t.numel()} elements, its slot {slot.numel}",
             )
-            view = buf[:, slot.row_offset : slot.row_offset + slot.chunk]
             flat = t.detach().reshape(-1)
             full = slot.numel // slot.chunk if slot.chunk else 0  # rows filled completely
             if full:
@@ -144,6 +146,8 @@ class BucketLayout:
             rest = slot.numel - full * slot.chunk
             if rest:
                 view[full, :rest].copy_(flat[full * slot.chunk :])
+                view[full, rest:].zero_()
+            view[full + (rest > 0) :].zero_()
         return buf
 
     def unpack(self, buffer: Tensor) -> list[Tensor]:
