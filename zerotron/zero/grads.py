@@ -39,6 +39,8 @@ Deliver = Callable[[BucketLayout, Tensor], None]
 
 
 class _Bucket:
+    """One bucket: its layout, parameters, wire dtype, gradients counted in, collective."""
+
     def __init__(self, layout: BucketLayout, params: list[nn.Parameter], wire: torch.dtype):
         self.layout = layout
         self.params = params
@@ -51,7 +53,8 @@ class GradReducer:
     """Reduce-scatters parameter gradients into partitions (see the module docstring).
 
     Args:
-        params: the parameters, in the optimizer's order.
+        params: the parameters in the model's registration order (buckets take them reversed,
+            roughly the order backward produces their gradients).
         group: the data-parallel group.
         deliver: called with each bucket and its reduced row, in bucket order.
         every_microbatch: reduce on every backward (stages 2, 3) rather than only when

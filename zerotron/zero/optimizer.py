@@ -498,8 +498,11 @@ class ZeroOptimizer:
     # ---- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's ZeRO file (see ``notes/zero_api.md``): optimizer state over the flat
-        masters, the masters themselves and the layout that maps them to parameters."""
+        """This rank's ZeRO file (``docs/zero-optimizer.md``): optimizer state over the flat
+        masters, the masters themselves and the layout that maps them to parameters.
+
+        Without offload the tensors are the live ones (as torch optimizers do): serialize
+        them before the next step."""
         if self._offloaded is not None:
             sd = self._offloaded.state_dict()
             optimizer_state, masters = sd["optimizer"], sd["fp32_partitions"]
