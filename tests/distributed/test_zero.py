@@ -14,12 +14,12 @@ with offload none/cpu/nvme), dp2 × tp2 (stages 1-3; 2-3 with sequence paralleli
 
 Also: resume from a saved ZeRO state (stages 1-3, with offload) equals the uninterrupted run;
 DeepSpeed's gradient_predivide_factor, prescale_gradients, reduce_scatter=False and
-overlap_comm=False change nothing; an fp16 overflow skips the step in every stage (no weight
-or state changes, scale halved, skip counted); bf16 trains; the comm ledger equals the closed
-form (stage 3 = 1.5× DP on the wire); ``memory_report`` equals the ZeRO paper's formulas at
-N=2 and N=4; stage 3 reloads the masters of parameters rewritten under
-GatheredParameters(modifier_rank=0), and only those; a reentrant activation checkpoint (nested
-backward) does not make buckets go twice.
+overlap_comm=False change nothing; the inf-norm (a max across ranks) clips as torch's; an fp16
+overflow skips the step in every stage (no weight or state changes, scale halved, skip counted);
+bf16 trains; the comm ledger equals the closed form (stage 3 = 1.5× DP on the wire);
+``memory_report`` equals the ZeRO paper's formulas at N=2 and N=4; stage 3 reloads the masters
+of parameters rewritten under GatheredParameters(modifier_rank=0), and only those; a reentrant
+activation checkpoint (nested backward) does not make buckets go twice.
 
 Adam's ``eps`` is 1e-4: an element whose gradient is mathematically zero but holds rounding
 noise (the attention key bias: softmax ignores a per-query constant) would otherwise take an
@@ -112,7 +112,7 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(model), lr=LR, eps=EPS)
 
 
-def reference(kind: str, dp: int) -> dict:
+def reference(kind: str, dp: int, norm_type: float = 2.0) -> dict:
     """One process: every rank's micro-batches accumulated, torch's AdamW and clipping."""
     model = make_model(kind)
     opt = adamw(model)
@@ -123,7 +123,8 @@ def reference(kind: str, dp: int) -> dict:
             loss = loss_of(model, kind, batch(kind, step, slot))
             (loss / (dp * GAS)).backward()
             total += loss.item() / (dp * GAS)
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, norm_type)
+        norms.append(norm.item())
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -251,6 +252,7 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
     out["mlp", "predivide"] = run_zero("mlp", 2, tmp, gradient_predivide_factor=2.0)
     out["mlp", "prescale"] = run_zero("mlp", 1, tmp, prescale_gradients=True)
     out["mlp", "allreduce"] = run_zero("mlp", 2, tmp, reduce_scatter=False, overlap_comm=False)
+    out["mlp inf-norm", 2] = run_zero("mlp", 2, tmp, norm_type=math.inf)  # a max across ranks
     for stage in (1, 2, 3):
         out["fp16", stage] = fp16_overflow(stage)
         out["bf16", stage] = bf16_trains(stage)
@@ -271,7 +273,9 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def references():
-    return {kind: reference(kind, dp=2) for kind in ("mlp", "gpt")}
+    refs = {kind: reference(kind, dp=2) for kind in ("mlp", "gpt")}
+    refs["mlp inf-norm"] = reference("mlp", dp=2, norm_type=math.inf)
+    return refs
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -292,11 +296,11 @@ def check_equal(result: dict, ref: dict, what: str) -> None:
 def check_dp2_stages_equal_one_process(dp2, references, kind):
     ref = references[kind]
     # the weights moved: a tolerance cannot pass just because nothing changed
-    start = dict(make_model(kind).named_parameters())
+    start = dict(make_model(kind.split()[0]).named_parameters())
     moved = max(rel_err(start[n].detach(), w) for n, w in ref["weights"].items())
     assert moved > 100 * TOL
     configs = [k for k in dp2[0] if k[0] == kind]
-    assert len(configs) == {"mlp": 10 + 3 + 3, "gpt": 10 + 1}[kind]
+    assert len(configs) == {"mlp": 10 + 3 + 3, "gpt": 10 + 1, "mlp inf-norm": 1}[kind]
     for key in configs:
         for rank in range(2):
             check_equal(dp2[rank][key], ref, f"{key} rank {rank}")
@@ -730,7 +734,7 @@ def check_pipeline_refuses_stage_2_and_3(dp4):
 def test_zero_on_2_ranks(tmp_path, references):
     """One spawn, every dp2 configuration (see the module docstring and each check)."""
     dp2 = run_ranks(_dp2_rank, 2, str(tmp_path), timeout=240)
-    for kind in ("mlp", "gpt"):
+    for kind in ("mlp", "gpt", "mlp inf-norm"):
         check_dp2_stages_equal_one_process(dp2, references, kind)
     check_fp16_overflow_skips_the_step_in_every_stage(dp2)
     check_bf16_trains(dp2)
