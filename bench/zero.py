@@ -39,6 +39,10 @@ parameters twice (forward and backward) and reduce-scatters the gradients, (n-1)
 (``ZeroOptimizer.memory_report``) are printed beside the ZeRO paper's 2Ψ+2Ψ+12Ψ/n (stage 1),
 2Ψ+14Ψ/n (stage 2), 16Ψ/n (stage 3) with 16-bit parameters.
 
+The machine's load moves tokens/s a lot, so ``--repeat`` rounds (default 2) run every system
+in turn and each keeps its fastest round (all rounds are printed) and its largest peak RSS.
+``--zero-bucket N`` sets zerotron's reduce/allgather bucket sizes (default DeepSpeed's 5e8).
+
 Run: ``.venv/bin/python bench/zero.py [--quick] [--systems zerotron-2,deepspeed-2,...]``.
 """
 
@@ -103,6 +107,7 @@ class Setup:
     warmup: int = 2
     dtype: str = "bf16"
     nvme_path: str = ""
+    zero_bucket: int = 0  # zerotron ZeRO reduce/allgather bucket size; 0 = default (5e8)
 
     def config(self) -> GPTConfig:
         return GPTConfig(
@@ -245,6 +250,14 @@ def _zerotron(setup: Setup, stage: int, nvme: bool):
             is_counted=is_counted,
             offload_optimizer=offload,
             offload_param=offload if stage == 3 else None,
+            **(
+                {
+                    "reduce_bucket_size": setup.zero_bucket,
+                    "allgather_bucket_size": setup.zero_bucket,
+                }
+                if setup.zero_bucket
+                else {}
+            ),
             # NVMe streams the states through memory in pieces of this size (elements)
             sub_group_size=2_000_000 if nvme else int(1e9),
         )
@@ -560,6 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=Setup.warmup)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=Setup.dtype)
     p.add_argument("--nvme-path", default=None, help="directory for NVMe offload files")
+    p.add_argument(
+        "--zero-bucket",
+        type=float,
+        default=0,
+        help="zerotron's reduce/allgather bucket size in elements (default: 5e8, DeepSpeed's)",
+    )
     p.add_argument("--repeat", type=int, default=2, help="rounds over all systems (best kept)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="tiny model, 1 step: checks it runs")
@@ -581,9 +600,12 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup,
             dtype=args.dtype,
             nvme_path=args.nvme_path or tmp,
+            zero_bucket=int(args.zero_bucket),
         )
         if args.quick:
-            setup = Setup(2, 64, 4, 32, 512, 2, 1, 1, args.dtype, setup.nvme_path)
+            setup = Setup(
+                2, 64, 4, 32, 512, 2, 1, 1, args.dtype, setup.nvme_path, setup.zero_bucket
+            )
             args.repeat = 1
         try:
             import deepspeed  # noqa: F401
