@@ -39,8 +39,9 @@ parameters twice (forward and backward) and reduce-scatters the gradients, (n-1)
 (``ZeroOptimizer.memory_report``) are printed beside the ZeRO paper's 2Ψ+2Ψ+12Ψ/n (stage 1),
 2Ψ+14Ψ/n (stage 2), 16Ψ/n (stage 3) with 16-bit parameters.
 
-The machine's load moves tokens/s a lot, so ``--repeat`` rounds (default 2) run every system
-in turn and each keeps its fastest round (all rounds are printed) and its largest peak RSS.
+The machine's load moves tokens/s a lot, so ``--repeat`` rounds (default 3) run every system
+in turn; each system reports its median round (all rounds are printed) and its largest peak
+RSS.
 ``--zero-bucket N`` sets zerotron's reduce/allgather bucket sizes (default DeepSpeed's 5e8).
 
 Run: ``.venv/bin/python bench/zero.py [--quick] [--systems zerotron-2,deepspeed-2,...]``.
@@ -474,15 +475,16 @@ def run_system(system: str, setup: Setup, timeout: float) -> dict:
 
 
 def _best(rounds: list[dict]) -> dict:
-    """A system's result over the rounds: the fastest round's (the one least slowed by other
-    work on the machine), with the largest peak RSS of any round."""
-    ok = [r for r in rounds if "error" not in r]
+    """A system's result over the rounds: the median round by tokens/s (the upper one of an
+    even count; single rounds slowed or sped up by other work on the machine do not decide),
+    with the largest peak RSS of any round."""
+    ok = sorted((r for r in rounds if "error" not in r), key=lambda r: r["tokens_per_s"])
     if not ok:
         return rounds[-1]
-    best = dict(max(ok, key=lambda r: r["tokens_per_s"]))
+    best = dict(ok[len(ok) // 2])
     best["peak_rss"] = max(r["peak_rss"] for r in ok)
     best["growth"] = max(r["growth"] for r in ok)
-    best["rounds"] = [r["tokens_per_s"] for r in ok]
+    best["rounds"] = [r["tokens_per_s"] for r in rounds if "error" not in r]
     return best
 
 
@@ -495,7 +497,7 @@ def print_report(results: list[dict], setup: Setup) -> None:
     print(
         f"\nGPT {setup.layers}x{setup.hidden} (heads {setup.heads}), seq {setup.seq}, vocab "
         f"{setup.vocab}, micro-batch {setup.micro_batch}, Ψ = {psi / 1e6:.2f}M parameters, "
-        f"{setup.dtype}, 2 gloo ranks x 1 thread, {setup.steps} timed steps (median), best of "
+        f"{setup.dtype}, 2 gloo ranks x 1 thread, {setup.steps} timed steps (median), median of "
         f"{max(len(r.get('rounds', [])) for r in results)} rounds\n"
     )
     head = (
@@ -579,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="zerotron's reduce/allgather bucket size in elements (default: 5e8, DeepSpeed's)",
     )
-    p.add_argument("--repeat", type=int, default=2, help="rounds over all systems (best kept)")
+    p.add_argument("--repeat", type=int, default=3, help="rounds over all systems (median kept)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="tiny model, 1 step: checks it runs")
     p.add_argument("--json", help="write the results here")
