@@ -293,3 +293,39 @@ def test_wall_clock_breakdown_times_each_phase():
     assert set(times) == {"forward", "backward", "backward_allreduce", "step"}
     assert times["forward"] > 0 and times["backward"] > 0 and times["step"] > 0
     assert engine.wall_clock_summary()["forward"] == 0.0  # read with reset
+
+
+PRETRAIN = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3",
+    "--lr-decay-style", "constant", "--clip-grad", "1.0", "--split", "80,10,10",
+    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--seed", "1234",
+    "--train-iters", "3", "--num-workers", "0", "--pipeline-model-parallel-size", "2",
+]  # fmt: skip
+
+
+def _pipeline_rank(rank: int, data: str) -> dict:
+    import contextlib
+    import io
+
+    from zerotron.config import parse_megatron_args
+    from zerotron.distributed.state import destroy_model_parallel
+    from zerotron.training.pretrain import pretrain
+
+    out = {}
+    for name, extra in (("plain", []), ("zero1", ["--zero-stage", "1"])):
+        argv = [*PRETRAIN, "--data-path", data, *extra]
+        with contextlib.redirect_stdout(io.StringIO()):
+            out[name] = pretrain(parse_megatron_args(argv, world_size=4)).losses
+        destroy_model_parallel()
+    return out
+
+
+def test_zero1_under_pipeline_parallelism_trains_as_without(data_prefix):
+    """dp2 x pp2: ZeRO stage 1 (the tied embedding's gradient summed over the first and last
+    stage before the reduce-scatter) gives the losses of plain data parallelism."""
+    results = run_ranks(_pipeline_rank, 4, data_prefix, timeout=240)
+    for r in results:
+        assert r["zero1"] == pytest.approx(r["plain"], rel=1e-5, abs=0)
+        assert len(r["plain"]) == 3
