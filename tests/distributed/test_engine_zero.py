@@ -329,3 +329,43 @@ def test_zero1_under_pipeline_parallelism_trains_as_without(data_prefix):
     for r in results:
         assert r["zero1"] == pytest.approx(r["plain"], rel=1e-5, abs=0)
         assert len(r["plain"]) == 3
+
+
+def _pretrain_resume_rank(rank: int, data: str, root: str) -> dict:
+    import contextlib
+    import io
+
+    from zerotron.config import parse_megatron_args
+    from zerotron.distributed.state import destroy_model_parallel
+    from zerotron.training.pretrain import pretrain
+
+    base = [a for a in PRETRAIN if a not in ("--pipeline-model-parallel-size", "2")]
+    base = [*base[: base.index("--train-iters")], "--train-iters", "4", "--zero-stage", "2"]
+    base += ["--num-workers", "0", "--data-path", data, "--save-interval", "1000"]
+
+    def run(*extra: str) -> dict:
+        with contextlib.redirect_stdout(io.StringIO()):
+            losses = pretrain(parse_megatron_args([*base, *extra], world_size=2)).losses
+        destroy_model_parallel()
+        return losses
+
+    straight = run()
+    first = run("--save", root, "--exit-interval", "2")
+    second = run("--load", root, "--save", root)
+    return {"straight": straight, "first": first, "second": second}
+
+
+def test_pretrain_zero2_saves_iteration_tags_and_resumes_exactly(data_prefix, tmp_path):
+    """`zerotron pretrain --zero-stage 2` on 2 ranks: stopped at iteration 2 and resumed, the
+    losses are those of the straight run; the checkpoint is Megatron's iter_0000002 tag with
+    one ZeRO file per rank and both trackers."""
+    results = run_ranks(_pretrain_resume_rank, DP, data_prefix, str(tmp_path), timeout=240)
+    for r in results:
+        assert r["first"] == {k: v for k, v in r["straight"].items() if k <= 2}
+        assert r["second"] == {k: v for k, v in r["straight"].items() if k > 2}
+    tag = tmp_path / "iter_0000002"
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000004"
+    assert {layout.zero_file(d) for d in range(DP)} <= {p.name for p in tag.iterdir()}
+    meta = (tag / "metadata.json").read_text()
+    assert '"zero_stage": 2' in meta and '"data_parallel_size": 2' in meta
