@@ -109,6 +109,7 @@ class Setup:
     dtype: str = "bf16"
     nvme_path: str = ""
     zero_bucket: int = 0  # zerotron ZeRO reduce/allgather bucket size; 0 = default (5e8)
+    sub_group_size: int = 0  # zerotron ZeRO sub_group_size; 0 = default (1e9; 2e6 with NVMe)
 
     def config(self) -> GPTConfig:
         return GPTConfig(
@@ -260,7 +261,7 @@ def _zerotron(setup: Setup, stage: int, nvme: bool):
                 else {}
             ),
             # NVMe streams the states through memory in pieces of this size (elements)
-            sub_group_size=2_000_000 if nvme else int(1e9),
+            sub_group_size=setup.sub_group_size or (2_000_000 if nvme else int(1e9)),
         )
     engine = Engine(
         model, opt, loss_fn=lm_loss, micro_batch_size=setup.micro_batch, data_parallel=dp
@@ -576,6 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=Setup.dtype)
     p.add_argument("--nvme-path", default=None, help="directory for NVMe offload files")
     p.add_argument(
+        "--sub-group-size",
+        type=float,
+        default=0,
+        help="zerotron's ZeRO sub_group_size (default: 1e9, DeepSpeed's; 2e6 with NVMe)",
+    )
+    p.add_argument(
         "--zero-bucket",
         type=float,
         default=0,
@@ -603,10 +610,22 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             nvme_path=args.nvme_path or tmp,
             zero_bucket=int(args.zero_bucket),
+            sub_group_size=int(args.sub_group_size),
         )
         if args.quick:
             setup = Setup(
-                2, 64, 4, 32, 512, 2, 1, 1, args.dtype, setup.nvme_path, setup.zero_bucket
+                2,
+                64,
+                4,
+                32,
+                512,
+                2,
+                1,
+                1,
+                args.dtype,
+                setup.nvme_path,
+                setup.zero_bucket,
+                setup.sub_group_size,
             )
             args.repeat = 1
         try:
