@@ -19,6 +19,7 @@ process after the traceback. A group someone else created is left alone.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 from datetime import timedelta
 
@@ -121,6 +122,11 @@ def _destroy_at_exit() -> None:
     # At exit nothing can be done about a failing teardown; the exit status is already decided.
     try:
         if is_initialized():
+            # Models with hooks (ZeRO-3's gather/release closures) sit in reference cycles that
+            # hold tensors and collective handles; left to interpreter finalization they are
+            # destroyed after the process group, which aborted gloo's teardown now and then
+            # ("terminate called without an active exception"). Collect them while it lives.
+            gc.collect()
             destroy()
     except Exception:  # noqa: BLE001 - best effort at interpreter exit
         pass
