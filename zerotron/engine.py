@@ -56,6 +56,11 @@ from zerotron.checkpoint import (
 )
 from zerotron.checkpoint.layout import CHECKPOINT_VERSION, zero_file
 from zerotron.checkpoint.layout import tag_dir as layout_tag_dir
+from zerotron.checkpoint.reshard import (
+    checkpoint_layout,
+    load_model_state_for,
+    load_shared_entries,
+)
 from zerotron.checkpoint.zero_repartition import repartition_zero_state
 from zerotron.checkpoint.zero_to_fp32 import SHARED_PARAMS_KEY
 from zerotron.distributed import comm
@@ -176,20 +181,24 @@ def _parallel_state() -> ParallelState:
     return state()
 
 
-def _check_layout(meta: Mapping[str, Any], ps: ParallelState, where: str) -> None:
-    """Refuse a checkpoint saved with another tensor/pipeline layout (it needs resharding)."""
-    layout = meta.get("layout") or {}
-    saved = (
-        layout.get("tensor_model_parallel_size", 1),
-        layout.get("pipeline_model_parallel_size", 1),
-    )
+def _check_layout(
+    meta: Mapping[str, Any], ps: ParallelState, where: str, load_dir: str | Path = "CKPT"
+) -> None:
+    """Refuse optimizer states saved with another tensor/pipeline layout (they cannot be
+    resharded; the weights alone can, see :meth:`Engine.load_checkpoint`)."""
+    saved = checkpoint_layout(meta)
     if saved != (ps.tp_size, ps.pp_size):
         raise CheckpointError(
             f"the checkpoint was saved with tensor parallel {saved[0]} and pipeline parallel "
-            f"{saved[1]}; this run has {ps.tp_size} and {ps.pp_size}",
+            f"{saved[1]}; this run has {ps.tp_size} and {ps.pp_size}, and optimizer states "
+            "cannot be resharded",
             where=where,
             fix=f"resume with --tensor-model-parallel-size {saved[0]} "
-            f"--pipeline-model-parallel-size {saved[1]} (the data-parallel size may differ)",
+            f"--pipeline-model-parallel-size {saved[1]} (the data-parallel size may differ); "
+            "or load the weights alone (--finetune or --no-load-optim); or reshard them "
+            f"offline: zerotron convert --load {load_dir} --save NEW_DIR "
+            f"--target-tensor-parallel-size {ps.tp_size} "
+            f"--target-pipeline-parallel-size {ps.pp_size}",
         )
 
 
@@ -287,12 +296,6 @@ class Engine:
                     f"ZeRO stage {self._zero_stage} with pipeline parallelism (as in DeepSpeed)",
                     where="zero_optimization.stage",
                     fix="use ZeRO stage 1 with pipeline parallelism",
-                )
-            if any(getattr(p, "sequence_parallel", False) for p in model.parameters()):
-                raise UnsupportedError(
-                    "ZeRO with sequence parallelism",
-                    where="zero_optimization.stage",
-                    fix="turn off --sequence-parallel or ZeRO",
                 )
         self.module = model
         self.pipeline = pipeline
@@ -440,6 +443,9 @@ class Engine:
         """
         tp = _parallel_state().tp
         if tp.size == 1 or not self._sp_params:
+            return
+        if self._zero_stage:  # ZeRO has freed the full gradients: sum its partitions instead
+            self.optimizer.allreduce_grads(self._sp_params, tp)
             return
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for p in self._sp_params:
@@ -698,6 +704,34 @@ class Engine:
         meta["layout"] = lay
         return meta
 
+    def _read_model_file(
+        self,
+        load_dir: str | Path,
+        tag: str,
+        meta: Mapping[str, Any],
+        ps: ParallelState,
+        weights_only: bool,
+        where: str,
+    ) -> dict[str, Any]:
+        """This rank's model file. From another tensor/pipeline layout, and only when no
+        optimizer state is wanted: this rank's weights merged and split from every file
+        (``checkpoint.reshard``) with the counters all files share; no optimizer or RNG state."""
+        if checkpoint_layout(meta) == (ps.tp_size, ps.pp_size):
+            return load_file(load_dir, tag, self._model_file(ps))
+        if not weights_only:
+            _check_layout(meta, ps, where, load_dir)  # raises, naming zerotron convert
+        weights, _ = load_model_state_for(
+            load_dir,
+            tag,
+            ps.tp_rank,
+            ps.tp_size,
+            ps.pp_rank,
+            ps.pp_size,
+            padded_vocab_size=(self.checkpoint_metadata.get("vocab") or {}).get("padded_size"),
+            virtual_stages=ps.virtual_pipeline_size or 1,
+        )
+        return {**load_shared_entries(load_dir, tag), "model": weights}
+
     @staticmethod
     def _model_file(ps: ParallelState) -> str:
         return model_file(ps.tp_rank, ps.pp_rank, ps.pp_size)
@@ -731,8 +765,8 @@ class Engine:
         where = str(Path(load_dir) / tag)
         ps = _parallel_state()
         meta = read_metadata(load_dir, tag)
-        _check_layout(meta, ps, where)
-        state = load_file(load_dir, tag, self._model_file(ps))
+        weights_only = load_module_only or not load_optimizer_states
+        state = self._read_model_file(load_dir, tag, meta, ps, weights_only, where)
         if "model" not in state:
             raise CheckpointError("no 'model' entry in the checkpoint", where=where)
         saved_stage = int(state.get(ZERO_STAGE_KEY, meta.get("layout", {}).get("zero_stage", 0)))

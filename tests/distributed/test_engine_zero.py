@@ -301,11 +301,11 @@ PRETRAIN = [
     "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3",
     "--lr-decay-style", "constant", "--clip-grad", "1.0", "--split", "80,10,10",
     "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--seed", "1234",
-    "--train-iters", "3", "--num-workers", "0", "--pipeline-model-parallel-size", "2",
+    "--train-iters", "3", "--num-workers", "0",
 ]  # fmt: skip
 
 
-def _pipeline_rank(rank: int, data: str) -> dict:
+def _layout_rank(rank: int, data: str, layout: list[str], stages: list[int]) -> dict:
     import contextlib
     import io
 
@@ -314,10 +314,10 @@ def _pipeline_rank(rank: int, data: str) -> dict:
     from zerotron.training.pretrain import pretrain
 
     out = {}
-    for name, extra in (("plain", []), ("zero1", ["--zero-stage", "1"])):
-        argv = [*PRETRAIN, "--data-path", data, *extra]
+    for stage in [0, *stages]:
+        argv = [*PRETRAIN, "--data-path", data, *layout, "--zero-stage", str(stage)]
         with contextlib.redirect_stdout(io.StringIO()):
-            out[name] = pretrain(parse_megatron_args(argv, world_size=4)).losses
+            out[stage] = pretrain(parse_megatron_args(argv, world_size=4)).losses
         destroy_model_parallel()
     return out
 
@@ -325,10 +325,22 @@ def _pipeline_rank(rank: int, data: str) -> dict:
 def test_zero1_under_pipeline_parallelism_trains_as_without(data_prefix):
     """dp2 x pp2: ZeRO stage 1 (the tied embedding's gradient summed over the first and last
     stage before the reduce-scatter) gives the losses of plain data parallelism."""
-    results = run_ranks(_pipeline_rank, 4, data_prefix, timeout=240)
+    layout = ["--pipeline-model-parallel-size", "2"]
+    results = run_ranks(_layout_rank, 4, data_prefix, layout, [1], timeout=240)
     for r in results:
-        assert r["zero1"] == pytest.approx(r["plain"], rel=1e-5, abs=0)
-        assert len(r["plain"]) == 3
+        assert r[1] == pytest.approx(r[0], rel=1e-5, abs=0)
+        assert len(r[0]) == 3
+
+
+def test_zero_with_sequence_parallelism_trains_as_without(data_prefix):
+    """dp2 x tp2 with --sequence-parallel: the sequence-parallel parameters' gradients are
+    summed over TP on ZeRO's partitions (the full gradients are gone by then)."""
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    results = run_ranks(_layout_rank, 4, data_prefix, layout, [1, 2, 3], timeout=240)
+    for r in results:
+        for stage in (1, 2, 3):
+            assert r[stage] == pytest.approx(r[0], rel=1e-5, abs=0), stage
+        assert len(r[0]) == 3
 
 
 def _pretrain_resume_rank(rank: int, data: str, root: str) -> dict:
