@@ -20,7 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dataset-info": ("zerotron.data.info", "statistics of a tokenized dataset and its splits"),
     "pretrain": ("zerotron.training.pretrain", "pretrain a GPT model (Megatron-LM flags)"),
     "generate": ("zerotron.inference.cli", "generate text from a checkpoint"),
-    "convert": ("zerotron.checkpoint.convert", "import/export HuggingFace GPT-2 checkpoints"),
+    "convert": (
+        "zerotron.checkpoint.convert",
+        "import/export HuggingFace GPT-2 checkpoints; reshard between TP/PP layouts",
+    ),
     "zero-to-fp32": (
         "zerotron.checkpoint.zero_to_fp32",
         "consolidate a ZeRO checkpoint's fp32 weights (offline, streaming)",
