@@ -92,6 +92,27 @@ def test_bf16_within_rounding_of_unfused():
         assert torch.all(gw[V:] == 0)
 
 
+def test_bf16_loss_where_the_target_probability_underflows():
+    x, w, target = inputs(torch.bfloat16)
+    with torch.no_grad():  # token 0: logit 200 for id 1, 0 for all others; target id 2
+        x[0, 0] = 0.0
+        x[0, 0, 0] = 200.0
+        w[:, 0] = 0.0
+        w[1, 0] = 1.0
+    target[0, 0] = 2  # p = exp(-200): 0 in fp32, yet the loss is 200
+    up = upstreams(target.shape)["uniform"]
+
+    def fused(x, w, t):
+        return fused_linear_cross_entropy(x, w, t, vocab_size=V, chunk_size=16)
+
+    loss, gx, gw = loss_and_grads(fused, x, w, target, up)
+    ref_loss, ref_gx, ref_gw = loss_and_grads(unfused, x, w, target, up)
+    assert loss[0, 0].item() == pytest.approx(200.0)
+    assert_close(loss, ref_loss, what="loss")
+    assert_close(gx, ref_gx, rtol=1e-2, what="grad x")  # bf16
+    assert_close(gw, ref_gw, rtol=1e-2, what="grad W")
+
+
 def test_no_grad_and_partial_grads():
     x, w, target = inputs(torch.float32)
     with torch.no_grad():
