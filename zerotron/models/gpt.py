@@ -581,22 +581,15 @@ class GPT(nn.Module):
     def _output_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``[b, s]`` of the tied output layer over the real vocabulary (TP=1).
 
-        Eager: the output layer and the loss fused in token chunks
+        The output layer and the loss fused in token chunks
         (:func:`~zerotron.parallel.tensor.fused_linear_cross_entropy`): no ``[b, s, vocab]``
         logits, no fp32 copy of them, the gradients computed while each chunk is in cache, and
-        the tied weight's gradient produced at its padded shape. Under ``torch.compile`` the plain
-        ``F.cross_entropy`` over fp32 logits instead: inductor fuses it into its own kernels, and
-        the chunk loop would only be unrolled into the graph.
+        the tied weight's gradient produced at its padded shape.
         """
-        cfg = self.config
         weight = self.embedding.word_embeddings.weight
-        if not torch.compiler.is_compiling():
-            return fused_linear_cross_entropy(
-                x, weight, labels, cfg.orig_vocab_size, workspace=self._loss_workspace
-            )
-        logits = F.linear(x, weight[: cfg.orig_vocab_size])
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
-        return loss.view(labels.shape)
+        return _fused_output_loss(
+            x, weight, labels, self.config.orig_vocab_size, self._loss_workspace
+        )
 
     def _parallel_output(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """The tied output layer on this rank's vocabulary rows, then the loss or all logits.
@@ -653,6 +646,17 @@ class GPT(nn.Module):
         """
         skip = set(map(id, self.embedding.parameters())) if exclude_embeddings else set()
         return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+
+@torch.compiler.disable
+def _fused_output_loss(x, weight, labels, vocab_size, workspace) -> torch.Tensor:
+    """The fused loss, eager even inside ``torch.compile`` (the compiled graph stops before it).
+
+    Measured on a 2-core CPU (bench/README.md), this beats letting inductor compile the plain
+    ``F.cross_entropy`` over full logits (fp32 ~4%, bf16 ~2% per step): the chunk loop would
+    only be unrolled into the graph, and inductor's fresh [tokens, vocab] buffers page-fault.
+    """
+    return fused_linear_cross_entropy(x, weight, labels, vocab_size, workspace=workspace)
 
 
 def print_num_parameters(model: GPT, rank: int = 0) -> int:
