@@ -53,6 +53,7 @@ from zerotron.parallel.pipeline.partition import (
 )
 from zerotron.parallel.tensor import (
     copy_to_tensor_model_parallel_region,
+    fused_linear_cross_entropy,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
@@ -131,11 +132,11 @@ class GPTStage(nn.Module):
         g = self.tp_group
         if g is not None and g.size > 1:
             return self._parallel_head(x, weight, labels)
+        if labels is not None:  # the loss GPT.forward computes: fused, in token chunks
+            return fused_linear_cross_entropy(x, weight, labels, cfg.orig_vocab_size)
         if cfg.orig_vocab_size < cfg.vocab_size:
             weight = weight[: cfg.orig_vocab_size]
         logits = F.linear(x, weight)
-        if labels is not None:
-            return vocab_parallel_cross_entropy(logits, labels)
         if cfg.orig_vocab_size < cfg.vocab_size:
             logits = F.pad(logits, (0, cfg.vocab_size - cfg.orig_vocab_size), value=-math.inf)
         return logits
