@@ -124,6 +124,7 @@ def initialize(
     from zerotron.config import AutoValues, format_resolved, load_deepspeed_config
     from zerotron.distributed.init import get_rank, get_world_size
     from zerotron.engine import Engine
+    from zerotron.monitor import MonitorMaster
     from zerotron.optim import build_ds_scheduler
     from zerotron.training.build import (
         DTYPES,
@@ -191,6 +192,8 @@ def initialize(
         wall_clock_breakdown=cfg.monitor.wall_clock_breakdown,
         steps_per_print=t.log_interval,
         device=device,
+        monitor=MonitorMaster.from_config(cfg.monitor, get_rank()),
+        checkpoint_tag_validation=cfg.checkpoint.checkpoint_tag_validation,
     )
     engine.config = cfg
     engine.resolved_config = resolved

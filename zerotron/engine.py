@@ -34,7 +34,9 @@ offline. Under stage 3 the model file holds the gathered 16-bit weights.
 
 from __future__ import annotations
 
+import hashlib
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -68,6 +70,7 @@ from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import ParallelState, state
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.fileio import atomic_open
+from zerotron.monitor import MonitorMaster
 from zerotron.parallel.data_parallel import DataParallel
 from zerotron.parallel.pipeline import PipelineRuntime, allreduce_embedding_grads
 from zerotron.precision.grads import IsCounted, ReduceFn, grad_of
@@ -245,6 +248,12 @@ class Engine:
             ``steps_per_print`` steps.
         steps_per_print: see ``wall_clock_breakdown``; None never prints.
         device: where batches go; default the module's first parameter's device.
+        monitor: writes DeepSpeed's training events at each optimizer step (see
+            :meth:`step`); None or a disabled one writes nothing. :meth:`destroy` closes it.
+        checkpoint_tag_validation: at :meth:`save_checkpoint` with several ranks, check that
+            they all save under the same tag (DeepSpeed's ``checkpoint.tag_validation``):
+            ``"Warn"`` warns naming the ranks that differ, ``"Fail"`` raises CheckpointError,
+            ``"Ignore"`` skips the check (and its all-gather).
     """
 
     def __init__(
@@ -268,7 +277,15 @@ class Engine:
         wall_clock_breakdown: bool = False,
         steps_per_print: int | None = None,
         device: torch.device | str | None = None,
+        monitor: MonitorMaster | None = None,
+        checkpoint_tag_validation: str = "Warn",
     ):
+        if checkpoint_tag_validation not in ("Ignore", "Warn", "Fail"):
+            raise ConfigError(
+                f"checkpoint_tag_validation is {checkpoint_tag_validation!r}",
+                where="Engine",
+                fix="use 'Ignore', 'Warn' or 'Fail'",
+            )
         if pipeline is not None and pipeline.num_microbatches != gradient_accumulation_steps:
             raise UnsupportedError(
                 f"the pipeline runs {pipeline.num_microbatches} micro-batches a step, but "
@@ -329,6 +346,9 @@ class Engine:
         self.global_steps = 0
         self.global_samples = 0
         self.last_step: StepResult | None = None
+        self.monitor = monitor if monitor is not None else MonitorMaster()
+        self.checkpoint_tag_validation = checkpoint_tag_validation
+        self._monitor_losses: list[Tensor] = []  # this step's micro-batch losses, when monitored
 
     # ---- sizes (DeepSpeed's names) --------------------------------------------------------
 
@@ -414,6 +434,8 @@ class Engine:
         timing = self._wall_clock_breakdown
         if timing:
             self.timers("backward").start()
+        if self.monitor.enabled:
+            self._monitor_losses.append(loss.detach())
         if self._gas > 1:
             loss = loss / self._gas
         dp = self.data_parallel
@@ -476,11 +498,33 @@ class Engine:
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.last_step = result
+        if self.monitor.enabled:
+            self._write_monitor_events()
         if timing:
             self.timers("step").stop()
             if self.steps_per_print and self.global_steps % self.steps_per_print == 0:
                 self._print_wall_clock()
         return result
+
+    def _write_monitor_events(self) -> None:
+        """DeepSpeed's per-step events, keyed by the samples seen after this step:
+        ``Train/Samples/train_loss`` (this rank's micro-batch losses as backward saw them,
+        averaged over the accumulation), ``Train/Samples/lr`` (the first group's, after the
+        scheduler stepped) and, with fp16 loss scaling, ``Train/Samples/loss_scale``."""
+        step = self.global_samples
+        events: list[tuple[str, float, int]] = []
+        if self._monitor_losses:
+            mean = torch.stack(self._monitor_losses).float().mean()
+            events.append(("Train/Samples/train_loss", mean.item(), step))
+            self._monitor_losses = []
+        events.append(("Train/Samples/lr", float(self.get_lr()[0]), step))
+        if getattr(self.optimizer, "loss_scaler", None) is not None:  # fp16
+            events.append(("Train/Samples/loss_scale", float(self.cur_scale), step))
+        self.monitor.write_events(events)
+
+    def destroy(self) -> None:
+        """Close the monitors (flushing their files); the engine can still train, unmonitored."""
+        self.monitor.close()
 
     def wall_clock_summary(self, reset: bool = True) -> dict[str, float]:
         """Milliseconds spent per DeepSpeed phase since the last reset (wall_clock_breakdown)."""
@@ -582,11 +626,14 @@ class Engine:
         self._allreduce_sequence_parallel_grads()
         fb.stop()
         self.micro_steps += self._gas
+        loss = self._from_last_stage(loss)
+        if self.monitor.enabled:
+            self._monitor_losses = [loss.detach()]
         opt = self.timers("optimizer")
         opt.start()
         self.step()
         opt.stop()
-        return self._dp_mean(self._from_last_stage(loss))
+        return self._dp_mean(loss)
 
     def _from_last_stage(self, loss: Tensor | None) -> Tensor:
         """The last pipeline stage's ``loss``, broadcast to every stage of the pipeline group."""
@@ -623,6 +670,7 @@ class Engine:
         """
         tag = tag or f"global_step{self.global_steps}"
         ps = _parallel_state()
+        self._validate_tag(tag, ps)
         module_state = self.module_state_dict(rank0_only=True)  # collective under stage 3
         state: dict[str, Any] = dict(client_state or {})
         state.update(
@@ -665,6 +713,33 @@ class Engine:
             is_writer=ps.rank == 0,
             barrier=comm.barrier if ps.world_size > 1 else None,
         )
+
+    def _validate_tag(self, tag: str, ps: ParallelState) -> None:
+        """Check that every rank saves under ``tag`` (``checkpoint_tag_validation``).
+
+        All-gathers an 8-byte hash of the tag over the world; every rank sees the same result, so
+        under ``Fail`` they all raise together and none is left waiting in the save's barriers.
+        """
+        if self.checkpoint_tag_validation == "Ignore" or ps.world_size == 1:
+            return
+        digest = hashlib.sha256(tag.encode("utf-8")).digest()[:8]
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+        hashes = comm.all_gather(mine.to(self.device), ps.world).cpu().tolist()
+        if len(set(hashes)) == 1:
+            return
+        by_hash: dict[int, list[int]] = {}
+        for i, h in enumerate(hashes):
+            by_hash.setdefault(h, []).append(ps.world.global_rank(i))
+        groups = sorted(by_hash.values())
+        detail = "; ".join(f"ranks {ranks}" for ranks in groups)
+        what = (
+            f"ranks save under different checkpoint tags ({len(groups)} distinct tags: "
+            f"{detail}); this rank's tag is {tag!r}"
+        )
+        fix = "pass the same tag on every rank (or none: the default is global_step<N>)"
+        if self.checkpoint_tag_validation == "Fail":
+            raise CheckpointError(what, where="checkpoint.tag_validation", fix=fix)
+        warnings.warn(f"checkpoint.tag_validation: {what} -> {fix}", stacklevel=3)
 
     def module_state_dict(self, rank0_only: bool = False) -> dict[str, Any] | None:
         """The module's full state dict. Under ZeRO stage 3 its partitioned parameters are

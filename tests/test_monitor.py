@@ -1,0 +1,140 @@
+"""DeepSpeed's monitors and checkpoint tag validation through ``zerotron.initialize``.
+
+One process: with ``csv_monitor`` and ``tensorboard`` enabled, three optimizer steps (two
+micro-batches each, fp16 so the loss scale is logged too) write ``Train/Samples/train_loss``
+(the mean of the step's micro-batch losses), ``Train/Samples/lr`` and ``Train/Samples/loss_scale``
+keyed by samples seen: the CSV rows hold the engine's values exactly, and TensorBoard's
+EventAccumulator reads the same values back (as float32). ``wandb`` enabled without wandb
+installed is a ConfigError. Two gloo ranks: saving under different tags warns (``Warn``) or
+raises CheckpointError (``Fail``) naming the ranks; the same tag, or ``Ignore``, does neither.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zerotron
+from tests.distributed.spawn import run_ranks
+from zerotron.errors import CheckpointError, ConfigError
+from zerotron.monitor import CsvMonitor
+
+MICRO, GAS, STEPS, LR = 4, 2, 3, 1e-2
+NAMES = ("Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/loss_scale")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+
+
+def _config(tmp: Path | None = None, **extra) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        **extra,
+    }
+    if tmp is not None:
+        config["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 4},
+        }
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        for section in ("csv_monitor", "tensorboard"):
+            config[section] = {"enabled": True, "output_path": str(tmp), "job_name": "job"}
+    return config
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, float]]]:
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    return rows[0], [(int(step), float(value)) for step, value in rows[1:]]
+
+
+def test_csv_and_tensorboard_hold_the_engine_values(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    engine, _, _, _ = zerotron.initialize(model=_mlp(), config=_config(tmp_path))
+    g = torch.Generator().manual_seed(1)
+    expected: dict[str, list[tuple[int, float]]] = {name: [] for name in NAMES}
+    for _ in range(STEPS):
+        losses = []
+        for _ in range(GAS):
+            x = torch.randn(MICRO, 8, generator=g).half()
+            y = torch.randn(MICRO, 1, generator=g).half()
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        samples = engine.global_samples
+        mean = torch.stack(losses).float().mean().item()
+        expected[NAMES[0]].append((samples, mean))
+        expected[NAMES[1]].append((samples, engine.get_lr()[0]))
+        expected[NAMES[2]].append((samples, engine.cur_scale))
+    engine.destroy()
+    assert [s for s, _ in expected[NAMES[0]]] == [8, 16, 24]
+    assert len({v for _, v in expected[NAMES[1]]}) == STEPS  # the warmup moves the lr
+
+    for name in NAMES:
+        header, rows = _read_csv(tmp_path / "job" / CsvMonitor.filename(name))
+        assert header == ["step", name.rsplit("/", 1)[-1]]
+        assert rows == expected[name]
+
+    acc = EventAccumulator(str(tmp_path / "job"))
+    acc.Reload()
+    assert set(NAMES) <= set(acc.Tags()["scalars"])
+    for name in NAMES:
+        got = [(e.step, e.value) for e in acc.Scalars(name)]
+        want = [(s, float(torch.tensor(v, dtype=torch.float32))) for s, v in expected[name]]
+        assert got == want
+
+
+def test_csv_appends_to_a_restarted_job(tmp_path):
+    for start in (0, 2):
+        m = CsvMonitor(str(tmp_path), "job")
+        m.write_events([("Train/Samples/lr", 0.5 + start, start), ("Train/Samples/lr", 0.25, 9)])
+        m.close()
+    header, rows = _read_csv(tmp_path / "job" / "Train_Samples_lr.csv")
+    assert header == ["step", "lr"]
+    assert rows == [(0, 0.5), (9, 0.25), (2, 2.5), (9, 0.25)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_without_wandb_is_a_config_error():
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        zerotron.initialize(model=_mlp(), config=_config(wandb={"enabled": True}))
+
+
+def _tags_rank(rank: int, tmp: str) -> dict:
+    config = _config(checkpoint={"tag_validation": "Warn"})
+    engine, _, _, _ = zerotron.initialize(model=_mlp(), config=config)
+    out: dict = {}
+    for mode, tag in (("Warn", "same"), ("Ignore", f"t{rank}"), ("Warn", f"t{rank}")):
+        engine.checkpoint_tag_validation = mode
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.save_checkpoint(tmp, tag=tag)
+        out[(mode, tag == "same")] = [str(w.message) for w in caught if "tag" in str(w.message)]
+    engine.checkpoint_tag_validation = "Fail"
+    try:
+        engine.save_checkpoint(tmp, tag=f"t{rank}")
+        out["fail"] = None
+    except CheckpointError as e:
+        out["fail"] = str(e)
+    return out
+
+
+def test_tag_validation_names_the_ranks(tmp_path):
+    results = run_ranks(_tags_rank, 2, str(tmp_path), timeout=60)
+    for rank, out in enumerate(results):
+        assert out[("Warn", True)] == [] and out[("Ignore", False)] == []
+        (warning,) = out[("Warn", False)]
+        assert "ranks [0]; ranks [1]" in warning and f"'t{rank}'" in warning
+        assert "ranks [0]; ranks [1]" in out["fail"] and "tag_validation" in out["fail"]
