@@ -13,6 +13,7 @@ zero-to-fp32 can rebuild every parameter from the N files without processes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,3 +203,66 @@ def check_args(
                 where="zero_optimization.stage",
                 fix="use ZeRO stage 1 with pipeline parallelism, as DeepSpeed requires",
             )
+
+
+STEP_PIECE = 1 << 21
+"""Elements the torch optimizer steps at once (8 MiB of fp32): its temporaries (Adam's
+denominator, the fp32 copy of a 16-bit gradient) are piece-sized however large a sub-group is.
+A multiple of every SIMD width, so pieces split a sub-group where vector loops split it anyway."""
+
+
+def step_in_pieces(
+    optimizer: torch.optim.Optimizer,
+    index: int,
+    master: Tensor,
+    grad_of: Callable[[int, int], Tensor],
+    piece: int = STEP_PIECE,
+) -> None:
+    """Step ``optimizer.param_groups[index]`` (whose one parameter is the flat ``master``)
+    ``piece`` elements at a time; ``grad_of(a, b)`` gives the fp32 gradient of ``master[a:b]``.
+
+    Every other parameter of the optimizer must have no gradient (they are skipped). The
+    optimizer is elementwise, so this is the whole-tensor step, bit for bit: each piece is a
+    view of the master, and its state entries are views of the master's (made on the first
+    step from the pieces' fresh states); state entries that are not per element (Adam's
+    ``step``) are advanced once, not once per piece.
+    """
+    group = optimizer.param_groups[index]
+    n = master.numel()
+    full = optimizer.state.get(master) or {}
+    fresh = not full
+    before = dict(full)  # the per-step values as they were: every piece starts from them
+    flat = master.detach()
+    try:
+        for a in range(0, n, piece):
+            b = min(n, a + piece)
+            view = flat[a:b]
+            if not fresh:
+                optimizer.state[view] = {k: _piece_of(v, master, a, b) for k, v in before.items()}
+            view.grad = grad_of(a, b)
+            group["params"] = [view]
+            optimizer.step()
+            view.grad = None
+            state = optimizer.state.pop(view, {})
+            for k, v in state.items():
+                if isinstance(v, Tensor) and v.shape == view.shape and v.dim() == 1:
+                    if fresh and b - a == n:
+                        full[k] = v
+                    elif fresh:
+                        if a == 0:
+                            full[k] = torch.empty(master.shape, dtype=v.dtype, device=v.device)
+                        full[k][a:b].copy_(v)
+                else:  # a per-step value: every piece advanced its own copy the same way
+                    full[k] = v
+    finally:
+        group["params"] = [master]
+    optimizer.state[master] = full
+
+
+def _piece_of(value: Any, master: Tensor, a: int, b: int) -> Any:
+    """A piece's view of a per-element state tensor; a copy of a per-step one."""
+    if isinstance(value, Tensor):
+        if value.shape == master.shape and value.dim() == 1:
+            return value[a:b]
+        return value.clone()
+    return value

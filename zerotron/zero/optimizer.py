@@ -31,7 +31,7 @@ The object speaks both protocols the Engine uses: MixedPrecisionOptimizer's (``s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,6 +59,7 @@ from zerotron.zero.masters import (
     build_partitions,
     check_args,
     load_master_chunk,
+    step_in_pieces,
 )
 from zerotron.zero.memory import memory_report
 from zerotron.zero.offload import OffloadedOptimizer, OffloadOptions, ParamStore
@@ -351,12 +352,20 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> StepResult:
-        """Unscale, check, clip, step the partitions, publish the parameters, zero gradients."""
+        """Unscale, check, clip, step the partitions, publish the parameters, zero gradients.
+
+        Without loss scaling the checks and the norm read the gradient partitions as they are
+        (16-bit ones accumulate in fp32, bit for bit what an fp32 copy gives) and each piece of
+        a partition is taken to fp32 only just before the optimizer steps it
+        (:func:`~zerotron.zero.masters.step_in_pieces`), so the step's temporaries stay small.
+        """
         self.finish_grad_sync()
         self._reload_modified()
-        grads = self._fp32_grads()
+        scaled = self.loss_scaler is not None and self.loss_scaler.loss_scale != 1.0
+        # Unscaling needs fp32 copies; otherwise the partitions are read as they are.
+        grads = self._fp32_grads() if scaled or self._offloaded is not None else self._grads()
         overflow = False
-        if self.loss_scaler is not None and self.loss_scaler.loss_scale != 1.0:
+        if scaled:
             inv = 1.0 / self.loss_scaler.loss_scale
             overflow = unscale_and_check_overflow_(grads, inv, reduce_fn=self._reduce)
         elif self.check_overflow:
@@ -371,22 +380,27 @@ class ZeroOptimizer:
         grad_norm = get_grad_norm(
             self._counted_grads(grads), self.norm_type, reduce_fn=self._reduce
         )
-        if self.clip_grad > 0:
+        clip = self.clip_grad > 0 and self.clip_grad / (float(grad_norm) + 1e-6) < 1.0
+        if clip and self._offloaded is not None:
             clip_grad_norm_(grads, self.clip_grad, total_norm=grad_norm)
-        updated = self._step_partitions(grads)
+        del grads
+        updated = self._step_partitions(grad_norm if clip else None)
         self.zero_grad()
         self._publish_params(updated)
         return StepResult(True, float(grad_norm), None)
 
-    def _step_partitions(self, grads: list[Tensor]) -> list[Tensor]:
+    def _step_partitions(self, clip_norm: Tensor | None) -> list[Tensor]:
         """Step the masters; return each sub-group's updated values (the masters themselves,
-        or with NVMe offload copies in the parameters' dtype taken while they were resident)."""
+        or with NVMe offload copies in the parameters' dtype taken while they were resident).
+
+        ``clip_norm``: the global norm when the gradients still have to be clipped (resident
+        masters: piece by piece, as each piece is taken to fp32)."""
         if self._offloaded is None:
-            for s, g in zip(self.sub_groups, grads):
-                s.master.grad = g
-            self.optimizer.step()
             for s in self.sub_groups:
                 s.master.grad = None
+            for k, s in enumerate(self.sub_groups):
+                step_in_pieces(self.optimizer, k, s.master, self._piece_grad(s, clip_norm))
+                s.grad = None  # this sub-group's gradient is spent
             return [s.master for s in self.sub_groups]
         updated: list[Tensor] = [s.master for s in self.sub_groups]
 
@@ -394,8 +408,23 @@ class ZeroOptimizer:
             if self._on_nvme:  # the master is a pool buffer: valid only now
                 updated[i] = master.to(self.sub_groups[i].dtype, copy=True)
 
-        self._offloaded.step(grads, on_updated=keep)
+        self._offloaded.step(self._fp32_grads(), on_updated=keep)
         return updated
+
+    def _piece_grad(self, s: SubGroup, clip_norm: Tensor | None) -> Callable[[int, int], Tensor]:
+        """``grad_of(a, b)`` for :func:`step_in_pieces`: the fp32 gradient of ``master[a:b]``,
+        unscaled (if the step unscaled ``s.grad`` in place already) and clipped."""
+
+        def grad_of(a: int, b: int) -> Tensor:
+            if s.grad is None:
+                return torch.zeros(b - a, device=s.device)
+            g = s.grad[a:b]
+            g = g if g.dtype == torch.float32 else g.float()
+            if clip_norm is not None:
+                clip_grad_norm_([g], self.clip_grad, total_norm=clip_norm)
+            return g
+
+        return grad_of
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: full ones, partitions, masters' (partitions are reallocated at
@@ -452,12 +481,21 @@ class ZeroOptimizer:
         dtype = self.grad_accum_dtype or sub.dtype
         return torch.zeros(sub.numel, dtype=dtype, device=sub.device)
 
+    def _grads(self) -> list[Tensor]:
+        """Every sub-group's gradient partition as it is (zeros where nothing was reduced)."""
+        for s in self.sub_groups:
+            if s.grad is None:
+                s.grad = self._new_grad_partition(s)
+        return [s.grad for s in self.sub_groups]
+
     def _fp32_grads(self) -> list[Tensor]:
-        """Every sub-group's gradient in fp32 (zeros where nothing was reduced)."""
+        """Every sub-group's gradient in fp32, kept as the partition (so an in-place unscale
+        reaches the step; zeros where nothing was reduced)."""
         grads = []
         for s in self.sub_groups:
             g = s.grad if s.grad is not None else torch.zeros(s.numel, device=s.device)
-            grads.append(g if g.dtype == torch.float32 else g.float())
+            s.grad = g if g.dtype == torch.float32 else g.float()
+            grads.append(s.grad)
         return grads
 
     def _counted_grads(self, grads: list[Tensor]) -> list[Tensor]:
