@@ -5,7 +5,8 @@ micro-batches each, fp16 so the loss scale is logged too) write ``Train/Samples/
 (the mean of the step's micro-batch losses), ``Train/Samples/lr`` and ``Train/Samples/loss_scale``
 keyed by samples seen: the CSV rows hold the engine's values exactly, and TensorBoard's
 EventAccumulator reads the same values back (as float32). ``wandb`` enabled without wandb
-installed is a ConfigError. Two gloo ranks as two pipeline stages: rank 0 alone writes, and logs
+importable is a ConfigError; a stand-in wandb module gets ``init(project, group, entity)``, one
+``log`` per event at its step, and ``finish``. Two gloo ranks as two pipeline stages: rank 0 alone writes, and logs
 the loss ``train_batch`` returns. Two gloo ranks: saving under different tags warns (``Warn``) or
 raises CheckpointError (``Fail``) naming the ranks; the same tag, or ``Ignore``, does neither.
 """
@@ -13,7 +14,8 @@ raises CheckpointError (``Fail``) naming the ranks; the same tag, or ``Ignore``,
 from __future__ import annotations
 
 import csv
-import importlib.util
+import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -107,10 +109,29 @@ def test_csv_appends_to_a_restarted_job(tmp_path):
     assert rows == [(0, 0.5), (9, 0.25), (2, 2.5), (9, 0.25)]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
-def test_wandb_without_wandb_is_a_config_error():
+def test_wandb_without_wandb_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what an uninstalled package looks like
     with pytest.raises(ConfigError, match="pip install wandb"):
         zerotron.initialize(model=_mlp(), config=_config(wandb={"enabled": True}))
+
+
+def test_wandb_logs_each_event_at_its_step(monkeypatch):
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw))
+    fake.log = lambda data, step: calls.append(("log", data, step))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = _config(wandb={"enabled": True, "project": "p", "group": "g", "team": "t"})
+    engine, _, _, _ = zerotron.initialize(model=_mlp(), config=config)
+    for _ in range(GAS):
+        engine.backward(nn.functional.mse_loss(engine(torch.ones(MICRO, 8)), torch.zeros(MICRO, 1)))
+        engine.step()
+    engine.destroy()
+    assert calls[0] == ("init", {"project": "p", "group": "g", "entity": "t"})
+    assert [c[0] for c in calls] == ["init", "log", "log", "finish"]
+    assert calls[2] == ("log", {"Train/Samples/lr": engine.get_lr()[0]}, MICRO * GAS)
+    assert set(calls[1][1]) == {"Train/Samples/train_loss"}  # fp32: no loss scale
 
 
 def _tags_rank(rank: int, tmp: str) -> dict:
