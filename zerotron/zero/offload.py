@@ -219,6 +219,23 @@ def _remove_dir(path: Path, lock_fd: int, owner: int) -> None:
         os.close(lock_fd)  # releases the flock
 
 
+def _open_lock(path: Path) -> int:
+    """Create ``zerotron_swap/`` and open ``<path>.lock`` in it.
+
+    Another rank that finishes removes ``zerotron_swap/`` once it is empty (``_remove_dir``); it
+    can do so between our ``mkdir`` and ``open``, so retry. Once our lock file is in it, the
+    directory is not empty and stays.
+    """
+    for attempt in range(100):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            if attempt == 99:
+                raise
+    raise AssertionError("unreachable")
+
+
 class NVMeSwapper:
     """Named tensors (or lists of tensors) as raw files under ``<root>/zerotron_swap/<name>/``.
 
@@ -240,8 +257,7 @@ class NVMeSwapper:
         self.root = Path(root)
         self.where = where
         self.dir = self.root / "zerotron_swap" / name
-        self.dir.parent.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(f"{self.dir}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock_fd = _open_lock(self.dir)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
