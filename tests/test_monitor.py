@@ -7,8 +7,9 @@ keyed by samples seen: the CSV rows hold the engine's values exactly, and Tensor
 EventAccumulator reads the same values back (as float32). ``wandb`` enabled without wandb
 importable is a ConfigError; a stand-in wandb module gets ``init(project, group, entity)``, one
 ``log`` per event at its step, and ``finish``. Two gloo ranks as two pipeline stages: rank 0
-alone writes, and logs the loss ``train_batch`` returns. Two gloo ranks: saving under different tags warns (``Warn``) or
-raises CheckpointError (``Fail``) naming the ranks; the same tag, or ``Ignore``, does neither.
+alone writes, and logs the loss ``train_batch`` returns. Two gloo ranks: saving under
+different tags warns (``Warn``) or raises CheckpointError (``Fail``) naming the ranks; the same
+tag, or ``Ignore``, does neither.
 """
 
 from __future__ import annotations
