@@ -10,7 +10,8 @@ What each side runs for one step (one micro-batch of ``micro_batch × seq`` toke
 * zerotron: its own training path. ``Engine(model, MixedPrecisionOptimizer(AdamW))`` with
   ``loss = lm_loss(engine, batch)``, ``engine.backward(loss)``, ``engine.step()``; the batch is the
   GPT dataset's (tokens, labels, loss_mask, position_ids). ``--compile`` compiles the module's
-  forward (with the loss), as ``Engine(compile=True)`` does.
+  forward, as ``Engine(compile=True)`` does (its fused output layer + loss runs eagerly behind a
+  graph break).
 * transformers: ``model(input_ids=tokens, labels=labels, shift_labels=labels).loss`` (SDPA
   attention, HF's own causal-LM loss; ``shift_labels`` makes it predict the same 2048 labels as
   zerotron instead of shifting them again), ``loss.backward()``, optimizer step. Compiled the same
