@@ -20,7 +20,7 @@ import zerotron.training.build
 import zerotron.training.pretrain
 from zerotron.checkpoint import load_file, model_file, read_latest_tag, tag_for_iteration
 from zerotron.config import parse_megatron_args
-from zerotron.errors import CheckpointError
+from zerotron.errors import CheckpointError, ConfigError
 from zerotron.training.build import lm_loss
 from zerotron.training.loop import TrainSummary
 from zerotron.training.pretrain import pretrain
@@ -261,3 +261,14 @@ def test_finetune_loads_weights_only_and_starts_at_zero(data_prefix, base_ckpt, 
     assert f"consumed samples: {4:12d} |" in first
     assert f"learning rate: {1e-3 * 1 / 2:.3E} |" in first  # step 1 of a 2-step warmup
     assert f"learning rate: {1e-3:.3E} |" in s.interval_lines[1]
+
+
+def test_resume_with_a_smaller_validation_split_names_it(data_prefix, tmp_path):
+    """Resuming with fewer validation samples than the checkpoint's evaluations consumed is an
+    error about the validation split (not the training data)."""
+    run(
+        data_prefix, "--train-iters", 8, "--eval-iters", 6, "--save", tmp_path, "--save-interval", 8
+    )
+    with pytest.raises(ConfigError, match="validation split") as e:
+        run(data_prefix, "--train-iters", 8, "--eval-iters", 1, "--load", tmp_path)
+    assert "--eval-interval" in str(e.value)

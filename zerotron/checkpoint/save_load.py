@@ -395,7 +395,9 @@ def read_metadata(load_dir: str | os.PathLike, tag: str) -> dict[str, Any]:
         raise CheckpointError(
             "the checkpoint has no metadata.json (was it written by another tool?)",
             where=str(path),
-            fix="pass the model flags (--num-layers, --hidden-size, ...) explicitly",
+            fix="zerotron reads the model shape and vocabulary from it: use a checkpoint saved "
+            "by zerotron (HuggingFace weights: `zerotron convert --from-hf DIR --save CKPT`), or "
+            "write metadata.json as docs/checkpoints.md describes",
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(

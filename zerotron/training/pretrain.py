@@ -164,12 +164,27 @@ def _data_iterators(run: Run, state: TrainState, ps: ParallelState):
     # the training RNG stream so a resumed run replays the same dropout masks.
     with torch.random.fork_rng(devices=[]):
         iters = []
-        for ds, n in zip(datasets, consumed):
-            loader = build_pretraining_data_loader(
-                ds, n, t.micro_batch_size, ps.dp_rank, ps.dp_size, d.num_workers
-            )
+        for split, ds, n in zip(("train", "validation", "test"), datasets, consumed):
+            try:
+                loader = build_pretraining_data_loader(
+                    ds, n, t.micro_batch_size, ps.dp_rank, ps.dp_size, d.num_workers
+                )
+            except ConfigError as e:  # name the split that ran out, not just the numbers
+                raise ConfigError(
+                    f"{split} split: {e.what}", where=e.where or "--split", fix=_SPLIT_FIX[split]
+                ) from None
             iters.append(iter(loader) if loader is not None else None)
     return iters
+
+
+_SPLIT_FIX = {
+    "train": "the training split is smaller than the checkpoint's progress: request at least as "
+    "many training samples (iterations x global batch size) as before",
+    "validation": "the checkpoint's evaluations consumed more validation samples than this run's "
+    "validation split holds: give validation a larger share of --split, or evaluate less often "
+    "(--eval-interval, --eval-iters)",
+    "test": "the test split holds fewer samples than asked for: give it a larger share of --split",
+}
 
 
 def pretrain(cfg: Config) -> TrainSummary:
