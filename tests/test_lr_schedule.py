@@ -180,3 +180,12 @@ def test_bad_settings_are_config_errors(kw, key):
     args = {"max_lr": MAX, "lr_decay_steps": 100, **kw}
     with pytest.raises(ConfigError, match=key):
         OptimizerParamScheduler(make_opt(), **args)
+
+
+def test_constant_schedule_needs_no_decay_length():
+    """--lr-decay-style constant --lr-decay-iters 0 passes the config; the scheduler agrees:
+    warmup, then the peak for ever."""
+    sched = OptimizerParamScheduler(
+        make_opt(), max_lr=MAX, lr_decay_steps=0, lr_decay_style="constant", lr_warmup_steps=4
+    )
+    assert lrs(sched, 10) == pytest.approx([expected(n, "constant", 4, 0) for n in range(11)])

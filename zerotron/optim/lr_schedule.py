@@ -125,13 +125,15 @@ class OptimizerParamScheduler:
                 "--lr-decay-style",
                 f"use one of {', '.join(DECAY_STYLES)}",
             )
-        if self.lr_decay_steps <= 0:
+        # A constant schedule never decays, so its decay length may be 0 (the config allows it).
+        decays = self.lr_decay_style != "constant"
+        if decays and self.lr_decay_steps <= 0:
             raise bad(
                 f"lr decay steps must be > 0, got {self.lr_decay_steps}",
                 "--lr-decay-iters",
                 "set --lr-decay-iters (default: --train-iters) to a positive number",
             )
-        if not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
+        if self.lr_warmup_steps < 0 or (decays and self.lr_warmup_steps >= self.lr_decay_steps):
             raise bad(
                 f"lr warmup ({self.lr_warmup_steps}) must be >= 0 and shorter than the decay "
                 f"({self.lr_decay_steps})",
