@@ -64,6 +64,28 @@ class LossScaler:
         del state
 
 
+class ScalesLoss:
+    """What an optimizer wrapper owning an optional ``loss_scaler`` gives the Engine: the current
+    scale (1.0 without fp16 scaling) under its and DeepSpeed's names, and the loss to backward.
+
+    Shared by :class:`~zerotron.precision.mixed.MixedPrecisionOptimizer` and ZeRO's optimizer.
+    """
+
+    loss_scaler: LossScaler | None
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def cur_scale(self) -> float:  # DeepSpeed's name
+        return self.loss_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``.backward()`` on: multiplied by the loss scale under fp16."""
+        return self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss
+
+
 class StaticLossScaler(LossScaler):
     """A constant loss scale (Megatron's ``--loss-scale``, DeepSpeed's ``fp16.loss_scale > 0``)."""
 

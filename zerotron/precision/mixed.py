@@ -45,7 +45,7 @@ from zerotron.precision.grads import (
     has_overflow,
     unscale_and_check_overflow_,
 )
-from zerotron.precision.loss_scaler import LossScaler
+from zerotron.precision.loss_scaler import LossScaler, ScalesLoss
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -61,7 +61,7 @@ class StepResult(NamedTuple):
     """Zero gradient elements, when ``log_num_zeros_in_grad`` is on; else None."""
 
 
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(ScalesLoss):
     """An optimizer over fp32 master weights, with loss scaling, overflow skipping and clipping.
 
     Args:
@@ -158,16 +158,6 @@ class MixedPrecisionOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's groups (over master params): LR schedulers set lr here."""
         return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-
-    cur_scale = loss_scale  # DeepSpeed's name
-
-    def scale_loss(self, loss: Tensor) -> Tensor:
-        """The loss to call ``.backward()`` on: multiplied by the loss scale under fp16."""
-        return self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss
 
     @torch.no_grad()
     def step(self) -> StepResult:

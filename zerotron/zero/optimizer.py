@@ -50,7 +50,7 @@ from zerotron.precision.grads import (
     has_overflow,
     unscale_and_check_overflow_,
 )
-from zerotron.precision.loss_scaler import LossScaler
+from zerotron.precision.loss_scaler import LossScaler, ScalesLoss
 from zerotron.precision.mixed import StepResult
 from zerotron.zero.grads import GradReducer
 from zerotron.zero.masters import (
@@ -73,7 +73,7 @@ from zerotron.zero.stage3 import (
 )
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(ScalesLoss):
     """ZeRO stages 1, 2 and 3 around a fresh torch optimizer (see the module docstring and
     ``notes/zero_api.md``).
 
@@ -335,15 +335,6 @@ class ZeroOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         """The torch optimizer's groups (one per sub-group): LR schedulers set lr here."""
         return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-
-    cur_scale = loss_scale  # DeepSpeed's name
-
-    def scale_loss(self, loss: Tensor) -> Tensor:
-        return self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss
 
     def _reduce(self, t: Tensor, op: str) -> Tensor:
         """Combine a 1-element tensor over the data-parallel group and then ``reduce_fn``."""
