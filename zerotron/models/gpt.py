@@ -451,7 +451,7 @@ class Embedding(nn.Module):
     def forward(
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None, offset: int = 0
     ) -> torch.Tensor:
-        x = self.word_embeddings(tokens)
+        x = _word_embedding(self.word_embeddings, tokens)
         s = x.shape[1]  # this rank's sequence shard under SP
         if self.sequence_parallel:
             first = self.tp_group.rank * s
@@ -466,6 +466,18 @@ class Embedding(nn.Module):
             with _model_parallel_rng(self.tp_group, self.sequence_parallel):
                 x = F.dropout(x, self.hidden_dropout, training=True)
         return x
+
+
+@torch.compiler.disable
+def _word_embedding(embedding: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The word-embedding lookup, eager even inside ``torch.compile`` (a graph break before it).
+
+    Compiled, its backward (the tied ``[vocab, h]`` weight's gradient) becomes inductor's
+    decomposition: zero a ``[vocab, h]`` fp32 buffer, scatter-add the 2048 rows, cast it to the
+    parameters' dtype; ~215 ms per step on one core of bench/README.md's CPU (GPT-2 vocabulary,
+    bf16), against ~20 ms for eager's ``embedding_dense_backward``.
+    """
+    return embedding(tokens)
 
 
 def _checkpoint_with_tracker(fn, *args, use_reentrant: bool = False):

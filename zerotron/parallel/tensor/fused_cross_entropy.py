@@ -26,7 +26,8 @@ Vocabulary padding: ``weight`` is the whole (padded) embedding ``[V_pad, h]``; o
 padding rows zero, so the tied embedding's gradient costs no slice-backward zero-fill and copy.
 
 Numerics equal the unfused path up to rounding. fp32: the same operations in the same order per
-element (loss and gradients within ~1e-7 relative). 16-bit: the same 16-bit logits and fp32 loss
+element (loss and gradients within ~1e-6 relative; on CPU the three matmuls run on oneDNN, whose
+fp32 GEMM is up to 2x torch.mm's MKL one on AMD CPUs, see ``_ONEDNN``). 16-bit: the same 16-bit logits and fp32 loss
 (within ~2e-7), the softmax from ``torch.softmax``'s faster exp (~1e-5 relative, invisible after
 the cast to bf16) and ``grad_W`` accumulated over the chunks in bf16 (a few bf16 ulps).
 
@@ -108,7 +109,10 @@ class _Chunks:
         n = x.shape[0]
         work = self.work[:n]
         if self.low is None:
-            torch.mm(x, self.w.t(), out=work)
+            if _use_onednn(x):  # a fresh [n, V] tensor (no out=), still well ahead of mm
+                work = _onednn_linear(x, self.w)
+            else:
+                torch.mm(x, self.w.t(), out=work)
         else:
             low = self.low[:n]
             torch.mm(x, self.w.t(), out=low)
@@ -169,12 +173,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.empty_like(weight) if need_w else None
         if need_w:
             grad_w[vocab_size:].zero_()  # padding rows: the only ones not written below
+        acc = _GradW(grad_w[:vocab_size]) if need_w else None
         for rows in chunks:
             g = chunks.grad_logits(rows, loss)
             if need_x:
-                torch.mm(g, chunks.w, out=grad_x[rows])
-            if need_w:
-                _accumulate_grad_w(grad_w[:vocab_size], g, x[rows], first=rows.start == 0)
+                _matmul(g, chunks.w, out=grad_x[rows])
+            if acc is not None:
+                acc.add(g, x[rows])
+        if acc is not None:
+            acc.finish()
         ctx.args = (vocab_size, chunk_size, workspace)
         ctx.needs = (need_x, need_w)
         ctx.save_for_backward(x, weight, target, grad_x, grad_w)
@@ -194,18 +201,65 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             else:  # a sum over tokens: recompute it with each token's weight
                 vocab_size, chunk_size, workspace = ctx.args
                 chunks = _Chunks(x, weight, target, vocab_size, chunk_size, workspace, True)
+                acc = _GradW(grad_w[:vocab_size])
                 for rows in chunks:
-                    g = chunks.grad_logits(rows, None, scale=grad_loss)
-                    _accumulate_grad_w(grad_w[:vocab_size], g, x[rows], first=rows.start == 0)
+                    acc.add(chunks.grad_logits(rows, None, scale=grad_loss), x[rows])
+                acc.finish()
         return grad_x, grad_w, None, None, None, None
 
 
-def _accumulate_grad_w(out: torch.Tensor, grad_logits, x, first: bool) -> None:
-    """``out (+)= grad_logits^T @ x``."""
-    if first:
-        torch.mm(grad_logits.t(), x, out=out)
+# fp32 matmuls on CPU go to oneDNN rather than torch.mm where it is there: torch.mm's fp32 GEMM is
+# MKL, which on AMD CPUs runs its AVX2 code. On the AVX-512 AMD EPYC of bench/README.md (one
+# core), oneDNN's fp32 GEMM does 140-200 GFLOP/s on these shapes against torch.mm's 75-100.
+# (16-bit torch.mm already is oneDNN.) Results equal torch.mm's up to summation order.
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _use_onednn(t: torch.Tensor) -> bool:
+    return _ONEDNN and t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def _onednn_linear(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b^T`` by oneDNN (any strides) into a fresh tensor."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b``."""
+    if _use_onednn(a):
+        out.copy_(_onednn_linear(a, b.t()))
     else:
-        out.addmm_(grad_logits.t(), x)
+        torch.mm(a, b, out=out)
+
+
+class _GradW:
+    """``out = sum over chunks of grad_logits^T @ x`` (``out`` is ``[V, h]``).
+
+    With oneDNN (fp32 on CPU) each chunk's product is taken transposed, ``x^T @ grad_logits``
+    (``[h, V]``, the fastest of the layouts there), summed, and transposed into ``out`` once at
+    the end; otherwise ``addmm_`` accumulates into ``out`` directly.
+    """
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+        self.onednn = _use_onednn(out)
+        self.sum_t: torch.Tensor | None = None  # [h, V], oneDNN only
+        self.first = True
+
+    def add(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        if self.onednn:
+            part = _onednn_linear(x.t(), grad_logits.t())
+            self.sum_t = part if self.sum_t is None else self.sum_t.add_(part)
+        elif self.first:
+            torch.mm(grad_logits.t(), x, out=self.out)
+        else:
+            self.out.addmm_(grad_logits.t(), x)
+        self.first = False
+
+    def finish(self) -> None:
+        if self.sum_t is not None:
+            self.out.copy_(self.sum_t.t())
+            self.sum_t = None
 
 
 def fused_linear_cross_entropy(
