@@ -145,7 +145,7 @@ def test_workspace_is_reused_and_changes_nothing():
     ref = loss_and_grads(fused, x, w, target, up)
     first = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
     buffers = {k: b.data_ptr() for k, b in workspace._buffers.items()}
-    assert sorted(buffers) == ["16bit", "fp32"]
+    assert sorted(buffers) == ["16bit", "fp32", "grad_w_t"]
     again = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
     assert {k: b.data_ptr() for k, b in workspace._buffers.items()} == buffers
     for a, b, c in zip(ref, first, again):

@@ -348,9 +348,48 @@ def _model_parallel_rng(tp_group: Group, draws: bool):
 
 
 def _core_attention(q, k, v, attention_mask, is_causal, dropout_p):
+    if _math_attention_is_faster(q, k, attention_mask, is_causal, dropout_p):
+        return _math_causal_attention(q, k, v)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, is_causal=is_causal
     )
+
+
+# Longest sequence for which 16-bit causal attention on CPU is computed as two matmuls and a
+# softmax instead of SDPA's flash kernel (which is linear in memory; this keeps [b, heads, s, s]).
+MATH_ATTENTION_MAX_SEQ = 512
+
+
+def _math_attention_is_faster(q, k, attention_mask, is_causal, dropout_p) -> bool:
+    """16-bit training-shaped causal attention on CPU, short sequences, no dropout.
+
+    There SDPA's CPU flash kernel is the slow one: on one core of bench/README.md's AVX-512 AMD
+    EPYC (bf16, [8, 6, 256, 64]) it takes ~11 ms forward and ~25 ms backward per layer, the
+    matmul + fp32 softmax path ~12 + ~12 eager and ~8 + ~13 under ``torch.compile``.
+    """
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and torch.is_grad_enabled()
+        and attention_mask is None
+        and is_causal
+        and dropout_p == 0.0
+        and k.shape[-2] == q.shape[-2] <= MATH_ATTENTION_MAX_SEQ
+    )
+
+
+def _math_causal_attention(q, k, v):
+    """``softmax(q k^T / sqrt(d) + causal mask) v`` as Megatron-LM's unfused path computes it.
+
+    Scores come out of the matmul in the 16-bit dtype, the scale, mask and softmax run in fp32,
+    the probabilities go back to 16 bits for the second matmul (flash keeps the scores in fp32:
+    outputs differ by a bf16 ulp or two).
+    """
+    s = q.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 class MLP(nn.Module):
@@ -449,9 +488,14 @@ class Embedding(nn.Module):
         self.hidden_dropout = config.hidden_dropout
 
     def forward(
-        self, tokens: torch.Tensor, position_ids: torch.Tensor | None, offset: int = 0
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        offset: int = 0,
+        sparse_grad: bool = False,
     ) -> torch.Tensor:
-        x = _word_embedding(self.word_embeddings, tokens)
+        """``sparse_grad``: see :func:`_word_embedding` (the caller guarantees a dense one too)."""
+        x = _word_embedding(self.word_embeddings, tokens, sparse_grad and self.tp_group.size == 1)
         s = x.shape[1]  # this rank's sequence shard under SP
         if self.sequence_parallel:
             first = self.tp_group.rank * s
@@ -469,14 +513,24 @@ class Embedding(nn.Module):
 
 
 @torch.compiler.disable
-def _word_embedding(embedding: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _word_embedding(
+    embedding: VocabParallelEmbedding, tokens: torch.Tensor, sparse_grad: bool = False
+) -> torch.Tensor:
     """The word-embedding lookup, eager even inside ``torch.compile`` (a graph break before it).
 
     Compiled, its backward (the tied ``[vocab, h]`` weight's gradient) becomes inductor's
     decomposition: zero a ``[vocab, h]`` fp32 buffer, scatter-add the 2048 rows, cast it to the
     parameters' dtype; ~215 ms per step on one core of bench/README.md's CPU (GPT-2 vocabulary,
     bf16), against ~20 ms for eager's ``embedding_dense_backward``.
+
+    ``sparse_grad`` (TP=1 only, and only where the fused loss gives the tied weight a dense
+    gradient in the same backward): the lookup's gradient is a sparse tensor of the looked-up
+    rows, which autograd adds in place into the loss's dense ``[vocab, h]`` gradient; the weight
+    still gets one dense gradient. That skips zeroing a ``[vocab, h]`` tensor and one dense add
+    (~20 ms per step there).
     """
+    if sparse_grad:
+        return F.embedding(tokens, embedding.weight, sparse=True)
     return embedding(tokens)
 
 
@@ -570,8 +624,11 @@ class GPT(nn.Module):
                 queries = torch.arange(offset, offset + s, device=tokens.device)
                 attention_mask = keys[None, :] <= queries[:, None]
 
-        x = self.embedding(tokens, position_ids, offset)
         training_pass = torch.is_grad_enabled() and kv_cache is None
+        # With labels at TP=1 the fused loss gives the tied weight a dense gradient: the lookup's
+        # own can be sparse rows added into it.
+        fused_loss = labels is not None and self.tp_group.size == 1
+        x = self.embedding(tokens, position_ids, offset, sparse_grad=fused_loss and training_pass)
         x = self._run_layers(x, attention_mask, is_causal, kv_cache, training_pass)
         x = self.final_layernorm(x)
         if kv_cache is not None:

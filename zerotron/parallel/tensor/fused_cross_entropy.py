@@ -86,7 +86,7 @@ class _Chunks:
         self.x, self.target, self.size = x, target, chunk_size
         self.w = weight[:vocab_size]  # a contiguous prefix: no copy
         rows, v = min(chunk_size, x.shape[0]), vocab_size
-        ws = workspace or ChunkWorkspace()
+        ws = self.workspace = workspace or ChunkWorkspace()
         self.work = ws.get("fp32", rows, v, x, torch.float32)
         # 16-bit: the logits come out of the matmul here, and the gradient goes back in here
         self.low = ws.get("16bit", rows, v, x, x.dtype) if x.dtype != torch.float32 else None
@@ -173,7 +173,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.empty_like(weight) if need_w else None
         if need_w:
             grad_w[vocab_size:].zero_()  # padding rows: the only ones not written below
-        acc = _GradW(grad_w[:vocab_size]) if need_w else None
+        acc = _GradW(grad_w[:vocab_size], chunks.workspace) if need_w else None
         for rows in chunks:
             g = chunks.grad_logits(rows, loss)
             if need_x:
@@ -201,7 +201,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             else:  # a sum over tokens: recompute it with each token's weight
                 vocab_size, chunk_size, workspace = ctx.args
                 chunks = _Chunks(x, weight, target, vocab_size, chunk_size, workspace, True)
-                acc = _GradW(grad_w[:vocab_size])
+                acc = _GradW(grad_w[:vocab_size], chunks.workspace)
                 for rows in chunks:
                     acc.add(chunks.grad_logits(rows, None, scale=grad_loss), x[rows])
                 acc.finish()
@@ -235,21 +235,32 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 class _GradW:
     """``out = sum over chunks of grad_logits^T @ x`` (``out`` is ``[V, h]``).
 
-    With oneDNN (fp32 on CPU) each chunk's product is taken transposed, ``x^T @ grad_logits``
-    (``[h, V]``, the fastest of the layouts there), summed, and transposed into ``out`` once at
-    the end; otherwise ``addmm_`` accumulates into ``out`` directly.
+    On CPU each chunk's product is taken transposed, ``x^T @ grad_logits`` (``[h, V]``), summed,
+    and transposed into ``out`` once at the end: that layout is the fastest there (oneDNN fp32
+    ~150 against ``grad_logits^T @ x``'s ~85 GFLOP/s by torch.mm; bf16 ~335 against ~270), and
+    the final transposing copy costs ~15 ms. The 16-bit sum lives in a reused workspace buffer
+    (fresh, it would page-fault); oneDNN's fp32 products come fresh, so the first one is the sum.
+    Elsewhere ``addmm_`` accumulates into ``out`` directly.
     """
 
-    def __init__(self, out: torch.Tensor) -> None:
+    def __init__(self, out: torch.Tensor, workspace: ChunkWorkspace) -> None:
         self.out = out
         self.onednn = _use_onednn(out)
-        self.sum_t: torch.Tensor | None = None  # [h, V], oneDNN only
+        self.sum_t: torch.Tensor | None = None  # [h, V] (CPU)
+        if out.device.type == "cpu" and not self.onednn:
+            v, h = out.shape
+            self.sum_t = workspace.get("grad_w_t", h, v, out, out.dtype)
         self.first = True
 
     def add(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
         if self.onednn:
             part = _onednn_linear(x.t(), grad_logits.t())
             self.sum_t = part if self.sum_t is None else self.sum_t.add_(part)
+        elif self.sum_t is not None:
+            if self.first:
+                torch.mm(x.t(), grad_logits, out=self.sum_t)
+            else:
+                self.sum_t.addmm_(x.t(), grad_logits)
         elif self.first:
             torch.mm(grad_logits.t(), x, out=self.out)
         else:
