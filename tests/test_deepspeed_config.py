@@ -226,6 +226,24 @@ def test_deepspeed_defaults():
 # ---- batch sizes
 
 
+def test_without_a_deepspeed_config_zero_sizes_are_zerotrons():
+    """Flags and the schema leave the bucket, sub-group and prefetch sizes unset: ZeroOptimizer
+    takes zerotron's (stage 3 in pieces of a few MB, the next module prefetched), a DeepSpeed
+    config DeepSpeed's (test_deepspeed_defaults)."""
+    from zerotron.config.schema import ZeroConfig
+    from zerotron.zero.optimizer import default_sizes
+
+    z = ZeroConfig()
+    assert (z.reduce_bucket_size, z.sub_group_size, z.stage3_prefetch_bucket_size) == (
+        None,
+        None,
+        None,
+    )
+    assert default_sizes(3, None, None) == (4_000_000, 2_000_000)
+    assert default_sizes(1, None, None) == default_sizes(2, None, None) == (500_000_000, 10**9)
+    assert default_sizes(3, 7, 9) == (7, 9)
+
+
 @pytest.mark.parametrize(
     "given,world,tp,pp,want",
     [

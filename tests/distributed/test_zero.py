@@ -720,6 +720,15 @@ def check_memory_matches_zero_formulas(results, world):
             assert abs(ratio - 1) <= 0.10, (world, stage, rank, ratio, r)
 
 
+def check_stage3_keeps_one_copy_of_the_partition(results, world):
+    """Stage 3 without offload: the shards are views of the fp32 masters (no 16-bit copy,
+    ``params`` 0 bytes: every weight here is partitioned) and the gradient partitions are fp32."""
+    for rank in range(world):
+        r = results[rank]["memory", 3]
+        assert r["report"]["params"] == 0, r
+        assert r["report"]["grads"] == 4 * r["psi"] // world, r
+
+
 def check_grad_accum_dtype(dp2):
     """fp32 gradient partitions under bf16 parameters: 4 bytes per element of the partition."""
     r = dp2[0]["memory", "fp32 accum"]
@@ -743,6 +752,7 @@ def test_zero_on_2_ranks(tmp_path, references):
     check_stage3_modified_parameters_reload_their_masters(dp2)
     check_comm_ledger_matches_closed_form(dp2)
     check_memory_matches_zero_formulas(dp2, 2)
+    check_stage3_keeps_one_copy_of_the_partition(dp2, 2)
     check_grad_accum_dtype(dp2)
 
 
@@ -753,6 +763,7 @@ def test_zero_on_4_ranks(references):
     check_dp2_tp2_stages_equal_one_process(dp4, references)
     check_dp2_pp2_stage1_equals_one_process(dp4, references)
     check_memory_matches_zero_formulas(dp4, 4)
+    check_stage3_keeps_one_copy_of_the_partition(dp4, 4)
     check_pipeline_refuses_stage_2_and_3(dp4)
 
 

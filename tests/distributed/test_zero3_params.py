@@ -127,6 +127,7 @@ def build(kind: str, dtype: torch.dtype) -> nn.Module:
 CONFIGS = [
     # kind, dtype, prefetch_bucket_size, max_live_parameters
     ("gpt", torch.float32, int(5e7), int(1e9)),
+    ("gpt", torch.float32, None, int(1e9)),  # zerotron's default: the next module only
     ("gpt-recompute", torch.float32, 3000, int(1e9)),
     ("gpt", torch.float32, 0, int(1e9)),
     ("gpt", torch.float32, int(5e7), 30000),
@@ -341,6 +342,9 @@ def check_prefetch_follows_recorded_order_within_budgets(lifecycle):
                 assert step["prefetches"] > 0, res["config"]
         if max_live < int(1e9):
             assert res["peak_live"] <= max(max_live, res["largest_fetch"])
+    # Gathering only the next module ahead holds fewer elements at once than the whole model.
+    peak = {res["config"][2]: res["peak_live"] for res in lifecycle[0] if res["config"][0] == "gpt"}
+    assert 0 < peak[None] < peak[int(5e7)], peak
 
 
 # --------------------------------------------------------------------------------------------

@@ -712,6 +712,11 @@ DEEPSPEED_DEFAULTS: dict[str, dict[str, Any]] = {
     "optimizer": {"clip_grad": 0.0},
     "training": {"log_interval": 10},
     "precision": {"initial_loss_scale": 2.0**16},
+    "zero": {
+        "reduce_bucket_size": 500_000_000,
+        "sub_group_size": 1_000_000_000,
+        "stage3_prefetch_bucket_size": 50_000_000,
+    },
 }
 """Schema fields whose default DeepSpeed sets differently from Megatron."""
 

@@ -460,7 +460,12 @@ class ZeroConfig(_Section):
     reduce_scatter: bool = Field(
         True, description="Reduce gradients with reduce-scatter (not all-reduce)."
     )
-    reduce_bucket_size: Int = Field(500_000_000, gt=0, description="Elements reduced at a time.")
+    reduce_bucket_size: Int | None = Field(
+        None,
+        gt=0,
+        description="Elements reduced at a time; unset: 4e6 at stage 3, 5e8 at stages 1-2 "
+        "(a DeepSpeed config's default is 5e8).",
+    )
     contiguous_gradients: bool = Field(
         True, description="Copy reduced gradients into one contiguous buffer."
     )
@@ -497,13 +502,17 @@ class ZeroConfig(_Section):
     offload_param_max_in_cpu: Int = Field(
         1_000_000_000, ge=0, description="Parameter elements kept in host memory (NVMe)."
     )
-    sub_group_size: Int = Field(
-        1_000_000_000,
-        ge=0,
-        description="Elements per optimizer sub-group stepped at a time (offload streams them).",
+    sub_group_size: Int | None = Field(
+        None,
+        gt=0,
+        description="Elements per optimizer sub-group stepped at a time (offload streams them); "
+        "unset: 2e6 at stage 3, 1e9 at stages 1-2 (a DeepSpeed config's default is 1e9).",
     )
-    stage3_prefetch_bucket_size: Int = Field(
-        50_000_000, ge=0, description="Stage 3: parameter elements fetched ahead of use."
+    stage3_prefetch_bucket_size: Int | None = Field(
+        None,
+        ge=0,
+        description="Stage 3: parameter elements fetched ahead of use; unset: the next module "
+        "only (a DeepSpeed config's default is 5e7).",
     )
     stage3_param_persistence_threshold: Int = Field(
         100_000, ge=0, description="Stage 3: parameters this small stay whole (not partitioned)."

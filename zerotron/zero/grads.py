@@ -159,9 +159,10 @@ class GradReducer:
         self.reduced_since_step = True
 
     def _launch(self, bucket: _Bucket) -> None:
-        buf = bucket.layout.pack([p.grad for p in bucket.params], dtype=bucket.wire)
+        grads = [p.grad for p in bucket.params]
         for p in bucket.params:
-            p.grad = None  # the full gradient's job is done: free it now
+            p.grad = None  # the full gradient's job is done: each is freed once packed
+        buf = bucket.layout.pack(grads, dtype=bucket.wire, consume=True)
         n = self.group.size
         if self.prescale:
             buf.div_(n)

@@ -55,6 +55,12 @@ def memory_report(zero: Any) -> dict[str, int]:
     """
     walk = _Walker()
     model_params = list(zero.model.parameters())
+    # States first: stage 3's shards may be views of the masters (counted here, once).
+    if zero._offloaded is not None:  # it knows what it keeps resident (NVMe: a few slots)
+        states = zero._offloaded.resident_state_bytes()
+    else:
+        masters = [s.master for s in zero.sub_groups]
+        states = walk.bytes(masters + list(_state_tensors(zero.optimizer.state)))
     params = walk.bytes(
         [p.data for p in model_params] + [getattr(p, "zero_shard", None) for p in model_params]
     )
@@ -63,11 +69,6 @@ def memory_report(zero: Any) -> dict[str, int]:
         + [s.grad for s in zero.sub_groups]
         + [s.master.grad for s in zero.sub_groups]
     )
-    if zero._offloaded is not None:  # it knows what it keeps resident (NVMe: a few slots)
-        states = zero._offloaded.resident_state_bytes()
-    else:
-        masters = [s.master for s in zero.sub_groups]
-        states = walk.bytes(masters + list(_state_tensors(zero.optimizer.state)))
     return {
         "params": params,
         "grads": grads,

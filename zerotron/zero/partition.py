@@ -119,18 +119,31 @@ class BucketLayout:
     def indices(self) -> list[int]:
         return [s.index for s in self.slots]
 
-    def pack(self, tensors: Sequence[Tensor | None], dtype: torch.dtype | None = None) -> Tensor:
+    def pack(
+        self,
+        tensors: Sequence[Tensor | None],
+        dtype: torch.dtype | None = None,
+        *,
+        consume: bool = False,
+    ) -> Tensor:
         """A new ``[world, row_len]`` buffer holding ``tensors`` (one per slot; None = zeros).
 
         ``dtype`` defaults to the first tensor's; values are cast as they are copied in.
+        ``consume=True`` (``tensors`` a list): each entry is set to None once copied, so a
+        tensor nothing else holds is freed at once and the buffer does not double the memory.
         """
         first = next((t for t in tensors if t is not None), None)
         if dtype is None:
             dtype = first.dtype if first is not None else torch.float32
         device = first.device if first is not None else torch.device("cpu")
+        del first
+        _check(len(tensors) == len(self.slots), f"{len(tensors)} tensors, {len(self.slots)} slots")
         # Not zeros(): every element is written once below (values, or zeros for padding).
         buf = torch.empty(self.world, self.row_len, dtype=dtype, device=device)
-        for slot, t in zip(self.slots, tensors, strict=True):
+        for k, slot in enumerate(self.slots):
+            t = tensors[k]
+            if consume:
+                tensors[k] = None  # type: ignore[index]
             view = buf[:, slot.row_offset : slot.row_offset + slot.chunk]
             if t is None:
                 view.zero_()
@@ -148,6 +161,7 @@ class BucketLayout:
                 view[full, :rest].copy_(flat[full * slot.chunk :])
                 view[full, rest:].zero_()
             view[full + (rest > 0) :].zero_()
+            del t, flat  # with consume, the last reference to a gradient went with these
         return buf
 
     def unpack(self, buffer: Tensor) -> list[Tensor]:

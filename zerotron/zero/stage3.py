@@ -7,7 +7,9 @@ more than ``persistence_threshold`` elements is split by the rule of :mod:`zerot
 (``p.zero_persistent = True``; the optimizer treats them as stage 2 does). Attributes of a
 partitioned parameter (``notes/zero_api.md``)::
 
-    p.zero_shard       1-D, ``chunk`` elements, p.dtype: this rank's chunk, zero-padded
+    p.zero_shard       1-D, ``chunk`` elements: this rank's chunk, zero-padded; p.dtype, or
+                       once a ZeroOptimizer without offload owns the model, a view of its
+                       fp32 master (one copy of the partition, cast as it is gathered)
     p.zero_shape       torch.Size of the full parameter (``p.shape`` is (0,) at rest)
     p.zero_numel       elements of the full parameter
     p.zero_persistent  False (True: kept whole)
@@ -32,8 +34,10 @@ or without recompute), :class:`GatheredParameters` blocks.
 Prefetch: the order in which modules fetch is recorded in the first forward and the first
 backward (separately); later passes that follow the same order start the gathers of the next
 modules asynchronously, up to ``prefetch_bucket_size`` elements in flight and
-``max_live_parameters`` gathered in all. A pass that departs from the recorded order stops
-prefetching and the next pass records afresh.
+``max_live_parameters`` gathered in all. Without a ``prefetch_bucket_size`` (zerotron's default;
+a DeepSpeed config's default is 5e7) only the next module is gathered ahead, as FSDP2 does: in
+backward a deeper prefetch holds parameters while the activations are at their peak. A pass
+that departs from the recorded order stops prefetching and the next pass records afresh.
 
 Saved activations: autograd keeps views of the weights it needs for backward (``linear`` saves
 ``weight.t()``), which would keep a released parameter's memory alive until backward. While a
@@ -170,7 +174,9 @@ def write_shard(p: Tensor, values: Tensor) -> None:
     (there ``p.zero_shard`` is an empty placeholder)."""
     st = _state(p)
     if st.store is None:
-        p.zero_shard.copy_(values)  # type: ignore[attr-defined]
+        own = p.zero_shard  # type: ignore[attr-defined]
+        if not (own.data_ptr() == values.data_ptr() and own.dtype == values.dtype):
+            own.copy_(values)  # (the optimizer's fp32 master may be the shard itself)
     elif st.store.device == "nvme":
         st.store.put(st.key, values.to(p.dtype))
     else:  # cpu (or none): p.zero_shard is the tensor the store holds
@@ -214,8 +220,9 @@ def partition_param(
 
 
 def _gather_source(p: Tensor) -> Tensor:
-    """The shard to all-gather, on the parameter's device."""
-    return read_shard(p).to(p.device, non_blocking=True)
+    """The shard to all-gather, on the parameter's device, in its dtype (the shard may be a
+    view of the optimizer's fp32 master: see ``ZeroOptimizer.shards_are_masters``)."""
+    return read_shard(p).to(p.device, p.dtype, non_blocking=True)
 
 
 def _write_full(p: Tensor, full: Tensor) -> None:
@@ -455,11 +462,12 @@ class ParamCoordinator:
         group: Group,
         *,
         persistence_threshold: int = int(1e5),
-        prefetch_bucket_size: int = int(5e7),
+        prefetch_bucket_size: int | None = None,
         max_live_parameters: int = int(1e9),
         param_store: ParamStore | None = None,
     ):
-        if min(prefetch_bucket_size, max_live_parameters, persistence_threshold) < 0:
+        sizes = (prefetch_bucket_size or 0, max_live_parameters, persistence_threshold)
+        if min(sizes) < 0:
             raise ConfigError(
                 f"stage-3 sizes must be >= 0 (prefetch_bucket_size={prefetch_bucket_size}, "
                 f"max_live_parameters={max_live_parameters}, "
@@ -469,7 +477,10 @@ class ParamCoordinator:
         self.module = module
         self.group = group
         self.persistence_threshold = int(persistence_threshold)
-        self.prefetch_bucket_size = int(prefetch_bucket_size)
+        self.prefetch_bucket_size = (
+            None if prefetch_bucket_size is None else int(prefetch_bucket_size)
+        )
+        """Elements gathered ahead of use at most; None: the next module only."""
         self.max_live_parameters = int(max_live_parameters)
         self.param_store = param_store
         self.params: list[nn.Parameter] = []
@@ -663,16 +674,19 @@ class ParamCoordinator:
     # -- prefetch and accounting ---------------------------------------------------------------
 
     def _prefetch(self, upcoming: list[nn.Module]) -> None:
-        """Start gathering the next modules' parameters within the prefetch budgets."""
+        """Start gathering the next modules' parameters within the prefetch budgets (without a
+        ``prefetch_bucket_size``: the next module's, whatever its size)."""
+        if self.prefetch_bucket_size is None:
+            upcoming = upcoming[:1]
         for module in upcoming:
             todo = [p for p in self._fetch_list(module) if _state(p).status == RELEASED]
             if not todo:
                 continue
             numel = sum(p.zero_numel for p in todo)  # type: ignore[attr-defined]
+            bucket = self.prefetch_bucket_size
             if (
-                self._prefetched_numel + numel > self.prefetch_bucket_size
-                or self.live_numel + numel > self.max_live_parameters
-            ):
+                bucket is not None and self._prefetched_numel + numel > bucket
+            ) or self.live_numel + numel > self.max_live_parameters:
                 return
             for p in todo:
                 _state(p).prefetched = True
@@ -765,7 +779,7 @@ def partition_parameters(
     group: Group | None = None,
     *,
     persistence_threshold: int = int(1e5),
-    prefetch_bucket_size: int = int(5e7),
+    prefetch_bucket_size: int | None = None,
     max_live_parameters: int = int(1e9),
     param_store: ParamStore | None = None,
 ) -> ParamCoordinator:
