@@ -10,8 +10,8 @@ What each side runs for one step (one micro-batch of ``micro_batch × seq`` toke
 * zerotron: its own training path. ``Engine(model, MixedPrecisionOptimizer(AdamW))`` with
   ``loss = lm_loss(engine, batch)``, ``engine.backward(loss)``, ``engine.step()``; the batch is the
   GPT dataset's (tokens, labels, loss_mask, position_ids). ``--compile`` compiles the module's
-  forward, as ``Engine(compile=True)`` does (its fused output layer + loss runs eagerly behind a
-  graph break).
+  forward, as ``Engine(compile=True)`` does (its word-embedding lookup and its fused output
+  layer + loss run eagerly behind graph breaks).
 * transformers: ``model(input_ids=tokens, labels=labels, shift_labels=labels).loss`` (SDPA
   attention, HF's own causal-LM loss; ``shift_labels`` makes it predict the same 2048 labels as
   zerotron instead of shifting them again), ``loss.backward()``, optimizer step. Compiled the same
@@ -255,14 +255,28 @@ def timed_step(
     return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
 
 
+def _onednn_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` by oneDNN's GEMM (what zerotron's fused loss uses for fp32 on CPU)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+
+
+def onednn_available(device: torch.device) -> bool:
+    return (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
 def matmul_peak(
     shape: Shape,
     dtype: torch.dtype,
     device: torch.device,
     seconds: float = 0.25,
     clock: Callable[[], float] = time.perf_counter,
+    mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.mm,
 ) -> tuple[float, str]:
-    """Best FLOP/s of ``torch.mm`` over the model's matmul shapes and a square one.
+    """Best FLOP/s of ``torch.mm`` (or ``mm``) over the model's matmul shapes and a square one.
 
     Each candidate ``[m, k] @ [k, n]`` runs with ``B`` stored ``[k, n]`` and as the transpose of
     an ``[n, k]`` matrix (``F.linear``'s layout); best of 3 rounds of ``seconds`` each.
@@ -277,11 +291,11 @@ def matmul_peak(
             ("nk^T", torch.randn(n, k, dtype=dtype, device=device).t()),
         ):
             flops = 2.0 * m * k * n
-            torch.mm(a, b)  # warm the kernel
+            mm(a, b)  # warm the kernel
             for _ in range(3):
                 iters, t0 = 0, clock()
                 while clock() - t0 < seconds:
-                    torch.mm(a, b)
+                    mm(a, b)
                     sync(device)
                     iters += 1
                 rate = flops * iters / (clock() - t0)
@@ -556,6 +570,15 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
 
     peaks = {d: max(m) for d, m in measured.items()}
+    # For information only (the MFU stays over torch.mm's peak): oneDNN's GEMM on the same shapes.
+    # On CPU torch.mm's fp32 GEMM is MKL's, which runs its AVX2 code on AMD CPUs; zerotron's fused
+    # loss takes its fp32 matmuls to oneDNN instead, so its fp32 MFU can pass 100% there.
+    onednn_peaks = {}
+    if onednn_available(device) and not args.quick:
+        for d in args.dtypes:
+            onednn_peaks[d] = matmul_peak(
+                shape, DTYPES[d], device, clock=CLOCKS[args.clock], mm=_onednn_mm
+            )
     print()
     for d, (rate, where) in peaks.items():
         each = ", ".join(f"{r / 1e9:,.0f}" for r, _ in measured[d])
@@ -563,14 +586,24 @@ def main(argv: list[str] | None = None) -> int:
             f"matmul peak {d}: {rate / 1e9:,.0f} GFLOP/s, torch.mm on {where} "
             f"(best of the run; measured before each column: {each})"
         )
+        if d in onednn_peaks:
+            rate, where = onednn_peaks[d]
+            print(f"  (oneDNN's GEMM, for information: {rate / 1e9:,.0f} GFLOP/s on {where})")
     text, results = report(columns, shape, flops_per_token, peaks, args)
     print(text)
+    for c in columns:
+        if c.dtype in onednn_peaks:
+            tps = shape.tokens_per_step / c.step_s["zerotron"]
+            mfu = tps * flops_per_token / onednn_peaks[c.dtype][0]
+            results[c.label]["zerotron"]["mfu_over_onednn_peak"] = mfu
+            print(f"  {c.label:14} zerotron MFU over oneDNN's peak instead: {100 * mfu:.1f}%")
     if args.json:
         payload = {
             "shape": asdict(shape),
             "hyper": asdict(hp),
             "flops_per_token": flops_per_token,
             "peaks": {d: {"flops": f, "shape": s} for d, (f, s) in peaks.items()},
+            "onednn_peaks": {d: {"flops": f, "shape": s} for d, (f, s) in onednn_peaks.items()},
             "threads": torch.get_num_threads(),
             "clock": args.clock,
             "hf_bf16": args.hf_bf16,

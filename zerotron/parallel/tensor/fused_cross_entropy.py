@@ -27,9 +27,10 @@ padding rows zero, so the tied embedding's gradient costs no slice-backward zero
 
 Numerics equal the unfused path up to rounding. fp32: the same operations in the same order per
 element (loss and gradients within ~1e-6 relative; on CPU the three matmuls run on oneDNN, whose
-fp32 GEMM is up to 2x torch.mm's MKL one on AMD CPUs, see ``_ONEDNN``). 16-bit: the same 16-bit logits and fp32 loss
-(within ~2e-7), the softmax from ``torch.softmax``'s faster exp (~1e-5 relative, invisible after
-the cast to bf16) and ``grad_W`` accumulated over the chunks in bf16 (a few bf16 ulps).
+fp32 GEMM is up to 2x torch.mm's MKL one on AMD CPUs, see ``_ONEDNN``). 16-bit: the same 16-bit
+logits and fp32 loss (within ~2e-7), the softmax from ``torch.softmax``'s faster exp (~1e-5
+relative, invisible after the cast to bf16) and ``grad_W`` accumulated over the chunks in bf16 (a
+few bf16 ulps).
 
 Tensor parallelism: this is the TP=1 (and eager-mode) path; the vocab-parallel loss is
 :func:`~zerotron.parallel.tensor.cross_entropy.vocab_parallel_cross_entropy`.
