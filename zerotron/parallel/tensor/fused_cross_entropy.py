@@ -27,7 +27,8 @@ padding rows zero, so the tied embedding's gradient costs no slice-backward zero
 
 Numerics equal the unfused path up to rounding. fp32: the same operations in the same order per
 element (loss and gradients within ~1e-6 relative; on CPU the three matmuls run on oneDNN, whose
-fp32 GEMM is up to 2x torch.mm's MKL one on AMD CPUs, see ``_ONEDNN``). 16-bit: the same 16-bit
+fp32 GEMM is up to 2x torch.mm's MKL one on AMD CPUs, see
+:mod:`~zerotron.parallel.tensor.onednn`). 16-bit: the same 16-bit
 logits and fp32 loss (within ~2e-7), the softmax from ``torch.softmax``'s faster exp (~1e-5
 relative, invisible after the cast to bf16) and ``grad_W`` accumulated over the chunks in bf16 (a
 few bf16 ulps).
@@ -39,6 +40,9 @@ Tensor parallelism: this is the TP=1 (and eager-mode) path; the vocab-parallel l
 from __future__ import annotations
 
 import torch
+
+from zerotron.parallel.tensor.onednn import onednn_mm_t as _onednn_linear
+from zerotron.parallel.tensor.onednn import use_onednn as _use_onednn
 
 # fp32 logits of one chunk, in bytes: large enough for efficient matmuls (the weight is re-read
 # once per chunk), small enough to keep the buffers modest. On the 2-core CPU of bench/README.md
@@ -207,22 +211,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     acc.add(chunks.grad_logits(rows, None, scale=grad_loss), x[rows])
                 acc.finish()
         return grad_x, grad_w, None, None, None, None
-
-
-# fp32 matmuls on CPU go to oneDNN rather than torch.mm where it is there: torch.mm's fp32 GEMM is
-# MKL, which on AMD CPUs runs its AVX2 code. On the AVX-512 AMD EPYC of bench/README.md (one
-# core), oneDNN's fp32 GEMM does 140-200 GFLOP/s on these shapes against torch.mm's 75-100.
-# (16-bit torch.mm already is oneDNN.) Results equal torch.mm's up to summation order.
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def _use_onednn(t: torch.Tensor) -> bool:
-    return _ONEDNN and t.dtype == torch.float32 and t.device.type == "cpu"
-
-
-def _onednn_linear(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b^T`` by oneDNN (any strides) into a fresh tensor."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:

@@ -25,7 +25,8 @@ gradient clipping can find the split ones.
 
 The TP group is ``zerotron.distributed.state().tp`` unless ``tp_group`` is given; ``tp_size`` /
 ``tp_rank``, if given, must agree with it. At TP=1 the layers are plain ``F.linear`` /
-``F.embedding`` (no communication, no extra autograd nodes).
+``F.embedding`` (no communication, no extra autograd nodes); fp32 matmuls on CPU go to oneDNN
+(:func:`~zerotron.parallel.tensor.onednn.linear`: ~2x MKL's fp32 GEMM on AMD CPUs).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from zerotron.parallel.tensor.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from zerotron.parallel.tensor.onednn import linear
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -198,12 +200,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
-            return F.linear(input_, self.weight, self.bias)
+            return linear(input_, self.weight, self.bias)
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(input_, self.tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(input_, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return (
             gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
         )
@@ -264,11 +266,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
-            return F.linear(input_, self.weight, self.bias)
+            return linear(input_, self.weight, self.bias)
         x = input_
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -1,0 +1,84 @@
+"""fp32 matmuls on CPU by oneDNN rather than torch.mm (MKL), where oneDNN is there.
+
+torch.mm's fp32 GEMM on CPU is MKL, which on AMD CPUs runs its AVX2 code; oneDNN's runs
+AVX-512 there. On one core of bench/README.md's AVX-512 AMD EPYC, GPT-2 small's shapes: oneDNN
+~150-210 GFLOP/s against torch.mm's ~90 (16-bit torch.mm already is oneDNN, so only fp32 is
+routed here). Results equal torch.mm's up to summation order.
+
+- :func:`use_onednn`: whether a tensor's matmuls go here (fp32, CPU, oneDNN built in).
+- :func:`onednn_mm_t`: ``a @ b^T`` for 2-D tensors of any strides, eager (the fused loss).
+- :func:`linear`: ``F.linear`` with its forward and both backward matmuls on oneDNN where
+  :func:`use_onednn` holds (and autocast is off), else ``F.linear`` itself. Under
+  ``torch.compile`` the matmul is the opaque custom op ``zerotron::onednn_mm_t`` (inductor's own
+  lowering of ``mkldnn._linear_pointwise`` only handles constant, frozen weights), so the graph
+  does not break around it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
+
+
+def use_onednn(t: torch.Tensor) -> bool:
+    """Whether ``t``'s matmuls go to oneDNN: fp32 on CPU with oneDNN built in."""
+    return ONEDNN_AVAILABLE and t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def onednn_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b^T`` by oneDNN (2-D, any strides) into a fresh contiguous tensor."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+@torch.library.custom_op("zerotron::onednn_mm_t", mutates_args=())
+def _mm_t_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return onednn_mm_t(a, b)
+
+
+@_mm_t_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[0])
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """``y = x W^T + b`` for 2-D ``x``; backward ``grad_x = g W``, ``grad_W = g^T x``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        y = _mm_t_op(x, weight)
+        return y if bias is None else y.add_(bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _mm_t_op(grad_y, weight.t())
+        if ctx.needs_input_grad[1]:
+            grad_w = _mm_t_op(grad_y.t(), x.t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_y.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, on oneDNN for fp32 CPU tensors (see the module docstring).
+
+    Autocast keeps ``F.linear`` (it may cast the matmul to 16 bits, the custom op would not).
+    """
+    if not (
+        use_onednn(x)
+        and use_onednn(weight)
+        and (bias is None or bias.dtype == torch.float32)
+        and x.dim() >= 2
+        and not torch.is_autocast_enabled("cpu")
+    ):
+        return F.linear(x, weight, bias)
+    y = _OneDNNLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
