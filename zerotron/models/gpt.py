@@ -348,48 +348,14 @@ def _model_parallel_rng(tp_group: Group, draws: bool):
 
 
 def _core_attention(q, k, v, attention_mask, is_causal, dropout_p):
-    if _math_attention_is_faster(q, k, attention_mask, is_causal, dropout_p):
-        return _math_causal_attention(q, k, v)
+    """``softmax(q k^T / sqrt(d) + mask) v`` by ``F.scaled_dot_product_attention``.
+
+    SDPA picks its backend (on CPU: the flash kernel for fp32 and 16-bit alike). Its MATH backend
+    was measured for 16-bit training on CPU and is slower there (bench/README.md, train_step).
+    """
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, is_causal=is_causal
     )
-
-
-# Longest sequence for which 16-bit causal attention on CPU is computed as two matmuls and a
-# softmax instead of SDPA's flash kernel (which is linear in memory; this keeps [b, heads, s, s]).
-MATH_ATTENTION_MAX_SEQ = 512
-
-
-def _math_attention_is_faster(q, k, attention_mask, is_causal, dropout_p) -> bool:
-    """16-bit training-shaped causal attention on CPU, short sequences, no dropout.
-
-    There SDPA's CPU flash kernel is the slow one: on one core of bench/README.md's AVX-512 AMD
-    EPYC (bf16, [8, 6, 256, 64]) it takes ~11 ms forward and ~25 ms backward per layer, the
-    matmul + fp32 softmax path ~12 + ~12 eager and ~8 + ~13 under ``torch.compile``.
-    """
-    return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and torch.is_grad_enabled()
-        and attention_mask is None
-        and is_causal
-        and dropout_p == 0.0
-        and k.shape[-2] == q.shape[-2] <= MATH_ATTENTION_MAX_SEQ
-    )
-
-
-def _math_causal_attention(q, k, v):
-    """``softmax(q k^T / sqrt(d) + causal mask) v`` as Megatron-LM's unfused path computes it.
-
-    Scores come out of the matmul in the 16-bit dtype, the scale, mask and softmax run in fp32,
-    the probabilities go back to 16 bits for the second matmul (flash keeps the scores in fp32:
-    outputs differ by a bf16 ulp or two).
-    """
-    s = q.shape[-2]
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
-    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    probs = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
-    return torch.matmul(probs.to(q.dtype), v)
 
 
 class MLP(nn.Module):
