@@ -29,8 +29,11 @@ both sides, same threads (``--threads``).
 MFU. Model FLOPs per token ``6·N + 12·L·h·s`` (``training.throughput.model_flops_per_token``),
 with N the parameters without position embeddings, the tied embedding once, over the *real*
 vocabulary (zerotron's padding rows are never multiplied: they are sliced off before the LM
-head) — one number for both sides. The peak is measured in this run, per dtype, as the best of
-``torch.mm`` over the model's own matmul shapes (both operand layouts) and a square 2048³.
+head) — one number for both sides. The peak is measured in this run, per dtype, as the best
+matmul rate this torch reaches: the best of ``torch.mm`` and, on CPU, oneDNN's GEMM
+(``torch.ops.mkldnn._linear_pointwise``, which zerotron's fp32 linear layers and fused loss use:
+on AMD CPUs torch.mm's fp32 GEMM is MKL running its AVX2 code, oneDNN's about twice as fast) over
+the model's own matmul shapes (both operand layouts) and a square 2048³.
 
 Timing. Warmup steps (which include compilation) for both sides, then ``--repeat`` rounds of
 ``--steps`` steps per side. Within a round the steps alternate between the sides (and which side
@@ -68,6 +71,7 @@ from zerotron.engine import Engine  # noqa: E402
 from zerotron.fileio import atomic_write_text  # noqa: E402
 from zerotron.models.gpt import GPT  # noqa: E402
 from zerotron.optim import build_optimizer, get_param_groups  # noqa: E402
+from zerotron.parallel.tensor.onednn import ONEDNN_AVAILABLE, onednn_mm_t  # noqa: E402
 from zerotron.precision import MixedPrecisionOptimizer  # noqa: E402
 from zerotron.training.build import lm_loss  # noqa: E402
 from zerotron.training.throughput import model_flops_per_token  # noqa: E402
@@ -256,16 +260,24 @@ def timed_step(
 
 
 def _onednn_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` by oneDNN's GEMM (what zerotron's fused loss uses for fp32 on CPU)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+    """``a @ b`` by oneDNN's GEMM (what zerotron uses for fp32 matmuls on CPU)."""
+    return onednn_mm_t(a, b.t())
 
 
 def onednn_available(device: torch.device) -> bool:
-    return (
-        device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    return device.type == "cpu" and ONEDNN_AVAILABLE
+
+
+def best_matmul_peak(
+    shape: Shape, dtype: torch.dtype, device: torch.device, clock: Callable[[], float]
+) -> tuple[float, str]:
+    """The best matmul rate this torch reaches on ``dtype``: torch.mm's and, on CPU, oneDNN's."""
+    rate, where = matmul_peak(shape, dtype, device, clock=clock)
+    best = (rate, f"torch.mm on {where}")
+    if onednn_available(device):
+        rate, where = matmul_peak(shape, dtype, device, clock=clock, mm=_onednn_mm)
+        best = max(best, (rate, f"oneDNN on {where}"))
+    return best
 
 
 def matmul_peak(
@@ -562,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in args.dtypes:
         for compiled in compiles:
             t0 = time.perf_counter()
-            measured[d].append(matmul_peak(shape, DTYPES[d], device, clock=CLOCKS[args.clock]))
+            measured[d].append(best_matmul_peak(shape, DTYPES[d], device, CLOCKS[args.clock]))
             col = run_column(d, compiled, hf_sd, hf_config, shape, batches, args, hp, device)
             columns.append(col)
             print(f"  {col.label}: done in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -570,40 +582,21 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
 
     peaks = {d: max(m) for d, m in measured.items()}
-    # For information only (the MFU stays over torch.mm's peak): oneDNN's GEMM on the same shapes.
-    # On CPU torch.mm's fp32 GEMM is MKL's, which runs its AVX2 code on AMD CPUs; zerotron's fused
-    # loss takes its fp32 matmuls to oneDNN instead, so its fp32 MFU can pass 100% there.
-    onednn_peaks = {}
-    if onednn_available(device) and not args.quick:
-        for d in args.dtypes:
-            onednn_peaks[d] = matmul_peak(
-                shape, DTYPES[d], device, clock=CLOCKS[args.clock], mm=_onednn_mm
-            )
     print()
     for d, (rate, where) in peaks.items():
         each = ", ".join(f"{r / 1e9:,.0f}" for r, _ in measured[d])
         print(
-            f"matmul peak {d}: {rate / 1e9:,.0f} GFLOP/s, torch.mm on {where} "
-            f"(best of the run; measured before each column: {each})"
+            f"matmul peak {d}: {rate / 1e9:,.0f} GFLOP/s, {where} (the best of torch.mm and "
+            f"oneDNN over the run; measured before each column: {each})"
         )
-        if d in onednn_peaks:
-            rate, where = onednn_peaks[d]
-            print(f"  (oneDNN's GEMM, for information: {rate / 1e9:,.0f} GFLOP/s on {where})")
     text, results = report(columns, shape, flops_per_token, peaks, args)
     print(text)
-    for c in columns:
-        if c.dtype in onednn_peaks:
-            tps = shape.tokens_per_step / c.step_s["zerotron"]
-            mfu = tps * flops_per_token / onednn_peaks[c.dtype][0]
-            results[c.label]["zerotron"]["mfu_over_onednn_peak"] = mfu
-            print(f"  {c.label:14} zerotron MFU over oneDNN's peak instead: {100 * mfu:.1f}%")
     if args.json:
         payload = {
             "shape": asdict(shape),
             "hyper": asdict(hp),
             "flops_per_token": flops_per_token,
             "peaks": {d: {"flops": f, "shape": s} for d, (f, s) in peaks.items()},
-            "onednn_peaks": {d: {"flops": f, "shape": s} for d, (f, s) in onednn_peaks.items()},
             "threads": torch.get_num_threads(),
             "clock": args.clock,
             "hf_bf16": args.hf_bf16,
