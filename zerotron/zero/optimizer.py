@@ -157,8 +157,6 @@ class ZeroOptimizer(ScalesLoss):
         self.offload_optimizer = offload_optimizer
         self.offload_param = offload_param
         self.grad_accum_dtype = grad_accum_dtype
-        self.reduce_bucket_size = reduce_bucket_size
-        self.sub_group_size = sub_group_size
         self.coordinator: ParamCoordinator | None = None
         """Stage 3's :class:`~zerotron.zero.stage3.ParamCoordinator` (partitions and gathers)."""
         if stage == 3:
@@ -273,16 +271,12 @@ class ZeroOptimizer(ScalesLoss):
             return False
         if getattr(self.coordinator, "param_store", None) is not None:
             return False
-        for info in self.infos:
-            if info.partitioned:
-                master = self.sub_groups[info.sub_group].master
-                if master.device != info.param.device:
-                    return False
+        shards = [(i, self.sub_groups[i.sub_group].master) for i in self.infos if i.partitioned]
+        if any(master.device != info.param.device for info, master in shards):
+            return False
         with torch.no_grad():
-            for info in self.infos:
-                if info.partitioned:
-                    master = self.sub_groups[info.sub_group].master
-                    info.param.zero_shard = master[info.offset : info.offset + info.chunk]
+            for info, master in shards:
+                info.param.zero_shard = master[info.offset : info.offset + info.chunk]
         return True
 
     def _make_offload(self, options: OffloadOptions | None) -> OffloadedOptimizer | None:
