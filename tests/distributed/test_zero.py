@@ -260,6 +260,7 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
         out["memory", stage] = memory(stage)
     out["ledger", 0] = ledger_one_step(0)
     out["modified"] = stage3_modified()
+    out["bf16 partitions"] = {gas: bf16_stage3_grad_partitions(gas) for gas in (1, 2)}
     out["memory", "fp32 accum"] = memory(2, grad_accum_dtype=torch.float32)
     out["overlap"] = {stage: overlap(stage) for stage in (1, 2)}
     out["reentrant"] = {ck: reentrant_checkpoint(ck) for ck in (False, True)}
@@ -445,6 +446,23 @@ def bf16_trains(stage: int) -> list[float]:
     return losses
 
 
+def bf16_stage3_grad_partitions(gas: int) -> dict:
+    """Stage 3, bf16: the default gradient partitions (bf16 for one micro-batch, fp32 from the
+    second) against fp32 ones throughout; returns each run's final states and weights."""
+    dp = state().dp
+    out = {}
+    for name, kw in (("default", {}), ("fp32", {"grad_accum_dtype": torch.float32})):
+        model, opt = _zero_mlp(3, torch.bfloat16, clip_grad=CLIP, **kw)
+        for step in range(3):
+            for micro in range(gas):
+                loss = loss_of(model, "mlp", batch("mlp", step, dp.rank * gas + micro))
+                (loss / gas).backward()
+            opt.step()
+        out[name] = _snapshot(model, opt)
+        opt.close()
+    return out
+
+
 LEDGER_SIZES = (8, 32, 32, 4)  # no padding at N=2 or 4: closed forms are exact
 
 
@@ -483,7 +501,8 @@ def ledger_one_step(stage: int, **options) -> dict:
 
 
 def memory(stage: int, **options) -> dict:
-    """bf16 parameters, Adam: bytes held after the first micro-batch of the second step."""
+    """bf16 parameters, Adam: bytes held after the first micro-batch of the second step
+    (``report``) and after its second, before the step (``accumulated``)."""
     torch.manual_seed(0)
     width, depth = 512, 4
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
@@ -500,9 +519,12 @@ def memory(stage: int, **options) -> dict:
             report = opt.memory_report()
         opt.sync = True
         model(x).float().pow(2).mean().backward()
+        if step == 1:
+            opt.finish_grad_sync()
+            accumulated = opt.memory_report()
         opt.step()
     opt.close()
-    return {"psi": psi, "report": report}
+    return {"psi": psi, "report": report, "accumulated": accumulated}
 
 
 def _dp4_rank(rank: int) -> dict:
@@ -588,6 +610,16 @@ def check_bf16_trains(dp2):
         losses = dp2[0]["bf16", stage]
         assert losses == dp2[1]["bf16", stage]
         assert losses[-1] < 0.8 * losses[0], (stage, losses)
+
+
+def check_bf16_grad_partitions_give_the_fp32_bits(dp2):
+    """Storing one micro-batch's bf16 rows in bf16 and promoting before a second is added
+    changes no bit of the step (stage 3, with and without accumulation, clipping on)."""
+    for rank in range(2):
+        for gas, runs in dp2[rank]["bf16 partitions"].items():
+            assert len(runs["default"]) == len(runs["fp32"])
+            for a, b in zip(runs["default"], runs["fp32"]):
+                assert torch.equal(a, b), (rank, gas)
 
 
 def _ledger_closed_form(world: int, stage: int, gas: int) -> dict:
@@ -712,21 +744,27 @@ def check_dp2_tp2_stages_equal_one_process(dp4, references):
 
 
 def check_memory_matches_zero_formulas(results, world):
+    """The most a rank holds between micro-batches (stage 1: full gradients after the first;
+    stage 3: fp32 partitions after the second) against the paper's formula."""
     for stage in (1, 2, 3):
         for rank in range(world):
             r = results[rank]["memory", stage]
             expected = ZERO_FORMULA[stage](world) * r["psi"]
-            ratio = r["report"]["total"] / expected
+            ratio = max(r["report"]["total"], r["accumulated"]["total"]) / expected
             assert abs(ratio - 1) <= 0.10, (world, stage, rank, ratio, r)
 
 
 def check_stage3_keeps_one_copy_of_the_partition(results, world):
     """Stage 3 without offload: the shards are views of the fp32 masters (no 16-bit copy,
-    ``params`` 0 bytes: every weight here is partitioned) and the gradient partitions are fp32."""
+    ``params`` 0 bytes: every weight here is partitioned); one micro-batch's gradient partition
+    stays in bf16, the wire dtype (2 bytes per element), and turns fp32 when a second one is
+    added (4 bytes)."""
     for rank in range(world):
         r = results[rank]["memory", 3]
         assert r["report"]["params"] == 0, r
-        assert r["report"]["grads"] == 4 * r["psi"] // world, r
+        assert r["report"]["grads"] == 2 * r["psi"] // world, r
+        assert r["accumulated"]["params"] == 0, r
+        assert r["accumulated"]["grads"] == 4 * r["psi"] // world, r
 
 
 def check_grad_accum_dtype(dp2):
@@ -747,6 +785,7 @@ def test_zero_on_2_ranks(tmp_path, references):
         check_dp2_stages_equal_one_process(dp2, references, kind)
     check_fp16_overflow_skips_the_step_in_every_stage(dp2)
     check_bf16_trains(dp2)
+    check_bf16_grad_partitions_give_the_fp32_bits(dp2)
     check_buckets_overlap_with_backward(dp2)
     check_reentrant_checkpointing_sends_each_bucket_once(dp2)
     check_stage3_modified_parameters_reload_their_masters(dp2)

@@ -97,9 +97,10 @@ class ZeroOptimizer(ScalesLoss):
         offload_optimizer, offload_param: :class:`~zerotron.zero.offload.OffloadOptions`.
         communication_data_type: the gradient wire dtype (default: the parameters').
         grad_accum_dtype: dtype of the gradient partitions that micro-batches accumulate into
-            (DeepSpeed's ``data_types.grad_accum_dtype``; default: the parameters', fp32 at
-            stage 3 without offload (see :meth:`_alias_shards_to_masters`); fp32 keeps bf16
-            sums exact at 2 more bytes per element per rank).
+            (DeepSpeed's ``data_types.grad_accum_dtype``; default: the parameters'; at stage 3
+            without offload the wire dtype for one micro-batch and fp32 from the second on,
+            see :meth:`_new_grad_partition`; fp32 keeps bf16 sums exact at 2 more bytes per
+            element per rank).
         gradient_predivide_factor, prescale_gradients: DeepSpeed's averaging options.
 
     ``contiguous_gradients``, ``round_robin_gradients``, ``prefetch_bucket_size``,
@@ -181,11 +182,9 @@ class ZeroOptimizer(ScalesLoss):
         self._offloaded = self._make_offload(offload_optimizer)
         self.shards_are_masters = self._alias_shards_to_masters()
         """Stage 3 without offload: each shard is a view of its fp32 master (no 16-bit copy)."""
-        if self.shards_are_masters and grad_accum_dtype is None:
-            # The 16-bit shard's bytes go to fp32 gradient partitions: the total stays the
-            # ZeRO paper's 16 bytes per element (4 master + 4 gradient + 8 Adam), micro-batches
-            # accumulate exactly, and the step needs no cast.
-            self.grad_accum_dtype = torch.float32
+        self._promote_grads = self.shards_are_masters and grad_accum_dtype is None
+        """Gradient partitions start in the wire dtype and turn fp32 on a second micro-batch
+        (see :meth:`_deliver`)."""
 
         # Buckets follow the model's registration order (reversed: roughly the order backward
         # produces gradients), not the optimizer's, whose weight-decay groups would put the
@@ -351,6 +350,8 @@ class ZeroOptimizer(ScalesLoss):
             sub = self.sub_groups[info.sub_group]
             if sub.grad is None:
                 sub.grad = self._new_grad_partition(sub)
+            elif self._promote_grads and sub.grad.dtype != torch.float32:
+                sub.grad = sub.grad.float()  # sums over another group stay exact
             out.append(sub.grad[info.offset : info.offset + info.chunk])
         return out
 
@@ -494,17 +495,33 @@ class ZeroOptimizer(ScalesLoss):
     def _deliver(self, layout: BucketLayout, row: Tensor) -> None:
         """Add a bucket's reduced row into the gradient partitions."""
         dsts, srcs = [], []
+        later_microbatch = self.reducer.reduced_since_step
         for slot, view in zip(layout.slots, layout.row_views(row)):
             info = self._grad_order[slot.index]
             sub = self.sub_groups[info.sub_group]
             if sub.grad is None:
-                sub.grad = self._new_grad_partition(sub)
+                sub.grad = self._new_grad_partition(sub, row.dtype)
+            elif later_microbatch and sub.grad.dtype != torch.float32 and self._promote_grads:
+                sub.grad = sub.grad.float()  # exact: what an fp32 partition would hold now
             dsts.append(sub.grad[info.offset : info.offset + info.chunk])
             srcs.append(view)  # foreach add casts to the partition's dtype
         torch._foreach_add_(dsts, srcs)
 
-    def _new_grad_partition(self, sub: SubGroup) -> Tensor:
-        dtype = self.grad_accum_dtype or sub.dtype
+    def _new_grad_partition(self, sub: SubGroup, wire: torch.dtype | None = None) -> Tensor:
+        """Zeros for ``sub``'s gradient: ``grad_accum_dtype``, else the parameters' dtype.
+
+        Stage 3 with one copy of the partition (:attr:`shards_are_masters`) and no
+        ``grad_accum_dtype`` keeps the first micro-batch's reduced rows in their ``wire``
+        dtype: bf16 rows stored as bf16 are the very values an fp32 partition would hold
+        (0 + x is exact), at half the bytes. A second micro-batch's rows are summed in fp32
+        (:meth:`_deliver` promotes the partition first), so accumulation stays exact: without
+        accumulation the rank holds 14 bytes per element of its partition, with it the ZeRO
+        paper's 16 (4 master + 4 gradient + 8 Adam); the step's results are the same bits.
+        """
+        if self._promote_grads:
+            dtype = wire if wire is not None else torch.float32
+        else:
+            dtype = self.grad_accum_dtype or sub.dtype
         return torch.zeros(sub.numel, dtype=dtype, device=sub.device)
 
     def _grads(self) -> list[Tensor]:
