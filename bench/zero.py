@@ -42,7 +42,9 @@ parameters twice (forward and backward) and reduce-scatters the gradients, (n-1)
 The machine's load moves tokens/s a lot, so ``--repeat`` rounds (default 3) run every system
 in turn; each system reports its median round (all rounds are printed) and its largest peak
 RSS.
-``--zero-bucket N`` sets zerotron's reduce/allgather bucket sizes (default DeepSpeed's 5e8).
+``--zero-bucket N`` and ``--sub-group-size N`` set zerotron's bucket and sub-group sizes
+(default: zerotron's own, ``zerotron.zero.optimizer.default_sizes``: DeepSpeed's 5e8 / 1e9 for
+stages 1-2, 4e6 / 2e6 for stage 3).
 
 Run: ``.venv/bin/python bench/zero.py [--quick] [--systems zerotron-2,deepspeed-2,...]``.
 """
@@ -108,8 +110,8 @@ class Setup:
     warmup: int = 2
     dtype: str = "bf16"
     nvme_path: str = ""
-    zero_bucket: int = 0  # zerotron ZeRO reduce/allgather bucket size; 0 = default (5e8)
-    sub_group_size: int = 0  # zerotron ZeRO sub_group_size; 0 = default (1e9; 2e6 with NVMe)
+    zero_bucket: int = 0  # zerotron ZeRO reduce/allgather bucket size; 0 = zerotron's default
+    sub_group_size: int = 0  # zerotron ZeRO sub_group_size; 0 = zerotron's (2e6 with NVMe)
 
     def config(self) -> GPTConfig:
         return GPTConfig(
@@ -261,7 +263,7 @@ def _zerotron(setup: Setup, stage: int, nvme: bool):
                 else {}
             ),
             # NVMe streams the states through memory in pieces of this size (elements)
-            sub_group_size=setup.sub_group_size or (2_000_000 if nvme else int(1e9)),
+            sub_group_size=setup.sub_group_size or (2_000_000 if nvme else None),
         )
     engine = Engine(
         model, opt, loss_fn=lm_loss, micro_batch_size=setup.micro_batch, data_parallel=dp
@@ -580,13 +582,15 @@ def main(argv: list[str] | None = None) -> int:
         "--sub-group-size",
         type=float,
         default=0,
-        help="zerotron's ZeRO sub_group_size (default: 1e9, DeepSpeed's; 2e6 with NVMe)",
+        help="zerotron's ZeRO sub_group_size (default: zerotron's, 1e9 for stages 1-2 and 2e6 "
+        "for stage 3 (zero.optimizer.default_sizes); 2e6 with NVMe)",
     )
     p.add_argument(
         "--zero-bucket",
         type=float,
         default=0,
-        help="zerotron's reduce/allgather bucket size in elements (default: 5e8, DeepSpeed's)",
+        help="zerotron's reduce/allgather bucket size in elements (default: zerotron's, 5e8; "
+        "stage 3 reduces in 4e6)",
     )
     p.add_argument("--repeat", type=int, default=3, help="rounds over all systems (median kept)")
     p.add_argument("--timeout", type=float, default=600)
