@@ -52,6 +52,7 @@ Run: ``.venv/bin/python bench/zero.py [--quick] [--systems zerotron-2,deepspeed-
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -59,6 +60,7 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -191,6 +193,53 @@ class TorchCounter:
             "reduce_scatter",
             lambda *a, **k: sum(nbytes(t) for t in arg(1, "input_list")(*a, **k)),
         )
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+class HeapPeak:
+    """The most bytes malloc had handed out at once (glibc's ``mallinfo2``: ``uordblks``, in use
+    in the heaps, plus ``hblkhd``, in mmapped blocks), sampled every ``interval`` seconds on a
+    thread. Unlike RSS it does not count freed memory the allocator keeps (glibc's heap grows
+    by tens of MB over steps in every system here), so it is the steady measure of what a system
+    allocates; None where libc has no ``mallinfo2``."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval = interval
+        self.peak: int | None = None
+        self._stop = threading.Event()
+        try:
+            self._info = ctypes.CDLL(None).mallinfo2
+        except (OSError, AttributeError):
+            self._info = None
+            return
+        self._info.restype = _MallInfo2
+        self.peak = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        m = self._info()
+        self.peak = max(self.peak, m.uordblks + m.hblkhd)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def stop(self) -> int | None:
+        if self._info is not None:
+            self._stop.set()
+            self._thread.join()
+            self._sample()
+        return self.peak
 
 
 # ------------------------------------------------------------------------------------------
@@ -368,6 +417,7 @@ def _rank(rank: int, system: str, setup: Setup) -> dict:
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(1)
     start_rss = _rss()
+    heap = HeapPeak()
     counter = TorchCounter()
     counter.install()
     stage = STAGE[system]
@@ -409,6 +459,7 @@ def _rank(rank: int, system: str, setup: Setup) -> dict:
         "by_op": {k: v / max(setup.steps, 1) for k, v in by_op.items()},
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "start_rss": start_rss,
+        "heap_peak": heap.stop(),
         "memory_report": report(),
         "numels": [p.numel() for p in GPT(setup.config()).parameters()] if rank == 0 else [],
     }
@@ -466,6 +517,7 @@ def run_system(system: str, setup: Setup, timeout: float) -> dict:
         "step_s": step_s,
         "peak_rss": max(r["peak_rss"] for r in ranks),
         "growth": max(r["peak_rss"] - r["start_rss"] for r in ranks),
+        "heap_peak": None if ranks[0]["heap_peak"] is None else max(r["heap_peak"] for r in ranks),
         "wire": statistics.mean(r["wire_per_step"] for r in ranks),
         "by_op": ranks[0]["by_op"],
         "theory": comm_theory(system, stage, numels, n, setup),
@@ -487,6 +539,8 @@ def _best(rounds: list[dict]) -> dict:
     best = dict(ok[len(ok) // 2])
     best["peak_rss"] = max(r["peak_rss"] for r in ok)
     best["growth"] = max(r["growth"] for r in ok)
+    heaps = [r["heap_peak"] for r in ok if r.get("heap_peak") is not None]
+    best["heap_peak"] = max(heaps) if heaps else None
     best["rounds"] = [r["tokens_per_s"] for r in rounds if "error" not in r]
     return best
 
@@ -505,6 +559,7 @@ def print_report(results: list[dict], setup: Setup) -> None:
     )
     head = (
         f"{'system':<16}{'stage':>5}{'tokens/s':>10}{'peak RSS MB':>13}{'growth MB':>11}"
+        f"{'heap MB':>9}"
         f"{'states MB':>11}{'theory MB':>11}{'comm MB/step':>14}{'theory':>9}{'meas/th':>9}"
         f"{'vs DP':>7}  first/last loss"
     )
@@ -519,7 +574,8 @@ def print_report(results: list[dict], setup: Setup) -> None:
         vs_dp = r["wire"] / dp_wire if dp_wire else math.nan
         print(
             f"{r['system']:<16}{r['stage']:>5}{r['tokens_per_s']:>10,.0f}{_mb(r['peak_rss']):>13}"
-            f"{_mb(r['growth']):>11}{_mb(r['model_states']):>11}{_mb(r['memory_theory']):>11}"
+            f"{_mb(r['growth']):>11}{_mb(r.get('heap_peak')):>9}"
+            f"{_mb(r['model_states']):>11}{_mb(r['memory_theory']):>11}"
             f"{r['wire'] / 1e6:>14.2f}{r['theory'] / 1e6:>9.2f}{ratio:>9.3f}{vs_dp:>7.2f}  "
             f"{r['losses'][0]:.4f}/{r['losses'][-1]:.4f}"
         )
@@ -551,9 +607,14 @@ def print_report(results: list[dict], setup: Setup) -> None:
             mem = a["growth"] / b["growth"]
             peak = a["peak_rss"] / b["peak_rss"]
             goal = "met" if speed >= 1 and peak <= 1 else "NOT met"
+            heap = (
+                f"heap {a['heap_peak'] / b['heap_peak']:5.2f}x   "
+                if a.get("heap_peak") and b.get("heap_peak")
+                else ""
+            )
             print(
                 f"  {ours:<11} / {peer:<12} tokens/s {speed:5.2f}x   peak RSS {peak:5.2f}x   "
-                f"growth {mem:5.2f}x   goal (>= 1x, <= 1x): {goal}"
+                f"growth {mem:5.2f}x   {heap}goal (>= 1x, <= 1x): {goal}"
             )
     if "zerotron-3" in by_name and "zerotron-3+nvme" in by_name:
         a, b = by_name["zerotron-3+nvme"], by_name["zerotron-3"]
