@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.models import GPT, GPTConfig
+from zerotron.parallel.tensor import fused_cross_entropy as fce
 from zerotron.parallel.tensor import fused_linear_cross_entropy
 from zerotron.parallel.tensor.fused_cross_entropy import ChunkWorkspace, default_chunk_size
 
@@ -146,6 +147,68 @@ def test_workspace_is_reused_and_changes_nothing():
     first = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
     buffers = {k: b.data_ptr() for k, b in workspace._buffers.items()}
     assert sorted(buffers) == ["16bit", "fp32", "grad_w_t"]
+    again = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
+    assert {k: b.data_ptr() for k, b in workspace._buffers.items()} == buffers
+    for a, b, c in zip(ref, first, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("chunk", [8, 39, 1000])
+def test_fp32_vocab_slices_equal_one_product(monkeypatch, chunk):
+    """On CPU the fp32 logits and grad_W come from oneDNN in vocabulary slices (SLICE_BYTES):
+    7 columns per 8-token chunk (V = 50: the last slice is 1 column wide), 1 column, and
+    unsliced, all equal within 1e-6 and to the unfused path."""
+    x, w, target = inputs(torch.float32)
+    calls = []  # (tokens, vocabulary columns) of each grad_W product
+    real = fce._onednn_linear
+
+    def spy(a, b):  # grad_W: a = grad_logits slice^T [S, tokens]; grad x: a = [tokens, V]
+        if a.shape[1] != V:
+            calls.append((a.shape[1], a.shape[0]))
+        return real(a, b)
+
+    monkeypatch.setattr(fce, "_onednn_linear", spy)
+
+    def run(slice_bytes, up):
+        monkeypatch.setattr(fce, "SLICE_BYTES", slice_bytes)
+        calls.clear()
+
+        def fused(x, w, t):
+            return fused_linear_cross_entropy(x, w, t, vocab_size=V, chunk_size=chunk)
+
+        return loss_and_grads(fused, x, w, target, up)
+
+    tokens = target.numel()
+    for name, up in upstreams(target.shape).items():
+        passes = -(-tokens // chunk) * (1 if name == "uniform" else 2)  # + backward recomputes
+        whole = run(1 << 40, up)
+        assert [c for _, c in calls] == [V] * passes  # one product per chunk
+        ref = loss_and_grads(unfused, x, w, target, up)
+        for slice_bytes in (4 * 8 * 7, 4):
+            sliced = run(slice_bytes, up)
+            assert all(c <= fce.slice_columns(rows) for rows, c in calls)
+            assert sum(c for _, c in calls) == V * passes and len(calls) > passes
+            if slice_bytes == 4:
+                assert {c for _, c in calls} == {1}
+            for what, a, b, r in zip(("loss", "grad x", "grad W"), sliced, whole, ref):
+                assert_close(a, b, what=f"{what}, {name}, sliced vs whole, {slice_bytes} B")
+                assert_close(a, r, what=f"{what}, {name}, sliced vs unfused, {slice_bytes} B")
+            assert torch.all(sliced[2][V:] == 0), "padding rows get no gradient"
+
+
+def test_fp32_workspace_is_reused_and_changes_nothing(monkeypatch):
+    monkeypatch.setattr(fce, "SLICE_BYTES", 4 * 16 * 9)  # 9 columns per slice
+    x, w, target = inputs(torch.float32)
+    up = upstreams(target.shape)["arbitrary"]  # backward recomputes through the workspace too
+    workspace = ChunkWorkspace()
+
+    def fused(x, w, t, ws=None):
+        return fused_linear_cross_entropy(x, w, t, vocab_size=V, chunk_size=16, workspace=ws)
+
+    ref = loss_and_grads(fused, x, w, target, up)
+    first = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
+    buffers = {k: b.data_ptr() for k, b in workspace._buffers.items()}
+    assert sorted(buffers) == ["fp32", "grad_slice"]
     again = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
     assert {k: b.data_ptr() for k, b in workspace._buffers.items()} == buffers
     for a, b, c in zip(ref, first, again):

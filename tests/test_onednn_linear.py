@@ -69,3 +69,29 @@ def test_tp1_layers_use_it(monkeypatch):
     ref = F.linear(F.linear(x, col.weight, col.bias), row.weight, row.bias)
     torch.testing.assert_close(row(col(x)), ref, rtol=1e-6, atol=2e-6)
     assert len(called) == 2
+
+
+@pytest.mark.parametrize("rows_per_call", [1, 7, 39, 40, 1000])  # uneven, exact, one call
+def test_mm_t_into_slices_equal_one_call(monkeypatch, rows_per_call):
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(9, 24, generator=g)
+    b = torch.randn(64, 24, generator=g)[:40]  # a row prefix, as the fused loss's weight
+    start = torch.randn(9, 40, generator=g)
+    whole = onednn.onednn_mm_t(a, b)
+    ref = a.double() @ b.double().t()
+    widths = []
+    real = onednn.onednn_mm_t
+    monkeypatch.setattr(onednn, "onednn_mm_t", lambda a, b: widths.append(b.shape[0]) or real(a, b))
+    out = torch.full((9, 40), float("nan"))
+    assert onednn.onednn_mm_t_into(out, a, b, rows_per_call) is out
+    step = min(rows_per_call, 40)
+    assert widths == [step] * (40 // step) + ([40 % step] if 40 % step else [])
+    torch.testing.assert_close(out, whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=2e-6)
+    acc = start.clone()
+    onednn.onednn_mm_t_into(acc, a, b, rows_per_call, add=True)
+    torch.testing.assert_close(acc, start + whole, rtol=1e-6, atol=1e-6)
+    wide = torch.zeros(9, 50)  # a column slice of a wider buffer: only its columns change
+    onednn.onednn_mm_t_into(wide[:, 5:45], a, b, rows_per_call)
+    torch.testing.assert_close(wide[:, 5:45], whole, rtol=1e-6, atol=1e-6)
+    assert torch.all(wide[:, :5] == 0) and torch.all(wide[:, 45:] == 0)

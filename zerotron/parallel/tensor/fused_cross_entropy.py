@@ -42,12 +42,26 @@ from __future__ import annotations
 import torch
 
 from zerotron.parallel.tensor.onednn import onednn_mm_t as _onednn_linear
+from zerotron.parallel.tensor.onednn import onednn_mm_t_into as _onednn_linear_into
 from zerotron.parallel.tensor.onednn import use_onednn as _use_onednn
 
 # fp32 logits of one chunk, in bytes: large enough for efficient matmuls (the weight is re-read
 # once per chunk), small enough to keep the buffers modest. On the 2-core CPU of bench/README.md
 # 256 to 1024 GPT-2 tokens per chunk run within noise of each other; this is 512.
 DEFAULT_CHUNK_BYTES = 512 * 50257 * 4
+
+
+# fp32 bytes of one oneDNN product slice in the fused loss on CPU (its logits and grad_W come in
+# vocabulary slices of about this size, see onednn_mm_t_into): below glibc's mmap threshold so
+# the heap reuses them, large enough for full-speed GEMMs. On bench/README.md's CPU, 512 tokens:
+# logits 1,024 to 8,192 vocabulary columns per call within noise (~103 ms against ~146 ms for
+# one fresh [512, 50257] product), grad_W 1,024 to 2,048 (~120 against ~145 ms); this is 2,048.
+SLICE_BYTES = 4 * 1024 * 1024
+
+
+def slice_columns(rows: int) -> int:
+    """Vocabulary columns per oneDNN call for a ``rows``-token chunk: ``SLICE_BYTES`` of fp32."""
+    return max(1, SLICE_BYTES // (4 * max(1, rows)))
 
 
 def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
@@ -114,8 +128,8 @@ class _Chunks:
         n = x.shape[0]
         work = self.work[:n]
         if self.low is None:
-            if _use_onednn(x):  # a fresh [n, V] tensor (no out=), still well ahead of mm
-                work = _onednn_linear(x, self.w)
+            if _use_onednn(x):  # ahead of mm; in vocabulary slices into the reused buffer
+                _onednn_linear_into(work, x, self.w, slice_columns(n))
             else:
                 torch.mm(x, self.w.t(), out=work)
         else:
@@ -224,18 +238,22 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 class _GradW:
     """``out = sum over chunks of grad_logits^T @ x`` (``out`` is ``[V, h]``).
 
-    On CPU each chunk's product is taken transposed, ``x^T @ grad_logits`` (``[h, V]``), summed,
-    and transposed into ``out`` once at the end: that layout is the fastest there (oneDNN fp32
-    ~150 against ``grad_logits^T @ x``'s ~85 GFLOP/s by torch.mm; bf16 ~335 against ~270), and
-    the final transposing copy costs ~15 ms. The 16-bit sum lives in a reused workspace buffer
-    (fresh, it would page-fault); oneDNN's fp32 products come fresh, so the first one is the sum.
+    fp32 on CPU (oneDNN): in vocabulary slices, ``out[s] (+)= grad_logits[:, s]^T @ x``, each
+    slice of ``grad_logits`` first copied into a contiguous workspace buffer (oneDNN reads a
+    strided slice slowly) and each ``[S, h]`` product small enough for the heap to reuse (see
+    :func:`~zerotron.parallel.tensor.onednn.onednn_mm_t_into`): ~120 ms per 512-token GPT-2 chunk
+    against ~145 for one fresh ``[h, V]`` product added to a sum and transposed at the end.
+    16-bit on CPU: each chunk's product is taken transposed, ``x^T @ grad_logits`` (``[h, V]``),
+    summed in a reused workspace buffer, and transposed into ``out`` once at the end: that layout
+    is the faster one there (bf16 ~335 against ~270 GFLOP/s), the transposing copy costs ~15 ms.
     Elsewhere ``addmm_`` accumulates into ``out`` directly.
     """
 
     def __init__(self, out: torch.Tensor, workspace: ChunkWorkspace) -> None:
         self.out = out
         self.onednn = _use_onednn(out)
-        self.sum_t: torch.Tensor | None = None  # [h, V] (CPU)
+        self.workspace = workspace
+        self.sum_t: torch.Tensor | None = None  # [h, V] (CPU, 16-bit)
         if out.device.type == "cpu" and not self.onednn:
             v, h = out.shape
             self.sum_t = workspace.get("grad_w_t", h, v, out, out.dtype)
@@ -243,8 +261,19 @@ class _GradW:
 
     def add(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
         if self.onednn:
-            part = _onednn_linear(x.t(), grad_logits.t())
-            self.sum_t = part if self.sum_t is None else self.sum_t.add_(part)
+            n, v = grad_logits.shape
+            step = slice_columns(n)
+            buf = self.workspace.get("grad_slice", n, min(step, v), x, torch.float32)
+            x_t = x.t()
+            for start in range(0, v, step):
+                cols = slice(start, min(start + step, v))
+                part = buf[:, : cols.stop - start]
+                part.copy_(grad_logits[:, cols])
+                product = _onednn_linear(part.t(), x_t)  # [S, h]
+                if self.first:
+                    self.out[cols].copy_(product)
+                else:
+                    self.out[cols].add_(product)
         elif self.sum_t is not None:
             if self.first:
                 torch.mm(x.t(), grad_logits, out=self.sum_t)

@@ -7,6 +7,8 @@ routed here). Results equal torch.mm's up to summation order.
 
 - :func:`use_onednn`: whether a tensor's matmuls go here (fp32, CPU, oneDNN built in).
 - :func:`onednn_mm_t`: ``a @ b^T`` for 2-D tensors of any strides, eager (the fused loss).
+- :func:`onednn_mm_t_into`: ``out = a @ b^T`` (or ``out += a @ b^T``) in slices of ``b``'s rows,
+  for products too large to come out of oneDNN fresh (see its docstring).
 - :func:`linear`: ``F.linear`` with its forward and both backward matmuls on oneDNN where
   :func:`use_onednn` holds (and autocast is off), else ``F.linear`` itself. Under
   ``torch.compile`` the matmul is the opaque custom op ``zerotron::onednn_mm_t`` (inductor's own
@@ -32,6 +34,32 @@ def use_onednn(t: torch.Tensor) -> bool:
 def onednn_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b^T`` by oneDNN (2-D, any strides) into a fresh contiguous tensor."""
     return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+def onednn_mm_t_into(
+    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows_per_call: int, add: bool = False
+) -> torch.Tensor:
+    """``out = a @ b^T`` (``out += a @ b^T`` with ``add``) by oneDNN, ``rows_per_call`` rows of
+    ``b`` (columns of ``out``) per call, each call's small fresh result copied into ``out``.
+
+    oneDNN has no ``out=``: a large product comes out in fresh memory, and on CPU an allocation
+    above glibc's mmap threshold (32 MB at most) is a fresh mapping whose every page faults on
+    first touch (~0.4 ms per MB on bench/README.md's CPU, a third of the GEMM's own time for the
+    fused loss's ``[512, 50257]`` fp32 logits). Results of a few MB are served from the heap,
+    reused from one call to the next; the copy into ``out`` costs far less than the faults. Each
+    element is the same dot product as in one call (the slices split ``out``'s columns, not the
+    sum).
+    """
+    n = b.shape[0]
+    step = max(1, rows_per_call)
+    for start in range(0, n, step):
+        cols = slice(start, min(start + step, n))
+        part = onednn_mm_t(a, b[cols])
+        if add:
+            out[:, cols].add_(part)
+        else:
+            out[:, cols].copy_(part)
+    return out
 
 
 @torch.library.custom_op("zerotron::onednn_mm_t", mutates_args=())
