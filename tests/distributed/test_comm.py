@@ -56,6 +56,12 @@ def _collectives(g):
     }
     t = x.clone()
     out["in_place"] = comm.all_reduce(t, g) is t
+    # Several in flight at once, waited for out of order (gloo: exchanges told apart by tag).
+    first = comm.reduce_scatter_async(big, g)
+    second = comm.all_gather_async(x, g)
+    third = comm.reduce_scatter_async(2 * big, g)
+    last = third.wait()
+    out["in_flight"] = (last, second.wait(), first.wait())
     return out
 
 
@@ -72,6 +78,7 @@ def _fallbacks(g):
     x, big = data(state().rank), data(state().rank, (8, 12))
     out = {}
     saved = comm._ALL_GATHER_SINGLE, comm._REDUCE_SCATTER_SINGLE
+    comm.pairwise_on_gloo = False  # the fused ops' path, not the exchanges
     for how, fused in (("missing", None), ("refused", _refuse)):
         comm._ALL_GATHER_SINGLE = comm._REDUCE_SCATTER_SINGLE = fused
         out[how] = {
@@ -84,6 +91,7 @@ def _fallbacks(g):
     except RuntimeError as e:
         out["failure"] = str(e)
     comm._ALL_GATHER_SINGLE, comm._REDUCE_SCATTER_SINGLE = saved
+    comm.pairwise_on_gloo = True
     return out
 
 
@@ -191,6 +199,9 @@ def test_collectives_are_exact_and_ledgered(results, name, groups):
                     assert value.shape == want.shape and torch.equal(value, want), (rank, case)
                 assert entries == expected_ledger(name, case), (rank, case)
             assert got["in_place"] is True
+            third, second, first = got["in_flight"]
+            assert torch.equal(first, ref["scatter0"]) and torch.equal(second, ref["gather0"])
+            assert torch.equal(third, 2 * ref["scatter0"])
 
 
 def test_one_rank_group_is_a_no_op_on_every_rank(results):
