@@ -110,10 +110,72 @@ class _Chunks:
         # 16-bit: the logits come out of the matmul here, and the gradient goes back in here
         self.low = ws.get("16bit", rows, v, x, x.dtype) if x.dtype != torch.float32 else None
         self.with_grad = with_grad
+        self.sliced = self.low is None and _use_onednn(x)  # fp32 on CPU: see products()
 
     def __iter__(self):
         for start in range(0, self.x.shape[0], self.size):
             yield slice(start, min(start + self.size, self.x.shape[0]))
+
+    def products(
+        self,
+        rows: slice,
+        loss: torch.Tensor | None,
+        grad_x: torch.Tensor | None,
+        acc: _GradW | None,
+        scale: torch.Tensor | None = None,
+    ) -> None:
+        """One chunk: its per-token loss into ``loss``, ``grad_logits @ W`` into ``grad_x[rows]``
+        and ``grad_logits^T @ x`` into ``acc`` (each skipped where None), ``grad_logits`` being
+        ``softmax - one_hot(target)`` (rows times ``scale``, if given).
+
+        fp32 on CPU (oneDNN, no ``out=``): the logits come in vocabulary slices into the reused
+        buffer (:func:`~zerotron.parallel.tensor.onednn.onednn_mm_t_into`); after the softmax's
+        statistics, ``grad_logits`` is made one vocabulary slice at a time into a small contiguous
+        buffer, straight from the exponentials (``exp / sum``, the same operation per element as
+        the whole-row path) and both of its products are taken while it is hot in cache: one pass
+        over the chunk instead of a division pass, a copy per slice for ``grad_W`` and a
+        separate ``grad_x`` GEMM over the whole row (``grad_x`` sums its slices' products).
+        Elsewhere: :meth:`grad_logits` and two whole-chunk products.
+        """
+        if not self.sliced:
+            g = self.grad_logits(rows, loss, scale)
+            if g is not None and grad_x is not None:
+                _matmul(g, self.w, out=grad_x[rows])
+            if g is not None and acc is not None:
+                acc.add(g, self.x[rows])
+            return
+        x, t = self.x[rows], self.target[rows].unsqueeze(1)
+        n, v = x.shape[0], self.w.shape[0]
+        work, step = self.work[:n], slice_columns(n)
+        _onednn_linear_into(work, x, self.w, step)
+        stats = self._softmax(work, t, loss[rows].unsqueeze(1) if loss is not None else None)
+        if stats is None or (grad_x is None and acc is None):
+            return
+        sum_exp, target_grad = stats
+        token_scale = scale[rows].unsqueeze(1) if scale is not None else None
+        if token_scale is not None:
+            target_grad.mul_(token_scale)
+        hits = _targets_by_slice(t.squeeze(1), target_grad.squeeze(1), step, v)
+        gx = grad_x[rows] if grad_x is not None else None
+        x_t = x.t()
+        for start, (hit_rows, hit_cols, hit_grads) in zip(range(0, v, step), hits):
+            cols = slice(start, min(start + step, v))
+            g = self.workspace.get("grad_slice", n, cols.stop - start, x, torch.float32)
+            torch.div(work[:, cols], sum_exp, out=g)
+            if token_scale is not None:
+                g.mul_(token_scale)
+            if hit_rows.numel():
+                g.index_put_((hit_rows, hit_cols), hit_grads)  # the targets' softmax - 1
+            if gx is not None:
+                part = _onednn_linear(g, self.w[cols].t())  # [n, h]
+                if start == 0:
+                    gx.copy_(part)
+                else:
+                    gx.add_(part)
+            if acc is not None:
+                acc.add_slice(g, x_t, cols)
+        if acc is not None:
+            acc.first = False
 
     def grad_logits(
         self, rows: slice, loss: torch.Tensor | None, scale: torch.Tensor | None = None
@@ -149,6 +211,16 @@ class _Chunks:
 
     def _exact(self, work, t, loss) -> torch.Tensor | None:
         """The unfused path's operations on each element, in its order (fp32: equal to ~1 ulp)."""
+        stats = self._softmax(work, t, loss)
+        if stats is None:
+            return None
+        sum_exp, target_grad = stats
+        work.div_(sum_exp)
+        return work.scatter_(1, t, target_grad)
+
+    def _softmax(self, work, t, loss) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``work`` (logits) becomes ``exp(logits - max)``; the loss into ``loss``; returns the
+        row sums and the targets' ``softmax - 1`` (None without ``with_grad``)."""
         work.sub_(work.amax(dim=1, keepdim=True))  # stability: exp never overflows
         target_logit = work.gather(1, t)  # logit[target] - max
         work.exp_()
@@ -157,9 +229,7 @@ class _Chunks:
             torch.sub(sum_exp.log(), target_logit, out=loss)
         if not self.with_grad:
             return None
-        target_grad = work.gather(1, t).div_(sum_exp).sub_(1.0)
-        work.div_(sum_exp)
-        return work.scatter_(1, t, target_grad)
+        return sum_exp, work.gather(1, t).div_(sum_exp).sub_(1.0)
 
     def _fast(self, work, t, loss, logits) -> torch.Tensor:
         """16-bit gradients: ``torch.softmax`` in place, one fused pass at twice the speed of the
@@ -194,11 +264,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_w[vocab_size:].zero_()  # padding rows: the only ones not written below
         acc = _GradW(grad_w[:vocab_size], chunks.workspace) if need_w else None
         for rows in chunks:
-            g = chunks.grad_logits(rows, loss)
-            if need_x:
-                _matmul(g, chunks.w, out=grad_x[rows])
-            if acc is not None:
-                acc.add(g, x[rows])
+            chunks.products(rows, loss, grad_x, acc)
         if acc is not None:
             acc.finish()
         ctx.args = (vocab_size, chunk_size, workspace)
@@ -222,9 +288,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 chunks = _Chunks(x, weight, target, vocab_size, chunk_size, workspace, True)
                 acc = _GradW(grad_w[:vocab_size], chunks.workspace)
                 for rows in chunks:
-                    acc.add(chunks.grad_logits(rows, None, scale=grad_loss), x[rows])
+                    chunks.products(rows, None, None, acc, scale=grad_loss)
                 acc.finish()
         return grad_x, grad_w, None, None, None, None
+
+
+def _targets_by_slice(
+    target: torch.Tensor, grads: torch.Tensor, step: int, vocab_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per vocabulary slice of ``step`` columns: the rows whose target falls in it, the target's
+    column within the slice, and its gradient (from ``grads``, one per row)."""
+    n_slices = -(-vocab_size // step)
+    which = torch.div(target, step, rounding_mode="floor")
+    order = torch.argsort(which, stable=True)
+    counts = torch.bincount(which, minlength=n_slices).tolist()
+    rows = order.split(counts)
+    cols = (target - which * step)[order].split(counts)
+    vals = grads[order].split(counts)
+    return list(zip(rows, cols, vals))
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -238,11 +319,10 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 class _GradW:
     """``out = sum over chunks of grad_logits^T @ x`` (``out`` is ``[V, h]``).
 
-    fp32 on CPU (oneDNN): in vocabulary slices, ``out[s] (+)= grad_logits[:, s]^T @ x``, each
-    slice of ``grad_logits`` first copied into a contiguous workspace buffer (oneDNN reads a
-    strided slice slowly) and each ``[S, h]`` product small enough for the heap to reuse (see
-    :func:`~zerotron.parallel.tensor.onednn.onednn_mm_t_into`): ~120 ms per 512-token GPT-2 chunk
-    against ~145 for one fresh ``[h, V]`` product added to a sum and transposed at the end.
+    fp32 on CPU (oneDNN): :meth:`add_slice` per vocabulary slice, ``out[s] (+)= g_s^T @ x`` from
+    a contiguous slice ``g_s`` of ``grad_logits`` (:meth:`_Chunks.products`), each ``[S, h]``
+    product small enough for the heap to reuse: ~120 ms per 512-token GPT-2 chunk against ~145
+    for one fresh ``[h, V]`` product added to a sum and transposed at the end.
     16-bit on CPU: each chunk's product is taken transposed, ``x^T @ grad_logits`` (``[h, V]``),
     summed in a reused workspace buffer, and transposed into ``out`` once at the end: that layout
     is the faster one there (bf16 ~335 against ~270 GFLOP/s), the transposing copy costs ~15 ms.
@@ -251,30 +331,24 @@ class _GradW:
 
     def __init__(self, out: torch.Tensor, workspace: ChunkWorkspace) -> None:
         self.out = out
-        self.onednn = _use_onednn(out)
-        self.workspace = workspace
         self.sum_t: torch.Tensor | None = None  # [h, V] (CPU, 16-bit)
-        if out.device.type == "cpu" and not self.onednn:
+        if out.device.type == "cpu" and not _use_onednn(out):
             v, h = out.shape
             self.sum_t = workspace.get("grad_w_t", h, v, out, out.dtype)
-        self.first = True
+        self.first = True  # the first chunk writes, the others add
+
+    def add_slice(self, grad_slice: torch.Tensor, x_t: torch.Tensor, cols: slice) -> None:
+        """``out[cols] (+)= grad_slice^T @ x`` by oneDNN; ``grad_slice`` ``[n, S]`` contiguous,
+        ``x_t`` is ``x^T`` ``[h, n]``. The caller clears ``first`` after a chunk's slices."""
+        product = _onednn_linear(grad_slice.t(), x_t)  # [S, h]
+        if self.first:
+            self.out[cols].copy_(product)
+        else:
+            self.out[cols].add_(product)
 
     def add(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
-        if self.onednn:
-            n, v = grad_logits.shape
-            step = slice_columns(n)
-            buf = self.workspace.get("grad_slice", n, min(step, v), x, torch.float32)
-            x_t = x.t()
-            for start in range(0, v, step):
-                cols = slice(start, min(start + step, v))
-                part = buf[:, : cols.stop - start]
-                part.copy_(grad_logits[:, cols])
-                product = _onednn_linear(part.t(), x_t)  # [S, h]
-                if self.first:
-                    self.out[cols].copy_(product)
-                else:
-                    self.out[cols].add_(product)
-        elif self.sum_t is not None:
+        """One chunk's ``grad_logits^T @ x`` (all paths but fp32 on oneDNN)."""
+        if self.sum_t is not None:
             if self.first:
                 torch.mm(x.t(), grad_logits, out=self.sum_t)
             else:
