@@ -31,9 +31,10 @@ fixed factor away: 2(n-1)/n × the recorded bytes for all-reduce, (n-1)/n for re
 Asynchronous variants (``*_async``) return a :class:`Pending` whose ``wait()`` gives the result;
 they let data-parallel gradient buckets overlap with backward.
 
-On gloo (CPU tensors), all-gather and reduce-scatter are pairwise exchanges of point-to-point
-messages, every send and receive posted at once (:func:`_exchange`), and the reduction is
-torch's own add: gloo's fused reduce-scatter and all-gather took 3-4x as long for the same
+On gloo (CPU tensors), all-gather and reduce-scatter are exchanges of point-to-point messages
+(:func:`_exchange`): an all-gather posts every send and receive at once, a reduce-scatter is
+one exchange between two members and a ring of n - 1 exchanges between more, and the reduction
+is torch's own add: gloo's fused reduce-scatter and all-gather took 3-4x as long for the same
 bytes (2 ranks, 46 MB of bf16: 88 and 67 ms against 22 and 21 ms; ``bench/zero.py``). Each
 rank sends and receives (n-1)/n of the tensor, what a ring moves; the ledger records the same
 logical operation.
@@ -295,17 +296,25 @@ class _Works:
             work.wait()
 
 
-def _exchange(
-    group: Group, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]
-) -> _Works:
-    """Post every send and receive of one collective at once (keys: member indices).
+def _reserve_tags(group: Group, count: int = 1) -> int:
+    """The first of ``count`` message tags for one collective on ``group``.
 
-    Every member calls the group's collectives in the same order, so a per-group call count
-    gives both ends of each message the same tag, apart from other calls still in flight.
+    Every member calls the group's collectives in the same order, so a per-group count of
+    them gives both ends of each message the same tag, apart from other calls still in flight.
     """
-    count = _p2p_calls.get(group.pg, 0)
-    _p2p_calls[group.pg] = count + 1
-    tag = _P2P_TAG_BASE + count % (1 << 30)
+    first = _p2p_calls.get(group.pg, 0)
+    _p2p_calls[group.pg] = first + count
+    return _P2P_TAG_BASE + first % (1 << 30)
+
+
+def _exchange(
+    group: Group,
+    sends: dict[int, torch.Tensor],
+    recvs: dict[int, torch.Tensor],
+    tag: int | None = None,
+) -> _Works:
+    """Post every send and receive of one collective at once (keys: member indices)."""
+    tag = _reserve_tags(group) if tag is None else tag
     ops = [dist.P2POp(dist.isend, t, group.ranks[j], group.pg, tag) for j, t in sends.items()] + [
         dist.P2POp(dist.irecv, t, group.ranks[j], group.pg, tag) for j, t in recvs.items()
     ]
@@ -413,26 +422,44 @@ def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0, op: str = 
 
 
 def _pairwise_reduce_scatter(full: torch.Tensor, group: Group, op: str) -> Pending:
-    """Each member sends chunk j of ``full`` to member j and sums the chunks it receives with
-    its own, in member order (two members: ``a + b``, the same bits either way round)."""
+    """Two members: each sends the other's chunk of ``full`` and adds what it receives to its
+    own (``a + b``: the same bits either way round). More: a ring (:func:`_ring_steps`)."""
     n, me = group.size, group.rank
     chunks = full.chunk(n)
-    others = [j for j in range(n) if j != me]
-    received = torch.empty((n - 1, *chunks[0].shape), dtype=full.dtype, device=full.device)
-    inbox = dict(zip(others, received))
-    work = _exchange(group, {j: chunks[j] for j in others}, inbox)
+    if n > 2:
+        return _ring_steps(chunks, group, op)
+    received = torch.empty_like(chunks[0])
+    work = _exchange(group, {1 - me: chunks[1 - me]}, {1 - me: received})
 
     def finish() -> torch.Tensor:
-        if n == 2:
-            out = received[0].add_(chunks[me])
-        else:
-            parts = [chunks[me] if j == me else inbox[j] for j in range(n)]
-            out = torch.add(parts[0], parts[1])
-            for part in parts[2:]:
-                out.add_(part)
+        out = received.add_(chunks[me])
         return out.div_(n) if op == "avg" else out
 
     return Pending(work, finish)
+
+
+def _ring_steps(chunks: tuple[torch.Tensor, ...], group: Group, op: str) -> Pending:
+    """Reduce-scatter over n > 2 members in n - 1 ring steps, two chunks of memory (posting
+    every pairwise message at once would need n - 1). Step k receives from the previous member
+    the partial sum of chunk ``me - k - 2`` (mod n), adds this member's own part of it and
+    passes it on; after the last step it is the sum of chunk ``me``. The first step is posted
+    now, the others run in ``wait()``."""
+    n, me = group.size, group.rank
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    tags = _reserve_tags(group, n - 1)
+    bufs = (torch.empty_like(chunks[0]), torch.empty_like(chunks[0]))
+    first = _exchange(group, {nxt: chunks[(me - 1) % n]}, {prv: bufs[0]}, tags)
+
+    def finish() -> torch.Tensor:
+        work = first
+        for k in range(n - 1):
+            work.wait()
+            acc = bufs[k % 2].add_(chunks[(me - k - 2) % n])
+            if k < n - 2:
+                work = _exchange(group, {nxt: acc}, {prv: bufs[(k + 1) % 2]}, tags + k + 1)
+        return acc.div_(n) if op == "avg" else acc
+
+    return Pending(None, finish)
 
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, op: str = "sum") -> torch.Tensor:
