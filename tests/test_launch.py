@@ -165,7 +165,9 @@ def test_rank_dying_with_exit_3_is_named_and_sigterm_ignorers_are_killed():
         ["--nproc_per_node", "2", "--shutdown_timeout", "1", FAIL_AT_STEP, "--mode", "exit3"]
     )
     assert r.returncode == 3
-    assert seconds < 15
+    # ~5 s alone; under a loaded 2-core suite start-up alone has taken 15 s. Without the kill
+    # the agent's own 30 s wait comes on top, so 25 s still tells the two apart.
+    assert seconds < 25
     assert "zerotron launch: rank 1 failed first: exit code 3\n" in r.stderr
     assert "zerotron launch: rank 1 wrote nothing to stderr\n" in r.stderr
     assert "zerotron launch: then: rank 0 killed by signal 9 (SIGKILL)\n" in r.stderr

@@ -35,9 +35,9 @@ On gloo (CPU tensors), all-gather and reduce-scatter are exchanges of point-to-p
 (:func:`_exchange`): an all-gather posts every send and receive at once, a reduce-scatter is
 one exchange between two members and a ring of n - 1 exchanges between more, and the reduction
 is torch's own add: gloo's fused reduce-scatter and all-gather took 3-4x as long for the same
-bytes (2 ranks, 46 MB of bf16: 88 and 67 ms against 22 and 21 ms; ``bench/zero.py``). Each
-rank sends and receives (n-1)/n of the tensor, what a ring moves; the ledger records the same
-logical operation.
+bytes (2 ranks, 46 MB of bf16, quiet machine: 75 and 53 ms against 19 and 18 ms; see
+``bench/README.md``, zero section). Each rank sends and receives (n-1)/n of the tensor, what a
+ring moves; the ledger records the same logical operation.
 """
 
 from __future__ import annotations
