@@ -135,8 +135,13 @@ def test_second_backward_is_refused():
         loss.backward()  # the saved gradients were scaled in place by the first one
 
 
-def test_workspace_is_reused_and_changes_nothing():
-    x, w, target = inputs(torch.bfloat16)
+@pytest.mark.parametrize(
+    "dtype,buffers",
+    [(torch.bfloat16, ["16bit", "fp32", "grad_w_t"]), (torch.float32, ["fp32", "grad_slice"])],
+)
+def test_workspace_is_reused_and_changes_nothing(monkeypatch, dtype, buffers):
+    monkeypatch.setattr(fce, "SLICE_BYTES", 4 * 16 * 9)  # fp32: 9 columns per slice
+    x, w, target = inputs(dtype)
     up = upstreams(target.shape)["arbitrary"]  # backward recomputes through the workspace too
     workspace = ChunkWorkspace()
 
@@ -145,10 +150,10 @@ def test_workspace_is_reused_and_changes_nothing():
 
     ref = loss_and_grads(fused, x, w, target, up)
     first = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
-    buffers = {k: b.data_ptr() for k, b in workspace._buffers.items()}
-    assert sorted(buffers) == ["16bit", "fp32", "grad_w_t"]
+    ptrs = {k: b.data_ptr() for k, b in workspace._buffers.items()}
+    assert sorted(ptrs) == buffers
     again = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
-    assert {k: b.data_ptr() for k, b in workspace._buffers.items()} == buffers
+    assert {k: b.data_ptr() for k, b in workspace._buffers.items()} == ptrs
     for a, b, c in zip(ref, first, again):
         assert torch.equal(a, b) and torch.equal(a, c)
 
@@ -194,25 +199,6 @@ def test_fp32_vocab_slices_equal_one_product(monkeypatch, chunk):
                 assert_close(a, b, what=f"{what}, {name}, sliced vs whole, {slice_bytes} B")
                 assert_close(a, r, what=f"{what}, {name}, sliced vs unfused, {slice_bytes} B")
             assert torch.all(sliced[2][V:] == 0), "padding rows get no gradient"
-
-
-def test_fp32_workspace_is_reused_and_changes_nothing(monkeypatch):
-    monkeypatch.setattr(fce, "SLICE_BYTES", 4 * 16 * 9)  # 9 columns per slice
-    x, w, target = inputs(torch.float32)
-    up = upstreams(target.shape)["arbitrary"]  # backward recomputes through the workspace too
-    workspace = ChunkWorkspace()
-
-    def fused(x, w, t, ws=None):
-        return fused_linear_cross_entropy(x, w, t, vocab_size=V, chunk_size=16, workspace=ws)
-
-    ref = loss_and_grads(fused, x, w, target, up)
-    first = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
-    buffers = {k: b.data_ptr() for k, b in workspace._buffers.items()}
-    assert sorted(buffers) == ["fp32", "grad_slice"]
-    again = loss_and_grads(lambda *a: fused(*a, ws=workspace), x, w, target, up)
-    assert {k: b.data_ptr() for k, b in workspace._buffers.items()} == buffers
-    for a, b, c in zip(ref, first, again):
-        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_default_chunk_size_splits_evenly():
