@@ -140,7 +140,7 @@ def test_second_backward_is_refused():
     [(torch.bfloat16, ["16bit", "fp32", "grad_w_t"]), (torch.float32, ["fp32", "grad_slice"])],
 )
 def test_workspace_is_reused_and_changes_nothing(monkeypatch, dtype, buffers):
-    monkeypatch.setattr(fce, "SLICE_BYTES", 4 * 16 * 9)  # fp32: 9 columns per slice
+    monkeypatch.setattr(fce, "SLICE_COLUMNS", 9)  # fp32: 9 columns per slice
     x, w, target = inputs(dtype)
     up = upstreams(target.shape)["arbitrary"]  # backward recomputes through the workspace too
     workspace = ChunkWorkspace()
@@ -160,8 +160,8 @@ def test_workspace_is_reused_and_changes_nothing(monkeypatch, dtype, buffers):
 
 @pytest.mark.parametrize("chunk", [8, 39, 1000])
 def test_fp32_vocab_slices_equal_one_product(monkeypatch, chunk):
-    """On CPU the fp32 logits and grad_W come from oneDNN in vocabulary slices (SLICE_BYTES):
-    7 columns per 8-token chunk (V = 50: the last slice is 1 column wide), 1 column, and
+    """On CPU the fp32 logits and grad_W come from oneDNN in vocabulary slices (SLICE_COLUMNS):
+    7 columns (V = 50: the last slice is 1 column wide), 1 column, and
     unsliced, all equal within 1e-6 and to the unfused path."""
     x, w, target = inputs(torch.float32)
     calls = []  # (tokens, vocabulary columns) of each grad_W product
@@ -174,8 +174,8 @@ def test_fp32_vocab_slices_equal_one_product(monkeypatch, chunk):
 
     monkeypatch.setattr(fce, "_onednn_linear", spy)
 
-    def run(slice_bytes, up):
-        monkeypatch.setattr(fce, "SLICE_BYTES", slice_bytes)
+    def run(columns, up):
+        monkeypatch.setattr(fce, "SLICE_COLUMNS", columns)
         calls.clear()
 
         def fused(x, w, t):
@@ -189,16 +189,34 @@ def test_fp32_vocab_slices_equal_one_product(monkeypatch, chunk):
         whole = run(1 << 40, up)
         assert [c for _, c in calls] == [V] * passes  # one product per chunk
         ref = loss_and_grads(unfused, x, w, target, up)
-        for slice_bytes in (4 * 8 * 7, 4):
-            sliced = run(slice_bytes, up)
-            assert all(c <= fce.slice_columns(rows) for rows, c in calls)
+        for columns in (7, 1):
+            sliced = run(columns, up)
+            assert all(c <= columns for _, c in calls)
             assert sum(c for _, c in calls) == V * passes and len(calls) > passes
-            if slice_bytes == 4:
+            if columns == 1:
                 assert {c for _, c in calls} == {1}
             for what, a, b, r in zip(("loss", "grad x", "grad W"), sliced, whole, ref):
-                assert_close(a, b, what=f"{what}, {name}, sliced vs whole, {slice_bytes} B")
-                assert_close(a, r, what=f"{what}, {name}, sliced vs unfused, {slice_bytes} B")
+                assert_close(a, b, what=f"{what}, {name}, sliced vs whole, {columns} columns")
+                assert_close(a, r, what=f"{what}, {name}, sliced vs unfused, {columns} columns")
             assert torch.all(sliced[2][V:] == 0), "padding rows get no gradient"
+
+
+def test_fp32_grad_x_does_not_depend_on_the_chunks(monkeypatch):
+    """Each token's grad_x sums the same vocabulary slices in the same order whatever chunks the
+    tokens are cut in (slices of a fixed column count): 8-, 13- and 39-token chunks and one
+    whole chunk give the same bits for it (and for the loss)."""
+    monkeypatch.setattr(fce, "SLICE_COLUMNS", 7)  # V = 50: 8 slices
+    x, w, target = inputs(torch.float32)
+    up = upstreams(target.shape)["uniform"]
+    runs = []
+    for chunk in (8, 13, 39, target.numel()):
+
+        def fused(x, w, t, chunk=chunk):
+            return fused_linear_cross_entropy(x, w, t, vocab_size=V, chunk_size=chunk)
+
+        runs.append(loss_and_grads(fused, x, w, target, up))
+    for loss, grad_x, _ in runs[1:]:
+        assert torch.equal(loss, runs[0][0]) and torch.equal(grad_x, runs[0][1])
 
 
 def test_default_chunk_size_splits_evenly():

@@ -28,7 +28,7 @@ padding rows zero, so the tied embedding's gradient costs no slice-backward zero
 Numerics equal the unfused path up to rounding. fp32: the same operations in the same order per
 element (loss and gradients within ~1e-6 relative; on CPU the three matmuls run on oneDNN, whose
 fp32 GEMM is up to 2x torch.mm's MKL one on AMD CPUs, see
-:mod:`~zerotron.parallel.tensor.onednn`, in vocabulary slices of ``SLICE_BYTES`` so that no large
+:mod:`~zerotron.parallel.tensor.onednn`, in vocabulary slices of ``SLICE_COLUMNS`` so that no large
 product comes out fresh, ``grad_x`` summed over the slices: see :meth:`_Chunks.products`).
 16-bit: the same 16-bit
 logits and fp32 loss (within ~2e-7), the softmax from ``torch.softmax``'s faster exp (~1e-5
@@ -53,17 +53,15 @@ from zerotron.parallel.tensor.onednn import use_onednn as _use_onednn
 DEFAULT_CHUNK_BYTES = 512 * 50257 * 4
 
 
-# fp32 bytes of one oneDNN product slice in the fused loss on CPU (its logits and grad_W come in
-# vocabulary slices of about this size, see onednn_mm_t_into): below glibc's mmap threshold so
-# the heap reuses them, large enough for full-speed GEMMs. On bench/README.md's CPU, 512 tokens:
-# logits 1,024 to 8,192 vocabulary columns per call within noise (~103 ms against ~146 ms for
-# one fresh [512, 50257] product), grad_W 1,024 to 2,048 (~120 against ~145 ms); this is 2,048.
-SLICE_BYTES = 4 * 1024 * 1024
-
-
-def slice_columns(rows: int) -> int:
-    """Vocabulary columns per oneDNN call for a ``rows``-token chunk: ``SLICE_BYTES`` of fp32."""
-    return max(1, SLICE_BYTES // (4 * max(1, rows)))
+# Vocabulary columns of one oneDNN product slice in the fp32 fused loss on CPU (its logits and
+# grad_W come in vocabulary slices, see onednn_mm_t_into): 4 MB of fp32 for a 512-token chunk,
+# below glibc's mmap threshold so the heap reuses them, large enough for full-speed GEMMs. On
+# bench/README.md's CPU, 512 tokens: logits 1,024 to 8,192 columns per call within noise (~103 ms
+# against ~146 ms for one fresh [512, 50257] product), grad_W 1,024 to 2,048 (~120 against
+# ~145 ms). Fixed, not sized by the chunk's token count: each token's grad_x sums the same
+# slices in the same order however the tokens are cut into chunks (pipeline micro-batches, the
+# last short chunk), so layouts give the same bits.
+SLICE_COLUMNS = 2048
 
 
 def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
@@ -150,7 +148,7 @@ class _Chunks:
             return
         x, t = self.x[rows], self.target[rows].unsqueeze(1)
         n, v = x.shape[0], self.w.shape[0]
-        work, step = self.work[:n], slice_columns(n)
+        work, step = self.work[:n], SLICE_COLUMNS
         _onednn_linear_into(work, x, self.w, step)
         stats = self._softmax(work, t, loss[rows].unsqueeze(1) if loss is not None else None)
         if stats is None or (grad_x is None and acc is None):
@@ -195,7 +193,7 @@ class _Chunks:
         work = self.work[:n]
         if self.low is None:
             if _use_onednn(x):  # ahead of mm; in vocabulary slices into the reused buffer
-                _onednn_linear_into(work, x, self.w, slice_columns(n))
+                _onednn_linear_into(work, x, self.w, SLICE_COLUMNS)
             else:
                 torch.mm(x, self.w.t(), out=work)
         else:
