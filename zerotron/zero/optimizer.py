@@ -350,8 +350,8 @@ class ZeroOptimizer(ScalesLoss):
             sub = self.sub_groups[info.sub_group]
             if sub.grad is None:
                 sub.grad = self._new_grad_partition(sub)
-            elif self._promote_grads and sub.grad.dtype != torch.float32:
-                sub.grad = sub.grad.float()  # sums over another group stay exact
+            else:
+                self._promote_grad(sub)  # sums over another group stay exact
             out.append(sub.grad[info.offset : info.offset + info.chunk])
         return out
 
@@ -501,8 +501,8 @@ class ZeroOptimizer(ScalesLoss):
             sub = self.sub_groups[info.sub_group]
             if sub.grad is None:
                 sub.grad = self._new_grad_partition(sub, row.dtype)
-            elif later_microbatch and sub.grad.dtype != torch.float32 and self._promote_grads:
-                sub.grad = sub.grad.float()  # exact: what an fp32 partition would hold now
+            elif later_microbatch:
+                self._promote_grad(sub)  # a second micro-batch is summed in fp32
             dsts.append(sub.grad[info.offset : info.offset + info.chunk])
             srcs.append(view)  # foreach add casts to the partition's dtype
         torch._foreach_add_(dsts, srcs)
@@ -523,6 +523,11 @@ class ZeroOptimizer(ScalesLoss):
         else:
             dtype = self.grad_accum_dtype or sub.dtype
         return torch.zeros(sub.numel, dtype=dtype, device=sub.device)
+
+    def _promote_grad(self, sub: SubGroup) -> None:
+        """Turn a wire-dtype partition (see :meth:`_new_grad_partition`) fp32, exactly."""
+        if self._promote_grads and sub.grad is not None and sub.grad.dtype != torch.float32:
+            sub.grad = sub.grad.float()
 
     def _grads(self) -> list[Tensor]:
         """Every sub-group's gradient partition as it is (zeros where nothing was reduced)."""
