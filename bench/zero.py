@@ -108,7 +108,7 @@ class Setup:
     seq: int = 256
     vocab: int = 8192
     micro_batch: int = 4
-    steps: int = 5
+    steps: int = 10
     warmup: int = 2
     dtype: str = "bf16"
     nvme_path: str = ""
