@@ -22,6 +22,7 @@ from zerotron.precision import (
     make_loss_scaler,
     unscale_and_check_overflow_,
 )
+from zerotron.precision import grads as grads_mod
 from zerotron.precision.grads import ROW
 
 # ---- loss scalers ------------------------------------------------------------------------------
@@ -514,3 +515,22 @@ def test_reload_model_params_after_loading_weights_only():
     opt.reload_model_params()
     for p, m in zip(opt.model_params, opt.master_params):
         assert torch.equal(m, p.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_accumulate_grad_in_pieces_equals_add(monkeypatch, dtype):
+    """16-bit gradients go into fp32 buffers piece by piece: the bits of one mixed ``add_``,
+    for lengths that do and do not divide into pieces, and for a strided (fallback) buffer."""
+    monkeypatch.setattr(grads_mod, "ACCUMULATE_PIECE", 7)
+    g = torch.Generator().manual_seed(0)
+    for shape in [(5, 7), (9, 13), (3,)]:
+        main = torch.randn(shape, generator=g)
+        grad = torch.randn(shape, generator=g).to(dtype)
+        ref = main.clone().add_(grad)
+        grads_mod.accumulate_grad_(main, grad)
+        assert torch.equal(main, ref), shape
+    main = torch.randn(13, 9, generator=g).t()  # not contiguous: add_ directly
+    grad = torch.randn(9, 13, generator=g).to(dtype)
+    ref = main.clone().add_(grad)
+    grads_mod.accumulate_grad_(main, grad)
+    assert torch.equal(main, ref)

@@ -73,6 +73,7 @@ from zerotron.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from zerotron.parallel.tensor.fused_cross_entropy import ChunkWorkspace
+from zerotron.parallel.tensor.tied_grad import TiedGrad, embedding_lookup
 
 # State-dict keys whose dim 0 is the padded vocabulary (re-padded when the padding changes).
 VOCAB_PADDED_KEYS = ("embedding.word_embeddings.weight",)
@@ -458,10 +459,11 @@ class Embedding(nn.Module):
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None,
         offset: int = 0,
-        sparse_grad: bool = False,
+        tied: TiedGrad | None = None,
     ) -> torch.Tensor:
-        """``sparse_grad``: see :func:`_word_embedding` (the caller guarantees a dense one too)."""
-        x = _word_embedding(self.word_embeddings, tokens, sparse_grad and self.tp_group.size == 1)
+        """``tied``: the fused loss's slot for the word embedding's gradient (TP=1; see
+        :mod:`~zerotron.parallel.tensor.tied_grad`)."""
+        x = _word_embedding(self.word_embeddings, tokens, tied)
         s = x.shape[1]  # this rank's sequence shard under SP
         if self.sequence_parallel:
             first = self.tp_group.rank * s
@@ -480,7 +482,7 @@ class Embedding(nn.Module):
 
 @torch.compiler.disable
 def _word_embedding(
-    embedding: VocabParallelEmbedding, tokens: torch.Tensor, sparse_grad: bool = False
+    embedding: VocabParallelEmbedding, tokens: torch.Tensor, tied: TiedGrad | None = None
 ) -> torch.Tensor:
     """The word-embedding lookup, eager even inside ``torch.compile`` (a graph break before it).
 
@@ -489,14 +491,12 @@ def _word_embedding(
     parameters' dtype; ~215 ms per step on one core of bench/README.md's CPU (GPT-2 vocabulary,
     bf16), against ~20 ms for eager's ``embedding_dense_backward``.
 
-    ``sparse_grad`` (TP=1 only, and only where the fused loss gives the tied weight a dense
-    gradient in the same backward): the lookup's gradient is a sparse tensor of the looked-up
-    rows, which autograd adds in place into the loss's dense ``[vocab, h]`` gradient; the weight
-    still gets one dense gradient. That skips zeroing a ``[vocab, h]`` tensor and one dense add
-    (~20 ms per step there).
+    ``tied`` (TP=1, with the fused loss on the same weight): the lookup's rows are added into
+    the loss's gradient in place (:mod:`~zerotron.parallel.tensor.tied_grad`), with no
+    ``[vocab, h]`` tensor of their own.
     """
-    if sparse_grad:
-        return F.embedding(tokens, embedding.weight, sparse=True)
+    if tied is not None and embedding.tp_group.size == 1:
+        return embedding_lookup(tokens, embedding.weight, tied)
     return embedding(tokens)
 
 
@@ -591,10 +591,11 @@ class GPT(nn.Module):
                 attention_mask = keys[None, :] <= queries[:, None]
 
         training_pass = torch.is_grad_enabled() and kv_cache is None
-        # With labels at TP=1 the fused loss gives the tied weight a dense gradient: the lookup's
-        # own can be sparse rows added into it.
+        # With labels at TP=1 the fused loss gives the tied weight a dense gradient: the lookup
+        # adds its rows into that one.
         fused_loss = labels is not None and self.tp_group.size == 1
-        x = self.embedding(tokens, position_ids, offset, sparse_grad=fused_loss and training_pass)
+        tied = TiedGrad() if fused_loss and training_pass else None
+        x = self.embedding(tokens, position_ids, offset, tied)
         x = self._run_layers(x, attention_mask, is_causal, kv_cache, training_pass)
         x = self.final_layernorm(x)
         if kv_cache is not None:
@@ -603,7 +604,7 @@ class GPT(nn.Module):
         if self.tp_group.size > 1:
             return self._parallel_output(x, labels)
         if labels is not None:
-            return self._output_loss(x, labels)
+            return self._output_loss(x, labels, tied)
         # Tied output layer over the real vocabulary only: padded ids never get probability.
         weight = self.embedding.word_embeddings.weight
         if cfg.orig_vocab_size < cfg.vocab_size:
@@ -613,7 +614,9 @@ class GPT(nn.Module):
             logits = F.pad(logits, (0, cfg.vocab_size - cfg.orig_vocab_size), value=-math.inf)
         return logits
 
-    def _output_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _output_loss(
+        self, x: torch.Tensor, labels: torch.Tensor, tied: TiedGrad | None = None
+    ) -> torch.Tensor:
         """Per-token loss ``[b, s]`` of the tied output layer over the real vocabulary (TP=1).
 
         The output layer and the loss fused in token chunks
@@ -623,7 +626,7 @@ class GPT(nn.Module):
         """
         weight = self.embedding.word_embeddings.weight
         return _fused_output_loss(
-            x, weight, labels, self.config.orig_vocab_size, self._loss_workspace
+            x, weight, labels, self.config.orig_vocab_size, self._loss_workspace, tied
         )
 
     def _parallel_output(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
@@ -684,14 +687,14 @@ class GPT(nn.Module):
 
 
 @torch.compiler.disable
-def _fused_output_loss(x, weight, labels, vocab_size, workspace) -> torch.Tensor:
+def _fused_output_loss(x, weight, labels, vocab_size, workspace, tied=None) -> torch.Tensor:
     """The fused loss, eager even inside ``torch.compile`` (the compiled graph stops before it).
 
     Measured on a 2-core CPU (bench/README.md), this beats letting inductor compile the plain
     ``F.cross_entropy`` over full logits (fp32 ~4%, bf16 ~2% per step): the chunk loop would
     only be unrolled into the graph, and inductor's fresh [tokens, vocab] buffers page-fault.
     """
-    return fused_linear_cross_entropy(x, weight, labels, vocab_size, workspace=workspace)
+    return fused_linear_cross_entropy(x, weight, labels, vocab_size, workspace=workspace, tied=tied)
 
 
 def print_num_parameters(model: GPT, rank: int = 0) -> int:

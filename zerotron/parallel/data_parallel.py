@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group, Pending
 from zerotron.errors import ConfigError
+from zerotron.precision.grads import accumulate_grad_
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 """Elements per bucket, Megatron-core's default (``max(40M, 1M * dp)``)."""
@@ -164,7 +165,7 @@ class DataParallel:
 
     @torch.no_grad()
     def _on_grad(self, param: Tensor) -> None:
-        param.main_grad.add_(param.grad)
+        accumulate_grad_(param.main_grad, param.grad)
         param.grad = None
         if not self.sync:
             return

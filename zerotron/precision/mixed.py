@@ -39,6 +39,7 @@ from zerotron.errors import CheckpointError, ConfigError
 from zerotron.precision.grads import (
     IsCounted,
     ReduceFn,
+    accumulate_grad_,
     clip_grad_norm_,
     count_zeros,
     get_grad_norm,
@@ -146,7 +147,7 @@ class MixedPrecisionOptimizer(ScalesLoss):
 
     def _hook(self, i: int) -> Callable[[Tensor], None]:
         def accumulate(param: Tensor) -> None:
-            param.main_grad.add_(param.grad)
+            accumulate_grad_(param.main_grad, param.grad)
             param.grad = None
             self._got_grad[i] = True
 

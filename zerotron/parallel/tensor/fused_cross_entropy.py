@@ -46,6 +46,7 @@ import torch
 from zerotron.parallel.tensor.onednn import onednn_mm_t as _onednn_linear
 from zerotron.parallel.tensor.onednn import onednn_mm_t_into as _onednn_linear_into
 from zerotron.parallel.tensor.onednn import use_onednn as _use_onednn
+from zerotron.parallel.tensor.tied_grad import TiedGrad
 
 # fp32 logits of one chunk, in bytes: large enough for efficient matmuls (the weight is re-read
 # once per chunk), small enough to keep the buffers modest. On the 2-core CPU of bench/README.md
@@ -256,7 +257,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Per-token ``cross_entropy(x @ weight[:vocab_size]^T, target)``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, vocab_size, chunk_size, workspace):
+    def forward(ctx, x, weight, target, vocab_size, chunk_size, workspace, tied):
         need_x, need_w = ctx.needs_input_grad[:2]
         chunks = _Chunks(x, weight, target, vocab_size, chunk_size, workspace, need_x or need_w)
         loss = x.new_empty(x.shape[0], dtype=torch.float32)
@@ -271,14 +272,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             acc.finish()
         ctx.args = (vocab_size, chunk_size, workspace)
         ctx.needs = (need_x, need_w)
-        ctx.save_for_backward(x, weight, target, grad_x, grad_w)
+        ctx.tied = tied
+        ctx.save_for_backward(x, weight, target)
+        # The gradients are held on ctx, not saved: backward hands them over and keeps no
+        # reference, so autograd may give grad_w to the weight's .grad as it is (a saved tensor
+        # is a second reference, and autograd adds or stores a fresh copy of a [V_pad, h] tensor).
+        ctx.grads = (grad_x, grad_w)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        # The saved gradients are scaled in place: a second backward (retain_graph) is refused
-        # by autograd's version check on them.
-        x, weight, target, grad_x, grad_w = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fused linear cross entropy: backward ran twice on one forward (retain_graph); "
+                "its gradients are made in the forward and handed over once: run the forward again"
+            )
+        (grad_x, grad_w), ctx.grads = ctx.grads, None
+        x, weight, target = ctx.saved_tensors
         need_x, need_w = ctx.needs
         if need_x:  # rows are tokens: any per-token gradient scales them exactly
             grad_x.mul_(grad_loss.unsqueeze(1))
@@ -292,7 +302,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 for rows in chunks:
                     chunks.products(rows, None, None, acc, scale=grad_loss)
                 acc.finish()
-        return grad_x, grad_w, None, None, None, None
+            if ctx.tied is not None:  # the lookup adds its rows and returns it (tied_grad.py)
+                ctx.tied.put(grad_w)
+                grad_w = None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def _targets_by_slice(
@@ -374,6 +387,7 @@ def fused_linear_cross_entropy(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     workspace: ChunkWorkspace | None = None,
+    tied: TiedGrad | None = None,
 ) -> torch.Tensor:
     """Per-token cross entropy (fp32, ``target``'s shape) of the logits ``hidden @ weight^T``.
 
@@ -382,11 +396,14 @@ def fused_linear_cross_entropy(
     ids below ``vocab_size``. ``chunk_size`` tokens go through at a time (default: about 100 MB
     of fp32 logits, see :func:`default_chunk_size`). ``workspace`` keeps the chunk buffers for
     the next call (see :class:`ChunkWorkspace`). Gradients reach ``hidden`` and ``weight``; the
-    full logits are never materialized.
+    full logits are never materialized. ``tied``: the weight is also looked up by
+    :func:`~zerotron.parallel.tensor.tied_grad.embedding_lookup` with this slot, before this
+    loss and on the path to it; the weight gradient goes to the slot, and the lookup's backward
+    returns it with its own rows added.
     """
     v = weight.shape[0] if vocab_size is None else vocab_size
     x = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1)
     n = chunk_size or default_chunk_size(x.shape[0], v)
-    loss = _FusedLinearCrossEntropy.apply(x, weight, t, v, n, workspace)
+    loss = _FusedLinearCrossEntropy.apply(x, weight, t, v, n, workspace, tied)
     return loss.view(target.shape)
