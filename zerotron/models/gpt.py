@@ -58,6 +58,7 @@ from zerotron.distributed.comm import Group
 from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import state
 from zerotron.errors import ConfigError, UnsupportedError
+from zerotron.models.attention_cpu import sdpa_math_16bit
 from zerotron.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -351,9 +352,12 @@ def _model_parallel_rng(tp_group: Group, draws: bool):
 def _core_attention(q, k, v, attention_mask, is_causal, dropout_p):
     """``softmax(q k^T / sqrt(d) + mask) v`` by ``F.scaled_dot_product_attention``.
 
-    SDPA picks its backend (on CPU: the flash kernel for fp32 and 16-bit alike). Its MATH backend
-    was measured for 16-bit training on CPU and is slower there (bench/README.md, train_step).
+    SDPA picks its backend (flash on CPU; flash, memory-efficient or cuDNN on CUDA), except for
+    16-bit tensors on CPU without attention dropout, where SDPA's MATH kernel kept in 16 bits is
+    ~2x faster than flash (:mod:`~zerotron.models.attention_cpu`).
     """
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0:
+        return sdpa_math_16bit(q, k, v, attention_mask, is_causal)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, is_causal=is_causal
     )
