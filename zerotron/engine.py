@@ -70,6 +70,7 @@ from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import ParallelState, state
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.fileio import atomic_open
+from zerotron.malloc import keep_freed_heap
 from zerotron.monitor import MonitorMaster
 from zerotron.parallel.data_parallel import DataParallel
 from zerotron.parallel.pipeline import PipelineRuntime, allreduce_embedding_grads
@@ -154,6 +155,12 @@ class _WallClockTimers(dict):
 def _sync_device() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def _single_process() -> bool:
+    """No process group, or a world of one."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
 
 
 def _module_device(model: nn.Module) -> torch.device:
@@ -335,6 +342,8 @@ class Engine:
             timers = _WallClockTimers() if wall_clock_breakdown else (lambda name: _NullTimer())
         self.timers = timers
         self.device = torch.device(device) if device is not None else _module_device(model)
+        if self.device.type == "cpu" and _single_process():
+            keep_freed_heap()  # no page faults for every step's activations (zerotron/malloc.py)
         # Compile the call, not the module: state-dict keys and parameters stay the module's.
         self._forward = torch.compile(model) if compile else model
 
