@@ -2,7 +2,8 @@
 
 - :mod:`~zerotron.precision.loss_scaler`: static and dynamic (DeepSpeed-semantics) loss scaling.
 - :mod:`~zerotron.precision.grads`: global gradient norm, clipping, overflow check, zero count,
-  each pluggable across process groups (``reduce_fn``, ``is_counted``).
+  each pluggable across process groups (``reduce_fn``, ``is_counted``); 16-bit gradients added
+  into fp32 buffers (``accumulate_grad_``).
 - :mod:`~zerotron.precision.mixed`: :class:`MixedPrecisionOptimizer`, the optimizer wrapper the
   Engine steps in fp32, bf16 and fp16 alike.
 """

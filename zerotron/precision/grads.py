@@ -1,4 +1,5 @@
-"""Gradient checks that span process groups: global norm, clipping, overflow, zero count.
+"""Gradient checks that span process groups: global norm, clipping, overflow, zero count; and
+:func:`accumulate_grad_`, a 16-bit gradient added into an fp32 accumulation buffer.
 
 Every function takes "params or grads": an ``nn.Parameter`` stands for its gradient (its fp32
 ``main_grad`` when it has one, else ``.grad``; parameters without a gradient are skipped), any
