@@ -66,6 +66,7 @@ from zerotron.checkpoint.reshard import (
 from zerotron.checkpoint.zero_repartition import repartition_zero_state
 from zerotron.checkpoint.zero_to_fp32 import SHARED_PARAMS_KEY
 from zerotron.distributed import comm
+from zerotron.distributed.init import get_world_size
 from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import ParallelState, state
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
@@ -155,12 +156,6 @@ class _WallClockTimers(dict):
 def _sync_device() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-
-
-def _single_process() -> bool:
-    """No process group, or a world of one."""
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
 
 
 def _module_device(model: nn.Module) -> torch.device:
@@ -342,7 +337,7 @@ class Engine:
             timers = _WallClockTimers() if wall_clock_breakdown else (lambda name: _NullTimer())
         self.timers = timers
         self.device = torch.device(device) if device is not None else _module_device(model)
-        if self.device.type == "cpu" and _single_process():
+        if self.device.type == "cpu" and get_world_size() == 1:
             keep_freed_heap()  # no page faults for every step's activations (zerotron/malloc.py)
         # Compile the call, not the module: state-dict keys and parameters stay the module's.
         self._forward = torch.compile(model) if compile else model
