@@ -230,7 +230,7 @@ def test_without_a_deepspeed_config_zero_sizes_are_zerotrons():
     """Flags and the schema leave the bucket, sub-group and prefetch sizes unset: ZeroOptimizer
     takes zerotron's (stage 3 in pieces of a few MB, the next module prefetched), a DeepSpeed
     config DeepSpeed's (test_deepspeed_defaults)."""
-    from zerotron.config.schema import ZeroConfig
+    from zerotron.config import ZeroConfig
     from zerotron.zero.optimizer import default_sizes
 
     z = ZeroConfig()

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from zerotron.config.files import read_config_file
-from zerotron.config.schema import FIELD_SECTION, Config
+from zerotron.config.schema import Config
+from zerotron.config.sections import FIELD_SECTION
 from zerotron.errors import ConfigError, UnsupportedError
 
 AUTO = "auto"

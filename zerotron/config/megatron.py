@@ -26,17 +26,10 @@ from pydantic.fields import FieldInfo
 from zerotron.config.args import ArgumentParser
 from zerotron.config.deepspeed import DEEPSPEED_DEFAULTS, deepspeed_keys
 from zerotron.config.files import Locate, read_config_file
-from zerotron.config.schema import (
-    FIELD_SECTION,
-    SECTIONS,
-    Config,
-    _to_int,
-    check_choice,
-    flag,
-    nest_keys,
-    normalize_key,
-    unknown_key_error,
-)
+from zerotron.config.keys import nest_keys, normalize_key, unknown_key_error
+from zerotron.config.schema import Config
+from zerotron.config.sections import FIELD_SECTION, SECTIONS, check_choice, flag
+from zerotron.config.sections.base import to_int
 from zerotron.errors import ConfigError, UnsupportedError
 
 PROG = "zerotron pretrain"
@@ -175,7 +168,7 @@ IGNORED: dict[str, Known] = {
 
 
 def _int(text: str) -> int:
-    return _to_int(text)
+    return to_int(text)
 
 
 _int.__name__ = "int"  # argparse names the type in "invalid int value: 'x'"
@@ -393,7 +386,7 @@ def _merge_deepspeed(
 
     def size(name: str) -> int:
         value = given.get(name, nested.get("parallel", {}).get(name, 1))
-        return _to_int(value)
+        return to_int(value)
 
     keys = deepspeed_keys(
         path,
@@ -431,7 +424,7 @@ def _screen_unknown(unknown: dict[tuple[str, ...], Any], locate: Locate) -> list
 
 def _is_zero(value: Any) -> bool:
     try:
-        return value is not None and _to_int(value) == 0
+        return value is not None and to_int(value) == 0
     except ValueError:
         return False  # not a number: validation reports it
 
