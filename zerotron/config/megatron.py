@@ -24,7 +24,8 @@ from typing import Any, Literal, NamedTuple
 from pydantic.fields import FieldInfo
 
 from zerotron.config.args import ArgumentParser
-from zerotron.config.deepspeed import DEEPSPEED_DEFAULTS, deepspeed_keys
+from zerotron.config.deepspeed import deepspeed_keys
+from zerotron.config.deepspeed_table import DEEPSPEED_DEFAULTS
 from zerotron.config.files import Locate, read_config_file
 from zerotron.config.keys import nest_keys, normalize_key, unknown_key_error
 from zerotron.config.schema import Config
