@@ -4,11 +4,13 @@
     cfg.zero.zero_stage, cfg.training.num_micro_batches, cfg.optimizer.lr
 
 Every key DeepSpeed documents for what zerotron implements maps onto a schema field (the table
-is :data:`SPEC`; docs/deepspeed.md lists it), with DeepSpeed's meaning and defaults:
+is :data:`~zerotron.config.deepspeed_table.SPEC`; docs/deepspeed.md lists it), with DeepSpeed's
+meaning and defaults. This module is the walker that reads a config against that table:
 
 - ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps``
   -> ``global_batch_size`` / ``micro_batch_size`` / ``num_micro_batches``: any two give the
-  third, with DP = world / (tp · pp); three that disagree are an error showing the arithmetic.
+  third, with DP = world / (tp · pp); three that disagree are an error showing the arithmetic
+  (:func:`~zerotron.config.derive.batch_geometry`, the same arithmetic as the schema's).
 - ``fp16.initial_scale_power`` p -> ``initial_loss_scale`` 2**p; ``fp16.loss_scale`` 0 (dynamic)
   -> ``loss_scale`` None; ``gradient_clipping`` -> ``clip_grad``; ``steps_per_print`` ->
   ``log_interval``; ``optimizer.params`` -> ``lr``, ``adam_beta1/2``, ``adam_eps``, ...;
@@ -31,7 +33,6 @@ learning, compression, ...) raises :class:`~zerotron.errors.UnsupportedError` sa
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -61,6 +62,7 @@ from zerotron.config.deepspeed_table import (
 )
 from zerotron.config.derive import BatchNames, batch_geometry, data_parallel_size
 from zerotron.config.files import read_config_file
+from zerotron.config.keys import suggest
 from zerotron.config.schema import Config
 from zerotron.config.sections import FIELD_SECTION
 from zerotron.errors import ConfigError, UnsupportedError
@@ -218,8 +220,8 @@ class _Walker:
         node[path[-1]] = list(value) if isinstance(value, tuple) else value
 
     def unknown(self, path: tuple[str, ...], choices: Mapping[str, Any]) -> None:
-        close = difflib.get_close_matches(path[-1], list(choices), n=1, cutoff=0.6)
-        hint = f" (did you mean {'.'.join((*path[:-1], close[0]))!r}?)" if close else ""
+        close = suggest(path[-1], choices)
+        hint = f" (did you mean {'.'.join((*path[:-1], close))!r}?)" if close else ""
         where = self.where(path)
         self.out.notes.append(
             f"{where + ': ' if where else ''}unknown DeepSpeed key {'.'.join(path)!r} ignored{hint}"
@@ -307,8 +309,8 @@ class _Walker:
                 fix="use Adam, AdamW, Lamb or SGD",
             )
         if low not in OPTIMIZERS:
-            close = difflib.get_close_matches(low, list(OPTIMIZERS), n=1, cutoff=0.5)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            close = suggest(low, OPTIMIZERS, cutoff=0.5)
+            hint = f"did you mean {close!r}? " if close else ""
             raise ConfigError(
                 f"optimizer.type: unknown optimizer {kind!r}",
                 where=self.where((*path, "type")),
@@ -370,8 +372,8 @@ class _Walker:
             )
         if kind not in SCHEDULER_PARAMS:
             names = list(SCHEDULER_PARAMS)
-            close = difflib.get_close_matches(str(kind), names, n=1, cutoff=0.5)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            close = suggest(str(kind), names, cutoff=0.5)
+            hint = f"did you mean {close!r}? " if close else ""
             raise ConfigError(
                 f"scheduler.type: {kind!r} is not one of {', '.join(names)}",
                 where=self.where((*path, "type")),

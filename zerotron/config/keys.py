@@ -6,7 +6,7 @@ keys into sections, unknown keys with the closest known one, and errors that nam
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
@@ -20,8 +20,9 @@ def normalize_key(key: Any) -> str:
     return str(key).lstrip("-").replace("-", "_")
 
 
-def suggest(name: str, choices: list[str]) -> str | None:
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+def suggest(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The known name closest to ``name`` (for "did you mean ...?"), or None."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)
     return close[0] if close else None
 
 
