@@ -501,3 +501,33 @@ def test_train_valid_test_num_samples_like_megatron():
     cfg = parse("--eval-interval", "30", "--eval-iters", "5", "--global-batch-size", "8")
     # megatron/training/training.py get_train_valid_test_num_samples
     assert cfg.train_valid_test_num_samples == (100 * 8, (100 // 30 + 1) * 5 * 8, 5 * 8)
+
+
+# ---- one derivation: the batch arithmetic every loader shares
+
+
+@pytest.mark.parametrize(
+    "given,want",
+    [
+        ((2, None, None), (2, 8, 1)),
+        ((2, 16, None), (2, 16, 2)),
+        ((None, 16, 2), (2, 16, 2)),
+        ((2, None, 3), (2, 24, 3)),
+        ((2, 16, 2), (2, 16, 2)),
+    ],
+)
+def test_batch_geometry_any_two_give_the_third(given, want):
+    from zerotron.config.derive import MEGATRON_BATCH, batch_geometry
+
+    assert batch_geometry(*given, 4, MEGATRON_BATCH) == want
+    mbs, gbs, nmb = given
+    cfg = Config.from_dict(
+        {
+            "world_size": 4,
+            "micro_batch_size": mbs,
+            "global_batch_size": gbs,
+            "num_micro_batches": nmb,
+        }
+    )
+    t = cfg.training
+    assert (t.micro_batch_size, t.global_batch_size, t.num_micro_batches) == want

@@ -230,7 +230,7 @@ def test_without_a_deepspeed_config_zero_sizes_are_zerotrons():
     """Flags and the schema leave the bucket, sub-group and prefetch sizes unset: ZeroOptimizer
     takes zerotron's (stage 3 in pieces of a few MB, the next module prefetched), a DeepSpeed
     config DeepSpeed's (test_deepspeed_defaults)."""
-    from zerotron.config.schema import ZeroConfig
+    from zerotron.config import ZeroConfig
     from zerotron.zero.optimizer import default_sizes
 
     z = ZeroConfig()
@@ -675,3 +675,21 @@ def test_pretrain_trains_with_zero_from_flags_and_deepspeed_config(
     assert engine.lr_scheduler.last_batch_iteration == 2  # stepped once per iteration
     assert zero2[0] == pytest.approx(base[0], rel=1e-5)  # the first step runs before any update
     assert all(math.isfinite(x) for x in zero2)
+
+
+def test_offload_keys_are_checked_by_the_zero_sections_fields():
+    """The offload keys' converters and defaults come from ZeroConfig's field definitions (one
+    definition of what an offload value may be)."""
+    from zerotron.config import ZeroConfig
+    from zerotron.config.deepspeed_table import SPEC, Leaf
+
+    for kind in ("optimizer", "param"):
+        node = SPEC["zero_optimization"][f"offload_{kind}"]
+        for key, leaf in node.items():
+            if isinstance(leaf, Leaf):
+                assert leaf.field == f"offload_{kind}_{key}"
+                assert leaf.default == ZeroConfig.model_fields[leaf.field].default
+    with pytest.raises(ConfigError, match="offload_param.buffer_size: 0 is not positive"):
+        load({"train_batch_size": 2, "zero_optimization": {"offload_param": {"buffer_size": 0}}})
+    with pytest.raises(ConfigError, match="offload_param.max_in_cpu: -1 is not zero or positive"):
+        load({"train_batch_size": 2, "zero_optimization": {"offload_param": {"max_in_cpu": -1}}})

@@ -8,8 +8,12 @@
     from zerotron.config import load_deepspeed_config
     cfg, resolved = load_deepspeed_config("ds.json", world_size=2)   # DeepSpeed's JSON
 
-See :mod:`zerotron.config.schema` for the sections and what validation derives, and
-:mod:`zerotron.config.deepspeed` for DeepSpeed's keys.
+Where things are: :mod:`~zerotron.config.schema` (the Config), :mod:`~zerotron.config.sections`
+(its sections, one module per concern), :mod:`~zerotron.config.keys` (key styles, unknown keys,
+key paths in errors), :mod:`~zerotron.config.derive` (every derived value: batch geometry, data
+parallel size, schedule lengths...), and the loaders onto it: :mod:`~zerotron.config.megatron`
+(flags), :mod:`~zerotron.config.files` (YAML/JSON), :mod:`~zerotron.config.deepspeed` (DeepSpeed's
+JSON, its key table in :mod:`~zerotron.config.deepspeed_table`).
 """
 
 from zerotron.config.deepspeed import (
@@ -21,12 +25,12 @@ from zerotron.config.deepspeed import (
 )
 from zerotron.config.files import read_config_file, write_config_file
 from zerotron.config.megatron import build_parser, load_config, parse_megatron_args
-from zerotron.config.schema import (
+from zerotron.config.schema import Config, format_config
+from zerotron.config.sections import (
     FIELD_SECTION,
     SECTIONS,
     ActivationCheckpointingConfig,
     CheckpointConfig,
-    Config,
     DataConfig,
     ModelConfig,
     MonitorConfig,
@@ -36,7 +40,6 @@ from zerotron.config.schema import (
     SchedulerConfig,
     TrainingConfig,
     ZeroConfig,
-    format_config,
     parse_data_path,
     parse_split,
 )

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zerotron.config import schema
+from zerotron.config.sections import data as config_data
 from zerotron.data.indexed_dataset import MMapIndexedDataset
 from zerotron.errors import ConfigError, DataError
 from zerotron.fileio import atomic_open, atomic_write_text
@@ -58,7 +58,7 @@ INDEX_FORMAT = 1  # bump when the meaning of the cached arrays changes
 
 def parse_split(split: str) -> list[float]:
     """``"949,50,1"`` (or ``"98/2/0"``, or fewer numbers) -> three weights summing to 1."""
-    return list(schema.parse_split(str(split)))
+    return list(config_data.parse_split(str(split)))
 
 
 def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
@@ -297,7 +297,7 @@ def parse_data_path(data_path: Sequence[str] | str) -> DataPath:
     in by :func:`blend_weights`.
     """
     items = [data_path] if isinstance(data_path, str) else [str(x) for x in data_path]
-    prefixes, weights = schema.parse_data_path(items)
+    prefixes, weights = config_data.parse_data_path(items)
     if weights is None:
         return DataPath(prefixes, None)
     return DataPath(prefixes, [float(w) for w in normalize_weights(weights)])

@@ -30,7 +30,7 @@ from pathlib import Path
 import regex
 import tiktoken
 
-from zerotron.config.schema import TOKENIZER_TYPES, UNSUPPORTED_TOKENIZER_TYPES
+from zerotron.config.sections.data import TOKENIZER_TYPES, UNSUPPORTED_TOKENIZER_TYPES
 from zerotron.errors import ConfigError, TokenizerError, UnsupportedError
 
 GPT2_DIR = Path(__file__).with_name("gpt2")

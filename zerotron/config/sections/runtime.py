@@ -1,0 +1,86 @@
+"""The sections around the training step: ``checkpoint`` (where checkpoints go, what they
+carry), ``activation_checkpointing`` (DeepSpeed's recompute options) and ``monitor``
+(DeepSpeed's tensorboard, wandb and csv monitors, wall-clock timers)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from zerotron.config.sections.base import Int, Section
+
+
+class CheckpointConfig(Section):
+    """Where checkpoints go and what they carry."""
+
+    save: str | None = Field(None, description="Directory to save checkpoints to.")
+    load: str | None = Field(None, description="Directory to load a checkpoint from.")
+    save_interval: Int | None = Field(
+        None, gt=0, description="Iterations between checkpoint saves."
+    )
+    no_save_optim: bool = Field(False, description="Do not save the optimizer state.")
+    no_load_optim: bool = Field(False, description="Do not load the optimizer state.")
+    no_save_rng: bool = Field(False, description="Do not save RNG states.")
+    no_load_rng: bool = Field(False, description="Do not load RNG states.")
+    finetune: bool = Field(
+        False, description="Load weights only (no optimizer, no RNG) and start at iteration 0."
+    )
+    exit_on_missing_checkpoint: bool = Field(
+        False, description="With --load, stop if no checkpoint is found instead of starting fresh."
+    )
+    use_node_local_storage: bool = Field(
+        False,
+        description="Each node writes its own ranks' files to a node-local directory "
+        "(DeepSpeed's checkpoint.use_node_local_storage).",
+    )
+    checkpoint_tag_validation: Literal["Ignore", "Warn", "Fail"] = Field(
+        "Warn",
+        description="What to do when ranks save under different tags (DeepSpeed's "
+        "checkpoint.tag_validation).",
+    )
+
+
+class ActivationCheckpointingConfig(Section):
+    """DeepSpeed's activation_checkpointing section (``zerotron.checkpointing.configure``)."""
+
+    partition_activations: bool = Field(
+        False, description="Split checkpointed activations across tensor-parallel ranks."
+    )
+    cpu_checkpointing: bool = Field(
+        False, description="Keep checkpointed activations in host memory."
+    )
+    contiguous_memory_optimization: bool = Field(
+        False, description="Copy checkpointed activations into one contiguous buffer."
+    )
+    number_checkpoints: Int | None = Field(
+        None, gt=0, description="Checkpoints per forward (for the contiguous buffer)."
+    )
+    synchronize_checkpoint_boundary: bool = Field(
+        False, description="Synchronize the device at each checkpoint boundary."
+    )
+    checkpointing_profile: bool = Field(
+        False, description="Time the checkpointed forward and recompute (DeepSpeed's profile)."
+    )
+
+
+class MonitorConfig(Section):
+    """DeepSpeed's monitors (tensorboard, wandb, csv_monitor) and wall-clock timers."""
+
+    tensorboard_enabled: bool = Field(False, description="Write TensorBoard events.")
+    tensorboard_output_path: str = Field("", description="Directory of TensorBoard events.")
+    tensorboard_job_name: str = Field(
+        "DeepSpeedJobName", description="Subdirectory of tensorboard_output_path."
+    )
+    wandb_enabled: bool = Field(False, description="Log to Weights & Biases.")
+    wandb_group: str | None = Field(None, description="W&B group.")
+    wandb_team: str | None = Field(None, description="W&B team (entity).")
+    wandb_project: str = Field("deepspeed", description="W&B project.")
+    csv_monitor_enabled: bool = Field(False, description="Write metrics to CSV files.")
+    csv_monitor_output_path: str = Field("", description="Directory of the CSV files.")
+    csv_monitor_job_name: str = Field(
+        "DeepSpeedJobName", description="Subdirectory of csv_monitor_output_path."
+    )
+    wall_clock_breakdown: bool = Field(
+        False, description="Time forward, backward and step on every rank and log them."
+    )

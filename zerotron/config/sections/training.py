@@ -1,0 +1,121 @@
+"""The sections of a run's length and update rule: ``training`` (batch sizes, length,
+intervals, seed), ``optimizer`` and ``scheduler`` (Megatron's semantics and defaults)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from zerotron.config.sections.base import Float, Int, Section
+
+
+class TrainingConfig(Section):
+    """Batch sizes, length of training, evaluation and logging intervals, seed."""
+
+    micro_batch_size: Int | None = Field(
+        None, gt=0, description="Samples per forward/backward pass on one model replica."
+    )
+    global_batch_size: Int | None = Field(
+        None,
+        gt=0,
+        description="Samples per optimizer step over all replicas: micro_batch_size * "
+        "data_parallel_size * num_micro_batches. micro_batch_size * data_parallel_size "
+        "when not given.",
+    )
+    num_micro_batches: Int | None = Field(
+        None,
+        gt=0,
+        description="Gradient accumulation steps (DeepSpeed's gradient_accumulation_steps); "
+        "derived from the batch sizes when not given.",
+    )
+    train_iters: Int | None = Field(
+        None, ge=0, description="Iterations (optimizer steps) to train for over all runs."
+    )
+    train_samples: Int | None = Field(
+        None, gt=0, description="Samples to train for over all runs (instead of train_iters)."
+    )
+    exit_interval: Int | None = Field(
+        None, gt=0, description="Exit after an iteration divisible by this."
+    )
+    exit_duration_in_mins: Int | None = Field(
+        None, gt=0, description="Exit after this many minutes."
+    )
+    seed: Int = Field(1234, ge=0, description="Seed for python, numpy, torch.")
+    eval_interval: Int = Field(1000, gt=0, description="Iterations between evaluations.")
+    eval_iters: Int = Field(100, ge=0, description="Iterations per evaluation (0: none).")
+    log_interval: Int = Field(100, gt=0, description="Iterations between log lines.")
+    tensorboard_dir: str | None = Field(None, description="Write TensorBoard events here.")
+
+
+class OptimizerConfig(Section):
+    """Optimizer and gradient clipping. Megatron's 'adam' is AdamW (decoupled weight decay)."""
+
+    optimizer: Literal["adam", "adamw", "sgd", "lamb"] = Field(
+        "adam",
+        description="adam (AdamW unless adam_w_mode is off, as in Megatron and DeepSpeed), adamw, "
+        "sgd or lamb.",
+    )
+    lr: Float | None = Field(None, ge=0, description="Peak learning rate.")
+    min_lr: Float = Field(0.0, ge=0, description="Learning rate at the end of decay.")
+    weight_decay: Float = Field(0.01, ge=0, description="Decoupled weight decay.")
+    start_weight_decay: Float | None = Field(
+        None, ge=0, description="Weight decay at the start (with an increment style)."
+    )
+    end_weight_decay: Float | None = Field(
+        None, ge=0, description="Weight decay at the end of training (with an increment style)."
+    )
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="How weight decay goes from start to end; constant keeps weight_decay.",
+    )
+    clip_grad: Float = Field(1.0, ge=0, description="Clip the global grad L2 norm (0: off).")
+    adam_beta1: Float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    adam_beta2: Float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
+    adam_eps: Float = Field(1e-8, gt=0, description="Adam epsilon.")
+    sgd_momentum: Float = Field(0.9, ge=0, description="SGD momentum.")
+    sgd_nesterov: bool = Field(False, description="Nesterov momentum for SGD.")
+    adam_w_mode: bool = Field(
+        True,
+        description="With optimizer adam: decoupled weight decay (AdamW); off gives Adam with "
+        "L2-coupled decay (DeepSpeed's adam_w_mode).",
+    )
+    lamb_max_coeff: Float = Field(10.0, gt=0, description="Lamb: upper bound of the trust ratio.")
+    lamb_min_coeff: Float = Field(0.01, ge=0, description="Lamb: lower bound of the trust ratio.")
+
+
+class SchedulerConfig(Section):
+    """Learning-rate schedule: linear warmup, then decay to min_lr (Megatron's semantics)."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = Field(
+        "linear", description="Decay after warmup."
+    )
+    lr_decay_iters: Int | None = Field(
+        None, ge=0, description="Iterations to decay over; train_iters when not given."
+    )
+    lr_decay_samples: Int | None = Field(
+        None, ge=0, description="Samples to decay over (sample-based training); train_samples."
+    )
+    lr_warmup_fraction: Float | None = Field(
+        None, ge=0, le=1, description="Warmup as a fraction of the decay length."
+    )
+    lr_warmup_iters: Int = Field(0, ge=0, description="Iterations of linear warmup.")
+    lr_warmup_samples: Int = Field(0, ge=0, description="Samples of linear warmup.")
+    lr_warmup_init: Float = Field(0.0, ge=0, description="Learning rate warmup starts from.")
+    override_opt_param_scheduler: bool = Field(
+        False, description="On resume, take the schedule from the flags, not the checkpoint."
+    )
+    use_checkpoint_opt_param_scheduler: bool = Field(
+        False, description="On resume, take the schedule from the checkpoint, not the flags."
+    )
+    lr_scheduler_type: (
+        Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] | None
+    ) = Field(
+        None,
+        description="A DeepSpeed scheduler (its JSON's scheduler.type) instead of Megatron's "
+        "warmup + decay; its parameters are lr_scheduler_params.",
+    )
+    lr_scheduler_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Parameters of lr_scheduler_type (DeepSpeed's scheduler.params).",
+    )
