@@ -22,7 +22,7 @@ stage's weights. The layers are split by ``partition_method``:
   (case-insensitive), e.g. ``"type:Block"`` puts the same number of blocks on each stage.
 
 The boundaries are :attr:`PipelineModule.parts` (stage ``s`` holds ``parts[s]:parts[s+1]``),
-computed with :mod:`zerotron.parallel.pipeline.partition`; every stage holds at least one layer.
+computed with :mod:`zerotron.pipeline.partition`; every stage holds at least one layer.
 
 Layers may be ``LayerSpec`` (built here), ``TiedLayerSpec``, ready ``nn.Module`` objects or plain
 callables (``lambda x: x.flatten(1)``). ``forward(x)`` runs the local layers in order, each on the
@@ -63,7 +63,7 @@ from zerotron.distributed.comm import Group
 from zerotron.distributed.state import state
 from zerotron.distributed.topology import ProcessTopology
 from zerotron.errors import ConfigError, UnsupportedError
-from zerotron.parallel.pipeline.partition import partition_balanced, partition_uniform
+from zerotron.pipeline.partition import partition_balanced, partition_uniform
 from zerotron.precision.grads import grad_of
 
 
