@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerotron.compat.pipe.module import PipelineModule
 from zerotron.errors import ConfigError, DataError
 from zerotron.parallel.pipeline.gpt_stage import GPTStage
-from zerotron.pipe.module import PipelineModule
 from zerotron.pipeline import PipelineRuntime
 
 
