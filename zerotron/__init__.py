@@ -40,10 +40,12 @@ def __getattr__(name: str) -> Any:
 
 def compat_target(fullname: str) -> str | None:
     """The ``zerotron.compat`` module that the import name ``fullname`` is, or None."""
-    parts = fullname.split(".")
-    if len(parts) < 2 or parts[0] != __name__ or parts[1] not in COMPAT_MODULES:
+    if not fullname.startswith("zerotron."):  # every import in the process passes here: be quick
         return None
-    return ".".join([__name__, "compat", *parts[1:]])
+    parts = fullname.split(".")
+    if parts[1] not in COMPAT_MODULES:
+        return None
+    return ".".join(["zerotron", "compat", *parts[1:]])
 
 
 class _CompatAliasLoader(importlib.abc.Loader):
