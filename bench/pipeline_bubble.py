@@ -7,7 +7,7 @@ that load from other processes hits all alike. In every timed step each rank rec
 it spends inside its ``Forward`` and ``Backward`` actions (the chunk's compute, loss included;
 not communication and not waiting) and when the step starts and ends.
 
-Definitions (those of :mod:`zerotron.parallel.pipeline.timeline`). All ranks leave a barrier,
+Definitions (those of :mod:`zerotron.pipeline.timeline`). All ranks leave a barrier,
 then run one step; the step's makespan T runs from the first rank's start to the last rank's
 end (one monotonic clock: the ranks share the machine). Stage s is busy for B_s (its compute)
 and idle for T − B_s (waiting for peers, and communication), and
@@ -16,7 +16,7 @@ and idle for T − B_s (waiting for peers, and communication), and
 - idle fraction = Σ idle / (p·T): the share of the ranks' time wasted; theory
   (p − 1)/(v·m + p − 1).
 
-Next to theory, the simulator's prediction: :func:`~zerotron.parallel.pipeline.timeline.measure`
+Next to theory, the simulator's prediction: :func:`~zerotron.pipeline.timeline.measure`
 of the same schedule with the forward and backward cost of one model chunk set to the means
 measured in this run (the simulator takes one cost for every stage and free communication; the
 real first and last stages also run the embedding and the LM head). Reported numbers are medians
@@ -49,12 +49,14 @@ from tests.distributed.spawn import run_ranks  # noqa: E402
 from zerotron.distributed import comm  # noqa: E402
 from zerotron.distributed.state import initialize_model_parallel  # noqa: E402
 from zerotron.models.gpt import GPT, GPTConfig  # noqa: E402
-from zerotron.parallel.pipeline import (  # noqa: E402
+from zerotron.parallel.pipeline.gpt_stage import (  # noqa: E402
+    allreduce_embedding_grads,
+    build_gpt_stages,
+)
+from zerotron.pipeline import (  # noqa: E402
     Backward,
     Forward,
     PipelineRuntime,
-    allreduce_embedding_grads,
-    build_gpt_stages,
     build_schedule,
     measure,
     theoretical_bubble,

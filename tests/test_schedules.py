@@ -15,7 +15,7 @@ import random
 import pytest
 
 from zerotron.errors import ConfigError
-from zerotron.parallel.pipeline import (
+from zerotron.pipeline import (
     Backward,
     CommBatch,
     Forward,
@@ -42,7 +42,7 @@ from zerotron.parallel.pipeline import (
     virtual_stage,
     virtual_stages_from_layers,
 )
-from zerotron.parallel.pipeline.timeline import main as schedule_main
+from zerotron.pipeline.timeline import main as schedule_main
 
 CONFIGS = [
     (kind, p, m, v)

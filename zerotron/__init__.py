@@ -2,19 +2,30 @@
 
 DeepSpeed's API is here too, so ``import zerotron as deepspeed`` runs a DeepSpeed script:
 :func:`initialize`, :func:`add_config_arguments`, :func:`init_distributed` (from
-:mod:`zerotron.api`) and the modules ``zerotron.zero``, ``zerotron.checkpointing``,
-``zerotron.pipe``. Everything is imported on first use, so ``import zerotron`` stays cheap.
+:mod:`zerotron.api`), ``zerotron.zero``, and DeepSpeed's modules in :mod:`zerotron.compat`
+under their DeepSpeed names (``zerotron.checkpointing``, ``zerotron.pipe``: see
+:data:`COMPAT_MODULES`). Everything is imported on first use, so ``import zerotron`` stays cheap.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
 from typing import Any
 
 __version__ = "0.1.0"
 
+# DeepSpeed module names served from zerotron/compat/: `zerotron.<name>` (and any
+# `zerotron.<name>.<sub>`) is the module object `zerotron.compat.<name>[.<sub>]`. To add one,
+# put the module in compat/ and its name here.
+COMPAT_MODULES = ("pipe", "checkpointing")
+
 _API = ("initialize", "add_config_arguments", "init_distributed")
-_MODULES = ("zero", "checkpointing", "pipe", "config", "distributed", "engine", "api")
+_MODULES = ("zero", "config", "distributed", "engine", "api", *COMPAT_MODULES)
 
 __all__ = [*_API, "__version__"]
 
@@ -25,3 +36,45 @@ def __getattr__(name: str) -> Any:
     if name in _MODULES:
         return importlib.import_module(f"zerotron.{name}")
     raise AttributeError(f"module 'zerotron' has no attribute {name!r}")
+
+
+def compat_target(fullname: str) -> str | None:
+    """The ``zerotron.compat`` module that the import name ``fullname`` is, or None."""
+    if not fullname.startswith("zerotron."):  # every import in the process passes here: be quick
+        return None
+    parts = fullname.split(".")
+    if parts[1] not in COMPAT_MODULES:
+        return None
+    return ".".join(["zerotron", "compat", *parts[1:]])
+
+
+class _CompatAliasLoader(importlib.abc.Loader):
+    """Loads an alias as the already imported target module itself (no second copy)."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.target)
+        self._own_spec = module.__spec__  # the import system is about to overwrite it
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self._own_spec  # the module stays `zerotron.compat.<name>` for reload
+
+
+class _CompatAliasFinder(importlib.abc.MetaPathFinder):
+    """Finds ``zerotron.<name>[.<sub>]`` for the names in :data:`COMPAT_MODULES`."""
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        real = compat_target(fullname)
+        if real is None or importlib.util.find_spec(real) is None:
+            return None  # not ours, or missing: the usual "No module named ..." follows
+        return importlib.util.spec_from_loader(fullname, _CompatAliasLoader(real))
+
+
+# Once per interpreter, ahead of the path finders (a reload of this module must not add another).
+if not any(type(f).__name__ == _CompatAliasFinder.__name__ for f in sys.meta_path):
+    sys.meta_path.insert(0, _CompatAliasFinder())

@@ -177,7 +177,7 @@ def initialize(
     t = cfg.training
     pipeline = None
     if _is_pipeline_module(model):  # engine.train_batch(data_iter) runs DeepSpeed's 1F1B
-        from zerotron.pipe.stage import PipelineModuleRuntime
+        from zerotron.compat.pipe.stage import PipelineModuleRuntime
 
         pipeline = PipelineModuleRuntime(model, "1f1b", t.num_micro_batches)
     engine = Engine(
@@ -311,7 +311,7 @@ def _parallel_state(mpu: Any) -> Any:
 
 
 def _is_pipeline_module(model: nn.Module) -> bool:
-    from zerotron.pipe import PipelineModule
+    from zerotron.compat.pipe import PipelineModule
 
     return isinstance(model, PipelineModule)
 
@@ -405,6 +405,6 @@ def _configure_checkpointing(mpu: Any, resolved: Mapping[str, Any]) -> None:
     """DeepSpeed configures activation checkpointing from the config's section."""
     if not resolved.get("activation_checkpointing"):
         return
-    from zerotron import checkpointing
+    from zerotron.compat import checkpointing
 
     checkpointing.configure(mpu, deepspeed_config=dict(resolved))

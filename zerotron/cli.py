@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "start a multi-process / multi-node job (torch.distributed.run)",
     ),
     "schedule": (
-        "zerotron.parallel.pipeline.timeline",
+        "zerotron.pipeline.timeline",
         "simulate a pipeline schedule: bubble vs (p-1)/(v*m), timeline picture",
     ),
 }

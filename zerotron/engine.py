@@ -74,7 +74,8 @@ from zerotron.fileio import atomic_open
 from zerotron.malloc import keep_freed_heap
 from zerotron.monitor import MonitorMaster
 from zerotron.parallel.data_parallel import DataParallel
-from zerotron.parallel.pipeline import PipelineRuntime, allreduce_embedding_grads
+from zerotron.parallel.pipeline.gpt_stage import allreduce_embedding_grads
+from zerotron.pipeline import PipelineRuntime
 from zerotron.precision.grads import IsCounted, ReduceFn, grad_of
 from zerotron.precision.mixed import LOW_PRECISION, MixedPrecisionOptimizer, StepResult
 

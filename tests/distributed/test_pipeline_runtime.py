@@ -19,15 +19,15 @@ from zerotron.distributed.comm import ledger
 from zerotron.distributed.state import initialize_model_parallel
 from zerotron.errors import ConfigError, DataError
 from zerotron.models.gpt import GPT, GPTConfig
-from zerotron.parallel.pipeline import (
-    HEADER_BYTES,
-    PipelineRuntime,
+from zerotron.parallel.pipeline.gpt_stage import (
+    TIED_COPY,
+    WORD_EMBEDDING,
     allreduce_embedding_grads,
     build_gpt_stages,
     layer_boundaries,
 )
-from zerotron.parallel.pipeline.gpt_stage import TIED_COPY, WORD_EMBEDDING
 from zerotron.parallel.tensor import allreduce_sequence_parallel_grads
+from zerotron.pipeline import HEADER_BYTES, PipelineRuntime
 
 from .spawn import run_ranks
 

@@ -51,8 +51,8 @@ from zerotron.parallel.pipeline.gpt_stage import (
     allreduce_embedding_grads,
     build_gpt_stages,
 )
-from zerotron.parallel.pipeline.runtime import PipelineRuntime
 from zerotron.parallel.tensor.sequence_parallel import sequence_parallel_params
+from zerotron.pipeline.runtime import PipelineRuntime
 from zerotron.precision.loss_scaler import make_loss_scaler
 from zerotron.precision.mixed import MixedPrecisionOptimizer
 from zerotron.zero import GatheredParameters, OffloadOptions, ZeroOptimizer

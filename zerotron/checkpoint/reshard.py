@@ -50,7 +50,7 @@ from zerotron.checkpoint.save_load import load_file, read_metadata, resolve_tag,
 from zerotron.checkpoint.state import repad_vocab
 from zerotron.data.tokenizer import vocab_size_with_padding
 from zerotron.errors import CheckpointError, ConfigError
-from zerotron.parallel.pipeline.partition import partition_uniform, stage_layers
+from zerotron.pipeline.partition import partition_uniform, stage_layers
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 TIED_COPY = "output_layer.weight"  # the last pipeline stage's copy of the word embedding

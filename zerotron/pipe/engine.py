@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from zerotron.compat.pipe.module import PipelineModule
+from zerotron.compat.pipe.stage import PipelineModuleRuntime
 from zerotron.distributed.state import state
 from zerotron.engine import Engine, grad_norm_hooks
 from zerotron.errors import ConfigError
 from zerotron.parallel.data_parallel import DataParallel
-from zerotron.pipe.module import PipelineModule
-from zerotron.pipe.stage import PipelineModuleRuntime
 from zerotron.precision.loss_scaler import LossScaler
 from zerotron.precision.mixed import MixedPrecisionOptimizer
 

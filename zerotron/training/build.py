@@ -34,8 +34,8 @@ from zerotron.optim import (
     get_param_groups,
 )
 from zerotron.parallel.data_parallel import DataParallel
-from zerotron.parallel.pipeline import GPTStage, PipelineRuntime, build_gpt_stages
-from zerotron.parallel.pipeline.gpt_stage import TIED_COPY
+from zerotron.parallel.pipeline.gpt_stage import TIED_COPY, GPTStage, build_gpt_stages
+from zerotron.pipeline import PipelineRuntime
 from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

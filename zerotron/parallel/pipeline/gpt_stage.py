@@ -46,17 +46,17 @@ from torch import nn
 from zerotron.distributed import comm
 from zerotron.distributed.state import state
 from zerotron.errors import ConfigError
-from zerotron.parallel.pipeline.partition import (
-    partition_balanced,
-    partition_uniform,
-    stage_layers,
-)
 from zerotron.parallel.tensor import (
     copy_to_tensor_model_parallel_region,
     fused_linear_cross_entropy,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
+)
+from zerotron.pipeline.partition import (
+    partition_balanced,
+    partition_uniform,
+    stage_layers,
 )
 from zerotron.precision.grads import grad_of
 

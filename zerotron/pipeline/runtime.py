@@ -1,7 +1,7 @@
 """The pipeline runtime: executes one stage's schedule actions on real processes.
 
 :class:`PipelineRuntime` takes this rank's model chunks (one per virtual stage), builds the
-schedule (:mod:`~zerotron.parallel.pipeline.schedules`) and, per training step, walks this
+schedule (:mod:`~zerotron.pipeline.schedules`) and, per training step, walks this
 stage's action list in order:
 
 - ``Forward(mb, c)``: chunk ``c`` runs on the activation received for ``(mb, c)``; virtual
@@ -57,7 +57,7 @@ from torch import nn
 from zerotron.distributed import comm
 from zerotron.distributed.state import state
 from zerotron.errors import ConfigError, DataError, DistributedError
-from zerotron.parallel.pipeline.schedules import (
+from zerotron.pipeline.schedules import (
     Action,
     Backward,
     CommBatch,

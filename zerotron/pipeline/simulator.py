@@ -6,7 +6,7 @@ matched by the peer, and the messages between an ordered pair of stages are matc
 they were posted (first in, first out, whatever their kind, as NCCL does). It reports a
 deadlock, a message received as something else, a compute whose input has not arrived, or a
 (micro-batch, chunk) not run exactly once, as a :class:`ScheduleError`; otherwise it returns the
-per-stage :class:`Timeline` that :mod:`~zerotron.parallel.pipeline.timeline` draws and measures.
+per-stage :class:`Timeline` that :mod:`~zerotron.pipeline.timeline` draws and measures.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from zerotron.parallel.pipeline.schedules import (
+from zerotron.pipeline.schedules import (
     SENDS,
     Action,
     Backward,

@@ -2,8 +2,8 @@
 
 A schedule is a pure function ``(num_stages, num_microbatches, virtual_stages) -> Schedule``:
 one ordered list of actions per pipeline stage. The runtime executes the actions;
-:mod:`~zerotron.parallel.pipeline.simulator` executes them without processes (deadlock and
-validity check, timing); :mod:`~zerotron.parallel.pipeline.timeline` measures the bubble and
+:mod:`~zerotron.pipeline.simulator` executes them without processes (deadlock and
+validity check, timing); :mod:`~zerotron.pipeline.timeline` measures the bubble and
 draws the picture.
 
 Actions (small frozen dataclasses):

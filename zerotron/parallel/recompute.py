@@ -1,12 +1,13 @@
-"""DeepSpeed's activation checkpointing API (``deepspeed.checkpointing``) on zerotron's pieces.
+"""Activation recompute: a checkpointed call keeps only its *inputs* and reruns in backward.
 
-A checkpointed call keeps only its *inputs* for backward and runs the function again there::
+::
 
-    import zerotron.checkpointing as checkpointing
+    from zerotron.parallel.recompute import checkpoint
+    y = checkpoint(block, x, mask)                # instead of y = block(x, mask)
 
-    checkpointing.configure(mpu, deepspeed_config="ds.json")   # optional
-    checkpointing.model_parallel_cuda_manual_seed(1234)
-    y = checkpointing.checkpoint(block, x, mask)                # instead of y = block(x, mask)
+This is the machinery; DeepSpeed's ``deepspeed.checkpointing`` API over it (``configure`` from a
+DeepSpeed JSON or an mpu object, Megatron's seeding) is :mod:`zerotron.compat.checkpointing`,
+importable as ``zerotron.checkpointing``.
 
 How :func:`checkpoint` works (DeepSpeed's ``CheckpointFunction``, one autograd Function):
 
@@ -18,21 +19,23 @@ How :func:`checkpoint` works (DeepSpeed's ``CheckpointFunction``, one autograd F
   second pass draws the same dropout masks as the first, so gradients equal an ordinary run's
   bit for bit.
 
-What is kept of the inputs, by configuration (:func:`configure`):
+What is kept of the inputs, by :class:`CheckpointingConfig` (set with :func:`set_config`):
 
 - ``partition_activations``: each floating tensor input is split across the tensor-parallel
   group (its flattened values, padded to a multiple of the group size); a rank keeps its
   1/tp piece and backward all-gathers the pieces first. The inputs must be equal on every TP
-  rank (the replicated residual stream of a Megatron layer), as DeepSpeed assumes.
-- ``checkpoint_in_cpu`` (``cpu_checkpointing``): the kept tensors are copies in host memory;
-  backward moves them back to the device each input came from.
-- ``contiguous_checkpointing`` (``contiguous_memory_optimization``, needs
-  ``partition_activations`` and ``num_checkpoints``): the pieces of one call live in one flat
-  buffer (one allocation, no fragmentation); at most ``num_checkpoints`` such buffers may be alive
-  at once (one per checkpointed layer of a forward), more is an error naming the setting.
-- ``synchronize`` (``synchronize_checkpoint_boundary``): the device is synchronized at the start
-  and end of each checkpointed forward and backward (DeepSpeed's meaning: a device sync, not a
-  collective; a collective would hang pipeline stages that checkpoint different layer counts).
+  rank (the replicated residual stream of a Megatron layer), as DeepSpeed assumes. The group is
+  zerotron's (:func:`zerotron.distributed.state`) unless a :class:`TensorParallelSource` says
+  otherwise.
+- ``checkpoint_in_cpu``: the kept tensors are copies in host memory; backward moves them back
+  to the device each input came from.
+- ``contiguous_checkpointing`` (needs ``partition_activations`` and ``num_checkpoints``): the
+  pieces of one call live in one flat buffer (one allocation, no fragmentation); at most
+  ``num_checkpoints`` such buffers may be alive at once (one per checkpointed layer of a
+  forward), more is an error naming the setting.
+- ``synchronize``: the device is synchronized at the start and end of each checkpointed forward
+  and backward (DeepSpeed's meaning: a device sync, not a collective; a collective would hang
+  pipeline stages that checkpoint different layer counts).
 - ``profile``: wall-clock time of forwards, recomputes and backwards, see :func:`timings`.
 
 Non-tensor arguments, and tensors that do not require grad, pass through (they get no
@@ -43,52 +46,35 @@ Megatron's selective recompute (``--recompute-granularity selective``) is not th
 GPT itself checkpoints only its attention core (see ``docs/activation-checkpointing.md``).
 
 The configuration is module state, as in DeepSpeed, whose API is functions on a module: one
-:class:`CheckpointingConfig` set by :func:`configure`, and the live contiguous buffers and
-timings that :func:`reset` clears.
+:class:`CheckpointingConfig` and tensor-parallel source set by :func:`set_config`, and the live
+contiguous buffers and timings that :func:`reset` clears.
 """
 
 from __future__ import annotations
 
 import contextlib
-import numbers
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zerotron.distributed import comm
-from zerotron.distributed import mpu as zerotron_mpu
 from zerotron.distributed.comm import Group
-from zerotron.distributed.rng import (
-    MODEL_PARALLEL_RNG,
-    MODEL_PARALLEL_SEED_OFFSET,
-    RNGStatesTracker,
-    get_rng_tracker,
-)
+from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import state
 from zerotron.errors import ConfigError
 
+# The configuration section's name, for error messages that point at the setting to change.
 SECTION = "activation_checkpointing"
-# DeepSpeed JSON key -> configure() argument.
-JSON_KEYS = {
-    "partition_activations": "partition_activations",
-    "contiguous_memory_optimization": "contiguous_checkpointing",
-    "number_checkpoints": "num_checkpoints",
-    "cpu_checkpointing": "checkpoint_in_cpu",
-    "synchronize_checkpoint_boundary": "synchronize",
-    "profile": "profile",
-}
 
 
 @dataclass(frozen=True)
 class CheckpointingConfig:
-    """What :func:`configure` set (DeepSpeed's defaults: everything off)."""
+    """How :func:`checkpoint` keeps its inputs (DeepSpeed's defaults: everything off)."""
 
     partition_activations: bool = False
     contiguous_checkpointing: bool = False
@@ -98,13 +84,27 @@ class CheckpointingConfig:
     profile: bool = False
 
 
+@dataclass(frozen=True)
+class TensorParallelSource:
+    """Where partitioned activations find the tensor-parallel group and this rank in it.
+
+    Both are called when needed (not at :func:`set_config`), so the groups may be built later.
+    """
+
+    group: Callable[[], Group]
+    rank: Callable[[], int]
+
+
+PARALLEL_STATE = TensorParallelSource(group=lambda: state().tp, rank=lambda: state().tp_rank)
+
+
 class _Module:
-    """The module's state: configuration, partition group source, live buffers, timings."""
+    """The module's state: configuration, tensor-parallel source, live buffers, timings."""
 
     def __init__(self) -> None:
         self.config = CheckpointingConfig()
         self.configured = False
-        self.mpu: Any = None
+        self.tp = PARALLEL_STATE
         self.buffers: list[weakref.ref[torch.Tensor]] = []
         self.timings: dict[str, list[float]] = {}
 
@@ -115,74 +115,25 @@ _M = _Module()
 # ---- configuration ----------------------------------------------------------------------------
 
 
-def configure(
-    mpu_: Any,
-    deepspeed_config: str | Path | Mapping[str, Any] | None = None,
-    partition_activations: bool | None = None,
-    contiguous_checkpointing: bool | None = None,
-    num_checkpoints: int | None = None,
-    checkpoint_in_cpu: bool | None = None,
-    synchronize: bool | None = None,
-    profile: bool | None = None,
-) -> CheckpointingConfig:
-    """Set how :func:`checkpoint` keeps its inputs (DeepSpeed's ``checkpointing.configure``).
-
-    ``mpu_``: where the tensor-parallel group comes from: None or :mod:`zerotron.distributed.mpu`
-    for zerotron's parallel state, or a Megatron/DeepSpeed-style mpu object
-    (``get_tensor_model_parallel_group``, else ``get_model_parallel_group``).
-    ``deepspeed_config``: a JSON file path or a dict; its ``"activation_checkpointing"``
-    section gives the settings. Explicit arguments override it. Each call replaces the whole
-    configuration. Returns it.
-    """
-    where_file = None
-    values: dict[str, Any] = {}
-    if deepspeed_config is not None:
-        section, where_file = _read_section(deepspeed_config)
-        for key, value in section.items():
-            if key not in JSON_KEYS:
-                warnings.warn(
-                    f"{_where(where_file, key)}: unknown activation checkpointing key {key!r} "
-                    f"ignored (known: {', '.join(JSON_KEYS)})",
-                    stacklevel=2,
-                )
-                continue
-            values[JSON_KEYS[key]] = _checked(JSON_KEYS[key], value, _where(where_file, key))
-    explicit = {
-        "partition_activations": partition_activations,
-        "contiguous_checkpointing": contiguous_checkpointing,
-        "num_checkpoints": num_checkpoints,
-        "checkpoint_in_cpu": checkpoint_in_cpu,
-        "synchronize": synchronize,
-        "profile": profile,
-    }
-    for name, value in explicit.items():
-        if value is not None:
-            values[name] = _checked(name, value, f"configure({name}=...)")
-    cfg = replace(CheckpointingConfig(), **values)
-    if cfg.contiguous_checkpointing and not cfg.partition_activations:
-        raise ConfigError(
-            "contiguous memory optimization needs partitioned activations",
-            where=f"{SECTION}.contiguous_memory_optimization",
-            fix="set partition_activations to true, or contiguous_memory_optimization to false",
-        )
-    if cfg.contiguous_checkpointing and cfg.num_checkpoints is None:
-        raise ConfigError(
-            "contiguous memory optimization needs the number of checkpoints",
-            where=f"{SECTION}.number_checkpoints",
-            fix="set number_checkpoints to the checkpointed layers of one forward",
-        )
-    _M.config, _M.mpu, _M.configured = cfg, mpu_, True
+def set_config(cfg: CheckpointingConfig, tp: TensorParallelSource | None = None) -> None:
+    """Replace the configuration and the tensor-parallel source (None: zerotron's
+    :class:`~zerotron.distributed.state.ParallelState`); forget buffers and timings."""
+    _M.config, _M.tp, _M.configured = cfg, tp or PARALLEL_STATE, True
     reset()
-    return cfg
+
+
+def update_config(**changes: Any) -> None:
+    """Change some fields of the configuration in effect, keeping the rest (and the buffers)."""
+    _M.config = replace(_M.config, **changes)
 
 
 def is_configured() -> bool:
-    """Whether :func:`configure` has been called (DeepSpeed's ``is_configured``)."""
+    """Whether :func:`set_config` has been called since the last ``reset(configuration=True)``."""
     return _M.configured
 
 
 def config() -> CheckpointingConfig:
-    """The configuration in effect (defaults until :func:`configure`)."""
+    """The configuration in effect (defaults until :func:`set_config`)."""
     return _M.config
 
 
@@ -195,85 +146,19 @@ def reset(*, configuration: bool = False) -> None:
     _M.buffers.clear()
     _M.timings.clear()
     if configuration:
-        _M.config, _M.mpu, _M.configured = CheckpointingConfig(), None, False
+        _M.config, _M.tp, _M.configured = CheckpointingConfig(), PARALLEL_STATE, False
 
 
-def partition_activations_in_checkpoint(partition_activation: bool) -> None:
-    """Turn ``partition_activations`` on or off, keeping the rest (DeepSpeed's helper)."""
-    value = _checked("partition_activations", partition_activation, "partition_activations")
-    _M.config = replace(_M.config, partition_activations=value)
+def tp_rank() -> int:
+    """This rank's index in the tensor-parallel group the configuration partitions over."""
+    return _M.tp.rank()
 
 
-def set_num_layers(nlayers: int) -> None:
-    """Set ``num_checkpoints``, the bound on live contiguous buffers (DeepSpeed's helper)."""
-    _M.config = replace(_M.config, num_checkpoints=_checked("num_checkpoints", nlayers, "nlayers"))
+def _tp_group() -> Group:
+    return _M.tp.group()
 
 
-def _read_section(cfg: str | Path | Mapping[str, Any]) -> tuple[Mapping[str, Any], str | None]:
-    if isinstance(cfg, (str, Path)):
-        from zerotron.config.files import read_config_file
-
-        data, _ = read_config_file(cfg)
-        source: str | None = str(cfg)
-    elif isinstance(cfg, Mapping):
-        data, source = cfg, None
-    else:
-        raise ConfigError(
-            f"deepspeed_config must be a path or a dict, got {type(cfg).__name__}",
-            where="checkpointing.configure",
-        )
-    section = data.get(SECTION, {})
-    if section is None:
-        section = {}
-    if not isinstance(section, Mapping):
-        raise ConfigError(
-            f"must be an object, got {type(section).__name__} {section!r}",
-            where=_where(source, None),
-            fix='write "activation_checkpointing": {"partition_activations": true, ...}',
-        )
-    return section, source
-
-
-def _where(source: str | None, key: str | None) -> str:
-    path = SECTION if key is None else f"{SECTION}.{key}"
-    return f"{source}: {path}" if source else path
-
-
-def _checked(name: str, value: Any, where: str) -> Any:
-    if name == "num_checkpoints":
-        if value is None:
-            return None
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        if not (ok and float(value).is_integer() and value >= 1):
-            raise ConfigError(
-                f"must be a positive integer, got {value!r}",
-                where=where,
-                fix="give the number of checkpointed layers in one forward",
-            )
-        return int(value)
-    if not isinstance(value, bool):
-        raise ConfigError(
-            f"must be true or false, got {type(value).__name__} {value!r}", where=where
-        )
-    return value
-
-
-# ---- RNG ----------------------------------------------------------------------------------------
-
-
-def get_cuda_rng_tracker() -> RNGStatesTracker:
-    """The tensor-parallel RNG tracker (:func:`zerotron.distributed.rng.get_rng_tracker`)."""
-    return get_rng_tracker()
-
-
-def model_parallel_cuda_manual_seed(seed: int) -> None:
-    """Megatron's seeding: the default stream gets ``seed`` (equal on all TP ranks), the
-    tracker's model-parallel stream ``seed + 2718 + tp_rank``. Works without CUDA (the streams
-    are then the CPU generator's)."""
-    torch.manual_seed(seed)
-    tracker = get_rng_tracker()
-    tracker.reset()
-    tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + _tp_rank())
+# ---- random state ------------------------------------------------------------------------------
 
 
 def _cuda_in_use() -> bool:
@@ -296,55 +181,6 @@ class _RandomState:
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda)
         get_rng_tracker().set_states(self.tracker)
-
-
-# ---- the tensor-parallel group ----------------------------------------------------------------
-
-
-def _tp_group() -> Group:
-    mpu = _M.mpu
-    if mpu is None or mpu is zerotron_mpu:
-        return state().tp
-    getter = _first_attr(
-        mpu,
-        "get_tensor_model_parallel_group",
-        "get_slice_parallel_group",
-        "get_model_parallel_group",
-    )
-    pg = getter()
-    if not (dist.is_available() and dist.is_initialized()):
-        return Group.single("tp", 0)
-    ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else ()
-    if not ranks:
-        ranks = tuple(range(dist.get_world_size()))
-    me = ranks.index(dist.get_rank())
-    return Group("tp", ranks, me, pg) if len(ranks) > 1 else Group.single("tp", ranks[0])
-
-
-def _tp_rank() -> int:
-    mpu = _M.mpu
-    if mpu is None or mpu is zerotron_mpu:
-        return state().tp_rank
-    return int(
-        _first_attr(
-            mpu,
-            "get_tensor_model_parallel_rank",
-            "get_slice_parallel_rank",
-            "get_model_parallel_rank",
-        )()
-    )
-
-
-def _first_attr(obj: Any, *names: str) -> Callable[[], Any]:
-    for name in names:
-        fn = getattr(obj, name, None)
-        if fn is not None:
-            return fn
-    raise ConfigError(
-        f"the mpu passed to checkpointing.configure has none of {', '.join(names)}",
-        where="checkpointing.configure(mpu_)",
-        fix="pass zerotron.distributed.mpu, a Megatron mpu, or None",
-    )
 
 
 # ---- profile and synchronize ------------------------------------------------------------------
@@ -608,20 +444,3 @@ def saved_bytes(output: torch.Tensor) -> int:
         return 0
     return sum(t.numel() * t.element_size() for t in kept)
 
-
-__all__ = [
-    "CheckpointFunction",
-    "CheckpointingConfig",
-    "active_partitioned_buffers",
-    "checkpoint",
-    "config",
-    "configure",
-    "get_cuda_rng_tracker",
-    "is_configured",
-    "model_parallel_cuda_manual_seed",
-    "partition_activations_in_checkpoint",
-    "reset",
-    "saved_bytes",
-    "set_num_layers",
-    "timings",
-]

@@ -3,7 +3,7 @@
 Pure functions returning *boundaries* ``[0, b1, ..., num_layers]``: part ``k`` holds layers
 ``boundaries[k]:boundaries[k + 1]``. With virtual stages there are p·v parts, indexed by
 virtual stage (model chunk c of stage s is part ``c * p + s``, see
-:func:`~zerotron.parallel.pipeline.schedules.virtual_stage`). Every part holds at least one
+:func:`~zerotron.pipeline.schedules.virtual_stage`). Every part holds at least one
 layer. Where the embedding and the LM head go (first and last stage) is the model's business.
 """
 

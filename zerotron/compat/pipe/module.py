@@ -22,14 +22,15 @@ stage's weights. The layers are split by ``partition_method``:
   (case-insensitive), e.g. ``"type:Block"`` puts the same number of blocks on each stage.
 
 The boundaries are :attr:`PipelineModule.parts` (stage ``s`` holds ``parts[s]:parts[s+1]``),
-computed with :mod:`zerotron.parallel.pipeline.partition`; every stage holds at least one layer.
+computed with :mod:`zerotron.pipeline.partition`; every stage holds at least one layer.
 
 Layers may be ``LayerSpec`` (built here), ``TiedLayerSpec``, ready ``nn.Module`` objects or plain
 callables (``lambda x: x.flatten(1)``). ``forward(x)`` runs the local layers in order, each on the
 previous one's output; with ``activation_checkpoint_interval=k`` every ``k`` consecutive layers
 that hold parameters run through ``activation_checkpoint_func``
-(:func:`zerotron.checkpointing.checkpoint`), unless no input of theirs requires grad (token ids
-into an embedding): checkpointed, their parameters would get no gradient, so they run plainly.
+(:func:`zerotron.parallel.recompute.checkpoint`, which is ``zerotron.checkpointing.checkpoint``),
+unless no input of theirs requires grad (token ids into an embedding): checkpointed, their
+parameters would get no gradient, so they run plainly.
 
 Tied layers: all ``TiedLayerSpec`` with one ``key`` share one module per stage (built at the
 first use on that stage; later uses call it again, through ``forward_fn(module, x)`` when
@@ -57,13 +58,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerotron import checkpointing
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
 from zerotron.distributed.state import state
 from zerotron.distributed.topology import ProcessTopology
 from zerotron.errors import ConfigError, UnsupportedError
-from zerotron.parallel.pipeline.partition import partition_balanced, partition_uniform
+from zerotron.parallel.recompute import checkpoint
+from zerotron.pipeline.partition import partition_balanced, partition_uniform
 from zerotron.precision.grads import grad_of
 
 
@@ -140,7 +141,7 @@ class PipelineModule(nn.Module):
         base_seed: int = 1234,
         partition_method: str = "parameters",
         activation_checkpoint_interval: int = 0,
-        activation_checkpoint_func: Callable[..., Any] = checkpointing.checkpoint,
+        activation_checkpoint_func: Callable[..., Any] = checkpoint,
         checkpointable_layers: Sequence[str] | None = None,
     ):
         super().__init__()

@@ -3,7 +3,7 @@
 ``zerotron schedule --pp 4 --microbatches 8 [--virtual 2] [--kind 1f1b] --out schedule.png``
 prints the bubble measured against theory and draws each stage's forwards and backwards.
 
-What is measured. :func:`~zerotron.parallel.pipeline.simulator.simulate` runs the schedule with
+What is measured. :func:`~zerotron.pipeline.simulator.simulate` runs the schedule with
 a fixed cost per forward and per backward of one model chunk (1 and 2 by default: a backward
 costs about two forwards) and free communication. Every stage starts at time 0 and the step
 ends at the makespan T, when the last stage finishes. A stage's idle time is T minus its busy
@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from zerotron.fileio import atomic_write_bytes
-from zerotron.parallel.pipeline.schedules import (
+from zerotron.pipeline.schedules import (
     SCHEDULES,
     Backward,
     Schedule,
@@ -34,7 +34,7 @@ from zerotron.parallel.pipeline.schedules import (
     build_schedule,
     schedule_shape,
 )
-from zerotron.parallel.pipeline.simulator import Timeline, simulate
+from zerotron.pipeline.simulator import Timeline, simulate
 
 
 @dataclass(frozen=True)
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p, m, v = schedule_shape(schedule)
     report = measure(schedule, args.fwd_cost, args.bwd_cost)
     if args.print:
-        from zerotron.parallel.pipeline.schedules import format_schedule
+        from zerotron.pipeline.schedules import format_schedule
 
         print(format_schedule(schedule))
     print(f"{kind} schedule: {p} stages, {m} micro-batches, {v} model chunk(s) per stage")

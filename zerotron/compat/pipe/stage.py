@@ -2,7 +2,7 @@
 
 :class:`PipelineModuleRuntime` is a :class:`~zerotron.parallel.pipeline.PipelineRuntime` whose
 one model chunk is :class:`PipeStage`, an adapter from DeepSpeed's data format to the runtime's
-chunk protocol (``chunk(hidden, batch)``, see :mod:`zerotron.parallel.pipeline.runtime`):
+chunk protocol (``chunk(hidden, batch)``, see :mod:`zerotron.pipeline.runtime`):
 
 - a micro-batch is DeepSpeed's ``(inputs, labels)`` tuple, as the data iterator yields it;
 - the first stage runs ``module(inputs)``; with activation checkpointing on, its floating-point
@@ -37,9 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerotron.compat.pipe.module import PipelineModule
 from zerotron.errors import ConfigError, DataError
-from zerotron.parallel.pipeline import GPTStage, PipelineRuntime
-from zerotron.pipe.module import PipelineModule
+from zerotron.parallel.pipeline.gpt_stage import GPTStage
+from zerotron.pipeline import PipelineRuntime
 
 
 class PipeStage(GPTStage):

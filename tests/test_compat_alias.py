@@ -1,0 +1,82 @@
+"""``zerotron.<name>`` is ``zerotron.compat.<name>`` for DeepSpeed's module names.
+
+The alias (a meta-path finder in ``zerotron/__init__.py``) must give the same module objects,
+submodules included, whichever name is imported first, in every import form a DeepSpeed script
+uses; and it must leave every other name alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import zerotron
+
+
+@pytest.mark.parametrize("name", zerotron.COMPAT_MODULES)
+def test_alias_is_the_compat_module_object(name):
+    alias = importlib.import_module(f"zerotron.{name}")
+    assert alias is importlib.import_module(f"zerotron.compat.{name}")
+    assert getattr(zerotron, name) is alias
+    assert alias.__name__ == f"zerotron.compat.{name}"
+    assert alias.__spec__.name == f"zerotron.compat.{name}"  # the import did not rename it
+
+
+def test_deepspeed_import_forms():
+    import zerotron as deepspeed
+    import zerotron.checkpointing
+    from zerotron import checkpointing
+    from zerotron.compat.pipe.module import LayerSpec as RealLayerSpec
+    from zerotron.compat.pipe.module import PipelineModule as RealPipelineModule
+    from zerotron.parallel.recompute import checkpoint
+    from zerotron.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    assert deepspeed.pipe.PipelineModule is PipelineModule is RealPipelineModule
+    assert LayerSpec is RealLayerSpec and issubclass(TiedLayerSpec, LayerSpec)
+    assert deepspeed.checkpointing is checkpointing is zerotron.checkpointing
+    assert deepspeed.checkpointing.checkpoint is checkpoint
+
+
+def test_submodules_are_the_same_objects():
+    import zerotron.compat.pipe.module
+    import zerotron.compat.pipe.stage
+    import zerotron.pipe.module
+    import zerotron.pipe.stage
+
+    assert sys.modules["zerotron.pipe.stage"] is sys.modules["zerotron.compat.pipe.stage"]
+    assert zerotron.pipe.module is zerotron.compat.pipe.module
+    assert zerotron.pipe.stage.PipelineModuleRuntime is zerotron.compat.pipe.PipelineModuleRuntime
+
+
+def test_missing_submodule_is_an_ordinary_import_error():
+    with pytest.raises(ModuleNotFoundError, match="zerotron.pipe.no_such_module"):
+        importlib.import_module("zerotron.pipe.no_such_module")
+
+
+def test_other_names_are_not_aliased():
+    assert zerotron.compat_target("zerotron.pipeline") is None
+    assert zerotron.compat_target("zerotron.pipeline.schedules") is None
+    assert zerotron.compat_target("zerotron.zero") is None
+    assert zerotron.compat_target("pipe") is None
+    assert zerotron.compat_target("zerotron.pipe.stage") == "zerotron.compat.pipe.stage"
+    assert importlib.import_module("zerotron.pipeline").__name__ == "zerotron.pipeline"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        # a submodule by its alias first, in a fresh interpreter
+        "import zerotron.pipe.stage as s, zerotron.compat.pipe.stage as c; assert s is c",
+        # the compat name first, then the alias
+        "import zerotron.compat.checkpointing as c, zerotron.checkpointing as a; assert a is c",
+        # DeepSpeed's spelling, attribute access only
+        "import zerotron as deepspeed; deepspeed.checkpointing.checkpoint; "
+        "deepspeed.pipe.PipelineModule",
+    ],
+    ids=["alias-submodule-first", "compat-first", "attribute-access"],
+)
+def test_fresh_interpreter(code):
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
