@@ -20,7 +20,7 @@ What a launch and a finish do (pack, which collective, averaging, unpack) is the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 import torch
@@ -86,7 +86,7 @@ class GradBuckets(Generic[B]):
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch = 0
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[B]:
         return iter(self.buckets)
 
     def __len__(self) -> int:
