@@ -43,7 +43,7 @@ The machine's load moves tokens/s a lot, so ``--repeat`` rounds (default 3) run 
 in turn; each system reports its median round (all rounds are printed) and its largest peak
 RSS.
 ``--zero-bucket N`` and ``--sub-group-size N`` set zerotron's bucket and sub-group sizes
-(default: zerotron's own, ``zerotron.zero.optimizer.default_sizes``: DeepSpeed's 5e8 / 1e9 for
+(default: zerotron's own, ``zerotron.zero.options.default_sizes``: DeepSpeed's 5e8 / 1e9 for
 stages 1-2, 4e6 / 2e6 for stage 3).
 
 Run: ``.venv/bin/python bench/zero.py [--quick] [--systems zerotron-2,deepspeed-2,...]``.
@@ -286,21 +286,14 @@ def _zerotron(setup: Setup, stage: int, nvme: bool):
             adamw, loss_scaler=scaler, clip_grad=CLIP, reduce_fn=reduce_fn, is_counted=is_counted
         )
     else:
-        from zerotron.zero import OffloadOptions, ZeroOptimizer
+        from zerotron.zero import OffloadOptions, ZeroOptimizer, ZeroOptions
 
         offload = None
         if nvme:
             offload = OffloadOptions(device="nvme", nvme_path=setup.nvme_path, buffer_count=2)
         adamw = torch.optim.AdamW(model.parameters(), lr=LR)
-        opt = dp = ZeroOptimizer(
-            model,
-            adamw,
+        options = ZeroOptions(
             stage=stage,
-            group=ps.dp,
-            loss_scaler=scaler,
-            clip_grad=CLIP,
-            reduce_fn=reduce_fn,
-            is_counted=is_counted,
             offload_optimizer=offload,
             offload_param=offload if stage == 3 else None,
             **(
@@ -313,6 +306,16 @@ def _zerotron(setup: Setup, stage: int, nvme: bool):
             ),
             # NVMe streams the states through memory in pieces of this size (elements)
             sub_group_size=setup.sub_group_size or (2_000_000 if nvme else None),
+        )
+        opt = dp = ZeroOptimizer(
+            model,
+            adamw,
+            options,
+            group=ps.dp,
+            loss_scaler=scaler,
+            clip_grad=CLIP,
+            reduce_fn=reduce_fn,
+            is_counted=is_counted,
         )
     engine = Engine(
         model, opt, loss_fn=lm_loss, micro_batch_size=setup.micro_batch, data_parallel=dp
@@ -644,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0,
         help="zerotron's ZeRO sub_group_size (default: zerotron's, 1e9 for stages 1-2 and 2e6 "
-        "for stage 3 (zero.optimizer.default_sizes); 2e6 with NVMe)",
+        "for stage 3 (zero.options.default_sizes); 2e6 with NVMe)",
     )
     p.add_argument(
         "--zero-bucket",

@@ -231,7 +231,7 @@ def test_without_a_deepspeed_config_zero_sizes_are_zerotrons():
     takes zerotron's (stage 3 in pieces of a few MB, the next module prefetched), a DeepSpeed
     config DeepSpeed's (test_deepspeed_defaults)."""
     from zerotron.config import ZeroConfig
-    from zerotron.zero.optimizer import default_sizes
+    from zerotron.zero.options import default_sizes
 
     z = ZeroConfig()
     assert (z.reduce_bucket_size, z.sub_group_size, z.stage3_prefetch_bucket_size) == (

@@ -1,5 +1,6 @@
-"""ZeRO offload (zerotron/zero/offload.py): options, swap files, and an optimizer that steps
-with its masters and states on the host or on disk bitwise like torch does in place."""
+"""ZeRO offload (zerotron/zero/offload/, zerotron/zero/options.py): options, swap files, and an
+optimizer that steps with its masters and states on the host or on disk bitwise like torch does
+in place."""
 
 from __future__ import annotations
 
@@ -15,12 +16,8 @@ import pytest
 import torch
 
 from zerotron.errors import CheckpointError, ConfigError, DiskFullError
-from zerotron.zero.offload import (
-    NVMeSwapper,
-    OffloadedOptimizer,
-    OffloadOptions,
-    ParamStore,
-)
+from zerotron.zero.offload import NVMeSwapper, OffloadedOptimizer, ParamOffloadStore
+from zerotron.zero.options import OffloadOptions
 
 # ---------------------------------------------------------------------------------- options
 
@@ -482,7 +479,7 @@ def test_nvme_resident_memory_stays_within_buffer_count(tmp_path):
 
 @pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
 def test_param_store(tmp_path, device):
-    store = ParamStore(OffloadOptions(device, str(tmp_path)), "rank0")
+    store = ParamOffloadStore(OffloadOptions(device, str(tmp_path)), "rank0")
     shards = {"h.0.attn.qkv": torch.randn(96).bfloat16(), 3: torch.randn(7, 2).half()}
     for k, t in shards.items():
         store.put(k, t)

@@ -77,7 +77,8 @@ from zerotron.parallel.data_parallel import DataParallel
 from zerotron.parallel.pipeline.gpt_stage import allreduce_embedding_grads
 from zerotron.pipeline import PipelineRuntime
 from zerotron.precision.grads import IsCounted, ReduceFn, grad_of
-from zerotron.precision.mixed import LOW_PRECISION, MixedPrecisionOptimizer, StepResult
+from zerotron.precision.mixed import LOW_PRECISION, MixedPrecisionOptimizer
+from zerotron.precision.step import StepResult
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
 RNG_TRACKER_KEY = "rng_tracker_states"  # the tensor-parallel RNG streams, beside torch's

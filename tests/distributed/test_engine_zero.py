@@ -71,7 +71,7 @@ def make_engine(
 ) -> Engine:
     """GPT + AdamW + schedule wrapped by ZeroOptimizer(stage) (stage 0: MixedPrecision +
     no data parallelism, for the refusal checks)."""
-    from zerotron.zero import ZeroOptimizer
+    from zerotron.zero import ZeroOptimizer, ZeroOptions
     from zerotron.zero.stage3 import partition_parameters
 
     torch.manual_seed(seed)
@@ -88,19 +88,22 @@ def make_engine(
     if stage == 0:
         opt = MixedPrecisionOptimizer(adamw, loss_scaler=scaler, clip_grad=1.0)
     else:
+        options = ZeroOptions(
+            stage=stage,
+            reduce_bucket_size=20_000,  # several buckets
+            allgather_bucket_size=20_000,
+            sub_group_size=30_000,  # several fp32 partitions per rank
+            gather_16bit_weights_on_model_save=True,
+        )
         opt = ZeroOptimizer(
             model,
             adamw,
-            stage=stage,
+            options,
             group=ps.dp,
             loss_scaler=scaler,
             clip_grad=1.0,
             reduce_fn=reduce_fn,
             is_counted=is_counted,
-            reduce_bucket_size=20_000,  # several buckets
-            allgather_bucket_size=20_000,
-            sub_group_size=30_000,  # several fp32 partitions per rank
-            gather_16bit_weights_on_model_save=True,
         )
     sched = OptimizerParamScheduler(opt, max_lr=1e-3, lr_decay_steps=10, lr_warmup_steps=2)
     meta = build_metadata(

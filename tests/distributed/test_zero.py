@@ -31,6 +31,7 @@ Cost: two spawns (2 and 4 ranks), one test each, so pytest-xdist never runs one 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from functools import partial
@@ -55,7 +56,7 @@ from zerotron.parallel.tensor.sequence_parallel import sequence_parallel_params
 from zerotron.pipeline.runtime import PipelineRuntime
 from zerotron.precision.loss_scaler import make_loss_scaler
 from zerotron.precision.mixed import MixedPrecisionOptimizer
-from zerotron.zero import GatheredParameters, OffloadOptions, ZeroOptimizer
+from zerotron.zero import GatheredParameters, OffloadOptions, ZeroOptimizer, ZeroOptions
 from zerotron.zero.stage3 import coordinator_of, gathered_state_dict
 
 from .spawn import run_ranks
@@ -110,6 +111,17 @@ def param_groups(model: nn.Module) -> list[dict]:
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(model), lr=LR, eps=EPS)
+
+
+def zero_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, group: Group, **kw
+) -> ZeroOptimizer:
+    """A ZeroOptimizer with the :class:`ZeroOptions` fields among ``kw`` as its options and the
+    rest (clipping, loss scaler, reduce hooks) as its arguments."""
+    fields = {f.name for f in dataclasses.fields(ZeroOptions)}
+    options = ZeroOptions(stage=stage, **{k: v for k, v in kw.items() if k in fields})
+    rest = {k: v for k, v in kw.items() if k not in fields}
+    return ZeroOptimizer(model, optimizer, options, group=group, **rest)
 
 
 def reference(kind: str, dp: int, norm_type: float = 2.0) -> dict:
@@ -190,7 +202,7 @@ def run_zero(
         model = make_model(kind, tp, sp=sp)
         if tp is not None and tp.size > 1:
             _shard_from_full(model, make_model(kind), tp)
-        opt = ZeroOptimizer(model, adamw(model), stage=stage, group=dp, **kw)
+        opt = zero_optimizer(model, adamw(model), stage=stage, group=dp, **kw)
         # Sequence-parallel parameters' gradients are summed over TP after the DP reduction,
         # on the partitions (as the Engine does).
         sp_sum = partial(opt.allreduce_grads, sequence_parallel_params(model), tp) if sp else None
@@ -313,7 +325,7 @@ def check_dp2_stages_equal_one_process(dp2, references, kind):
 
 def _zero_mlp(stage: int, dtype: torch.dtype, **kw) -> tuple[nn.Module, ZeroOptimizer]:
     model = make_model("mlp", dtype=dtype)
-    opt = ZeroOptimizer(
+    opt = zero_optimizer(
         model, adamw(model), stage=stage, group=state().dp, param_persistence_threshold=40, **kw
     )
     return model, opt
@@ -362,7 +374,7 @@ def overlap(stage: int) -> list[tuple[int, int]]:
     """Per micro-batch: (reduce-scatters launched before backward reaches the first layer,
     reduce-scatters launched by the end of the backward)."""
     model = _ledger_mlp()
-    opt = ZeroOptimizer(model, adamw(model), stage=stage, group=state().dp, reduce_bucket_size=40)
+    opt = zero_optimizer(model, adamw(model), stage=stage, group=state().dp, reduce_bucket_size=40)
     seen = []
     with ledger.capture() as cap:
         model[0].register_full_backward_pre_hook(
@@ -396,7 +408,7 @@ def reentrant_checkpoint(checkpointed: bool) -> tuple[dict, list[torch.Tensor]]:
     model = _ledger_mlp()
     if checkpointed:
         model[1], model[2] = _Checkpointed(model[1]), _Checkpointed(model[2])
-    opt = ZeroOptimizer(model, adamw(model), stage=2, group=state().dp, reduce_bucket_size=40)
+    opt = zero_optimizer(model, adamw(model), stage=2, group=state().dp, reduce_bucket_size=40)
     with ledger.capture() as cap:
         for micro in range(GAS):
             seed = micro + 10 * state().dp.rank
@@ -483,7 +495,7 @@ def ledger_one_step(stage: int, **options) -> dict:
             dpar = DataParallel(model.parameters(), dp)
             opt = MixedPrecisionOptimizer(adamw(model))
         else:
-            dpar = opt = ZeroOptimizer(
+            dpar = opt = zero_optimizer(
                 model, adamw(model), stage=stage, group=dp, param_persistence_threshold=0,
                 reduce_bucket_size=300, allgather_bucket_size=600, **options,
             )  # fmt: skip
@@ -508,7 +520,7 @@ def memory(stage: int, **options) -> dict:
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
     model = model.to(torch.bfloat16)
     psi = sum(p.numel() for p in model.parameters())
-    opt = ZeroOptimizer(
+    opt = zero_optimizer(
         model, torch.optim.Adam(model.parameters()), stage=stage, group=state().dp, **options
     )
     x = torch.randn(2, width, dtype=torch.bfloat16)
@@ -536,7 +548,7 @@ def _dp4_rank(rank: int) -> dict:
     for stage in (2, 3):
         model = make_model("mlp")
         try:
-            ZeroOptimizer(model, adamw(model), stage=stage, group=state().dp)
+            zero_optimizer(model, adamw(model), stage=stage, group=state().dp)
         except UnsupportedError as e:
             refused.append(str(e))
     out["pp_refused"] = refused
@@ -680,7 +692,7 @@ def pipeline_stage1() -> dict:
     runtime = PipelineRuntime(stages, "1f1b", GAS)
     holder = nn.ModuleList(stages)
     reduce_fn, is_counted = _grad_norm_hooks()
-    opt = ZeroOptimizer(
+    opt = zero_optimizer(
         holder, adamw(holder), stage=1, group=st.dp, clip_grad=CLIP,
         reduce_fn=reduce_fn, is_counted=is_counted, reduce_bucket_size=2000,
     )  # fmt: skip
@@ -816,7 +828,7 @@ class _Lamb(torch.optim.Optimizer):
 def test_non_elementwise_optimizer_is_refused():
     model = make_model("mlp")
     with pytest.raises(UnsupportedError, match="elementwise"):
-        ZeroOptimizer(model, _Lamb(model.parameters()), stage=1, group=Group.single("dp"))
+        zero_optimizer(model, _Lamb(model.parameters()), stage=1, group=Group.single("dp"))
 
 
 @pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (2, "nvme")])
@@ -826,7 +838,7 @@ def test_layout_and_reload_model_params(tmp_path, stage, offload):
     and after the model's weights are replaced and ``reload_model_params`` is called."""
     model = make_model("mlp")
     options = OffloadOptions(device=offload, nvme_path=str(tmp_path) if offload == "nvme" else None)
-    opt = ZeroOptimizer(
+    opt = zero_optimizer(
         model, adamw(model), stage=stage, group=Group("dp", (0, 1), 1, None),
         offload_optimizer=options, sub_group_size=300,
     )  # fmt: skip

@@ -380,7 +380,8 @@ def wide_mlp() -> nn.Sequential:
 
 
 def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
-    from zerotron.zero.offload import OffloadOptions, ParamStore
+    from zerotron.zero.offload import ParamOffloadStore
+    from zerotron.zero.options import OffloadOptions
 
     dp = state().dp
     res: dict = {}
@@ -510,7 +511,7 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
 
     # offload_param: shards rest in host memory or NVMe files; the math is unchanged.
     for device in ("cpu", "nvme"):
-        store = ParamStore(OffloadOptions(device=device, nvme_path=nvme_dir), f"rank{rank}")
+        store = ParamOffloadStore(OffloadOptions(device=device, nvme_path=nvme_dir), f"rank{rank}")
         torch.manual_seed(10)
         ref = gpt()
         model = copy.deepcopy(ref)

@@ -17,7 +17,8 @@ How :class:`DataParallel` does it (Megatron-core's DDP, in one screen):
   at once with an asynchronous collective while backward goes on with earlier layers.
   :meth:`DataParallel.finish_grad_sync` launches what is left and waits for everything.
   Buckets are launched strictly in bucket order, so every rank issues the same collectives in
-  the same order even if hooks fire in a different order.
+  the same order even if hooks fire in a different order (grouping and launch order:
+  :mod:`zerotron.parallel.buckets`, shared with ZeRO).
 - **Once per step.** Micro-batches before the last only accumulate: no communication.
 - **Average.** The sum is divided by the data-parallel size *after* the all-reduce (``avg``). With
   two ranks the result is ``(a + b) / 2`` exactly, the same bits as one process accumulating
@@ -43,8 +44,9 @@ import torch
 from torch import Tensor, nn
 
 from zerotron.distributed import comm
-from zerotron.distributed.comm import Group, Pending
+from zerotron.distributed.comm import Group
 from zerotron.errors import ConfigError
+from zerotron.parallel.buckets import GradBucket, GradBuckets, group_into_buckets
 from zerotron.precision.grads import accumulate_grad_
 
 DEFAULT_BUCKET_SIZE = 40_000_000
@@ -56,27 +58,23 @@ def default_bucket_size(data_parallel_size: int) -> int:
     return max(DEFAULT_BUCKET_SIZE, 1_000_000 * data_parallel_size)
 
 
-class Bucket:
+class Bucket(GradBucket):
     """A run of parameters whose gradients live in one flat fp32 buffer."""
 
     def __init__(self, index: int, params: list[nn.Parameter], comm_dtype: torch.dtype):
-        self.index = index
-        self.params = params
+        super().__init__(index, params, comm_dtype)
         self.numel = sum(p.numel() for p in params)
-        self.comm_dtype = comm_dtype
         device = params[0].device
         self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
         offset = 0
         for p in params:
             p.main_grad = self.buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.ready = 0  # parameters whose gradient this backward has produced
-        self.pending: Pending | None = None
         self._wire: Tensor | None = None
 
     def launch(self, group: Group) -> None:
         """Start averaging the buffer over ``group``."""
-        wire = self.buffer if self.comm_dtype == torch.float32 else self.buffer.to(self.comm_dtype)
+        wire = self.buffer if self.wire == torch.float32 else self.buffer.to(self.wire)
         self._wire = wire
         self.pending = comm.all_reduce_async(wire, group, op="avg")
 
@@ -87,7 +85,6 @@ class Bucket:
         if self._wire is not self.buffer:
             self.buffer.copy_(self._wire)
         self.pending = self._wire = None
-        self.ready = 0
 
 
 class DataParallel:
@@ -131,34 +128,27 @@ class DataParallel:
                     where="DataParallel",
                     fix="build DataParallel before MixedPrecisionOptimizer, and only once",
                 )
-        self.buckets = self._make_buckets(reduce_in_fp32)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._next_launch = 0
+        self.buckets: GradBuckets[Bucket] = GradBuckets(
+            self._make_buckets(reduce_in_fp32), lambda b: b.launch(self.group), Bucket.wait
+        )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     def _make_buckets(self, reduce_in_fp32: bool) -> list[Bucket]:
-        buckets: list[Bucket] = []
-        current: list[nn.Parameter] = []
-        size = 0
-
-        def close() -> None:
-            nonlocal current, size
-            if current:
-                dtype = current[0].dtype
-                wire = torch.float32 if reduce_in_fp32 or dtype == torch.float32 else dtype
-                buckets.append(Bucket(len(buckets), current, wire))
-            current, size = [], 0
-
-        # Backward reaches the last layers first: reversed registration order fills the first
-        # bucket first.
-        for p in reversed(self.params):
-            if current and (current[0].dtype != p.dtype or current[0].device != p.device):
-                close()
-            current.append(p)
-            size += p.numel()
-            if size >= self.bucket_size:
-                close()
-        close()
+        """Reversed registration order (backward reaches the last layers first, so the first
+        bucket fills first), grouped as :func:`~zerotron.parallel.buckets.group_into_buckets`."""
+        order = list(reversed(range(len(self.params))))
+        groups = group_into_buckets(
+            [p.numel() for p in self.params],
+            self.bucket_size,
+            order,
+            key=lambda i: (self.params[i].dtype, self.params[i].device),
+        )
+        buckets = []
+        for k, indices in enumerate(groups):
+            params = [self.params[i] for i in indices]
+            dtype = params[0].dtype
+            wire = torch.float32 if reduce_in_fp32 or dtype == torch.float32 else dtype
+            buckets.append(Bucket(k, params, wire))
         return buckets
 
     # ---- during backward ------------------------------------------------------------------
@@ -167,21 +157,8 @@ class DataParallel:
     def _on_grad(self, param: Tensor) -> None:
         accumulate_grad_(param.main_grad, param.grad)
         param.grad = None
-        if not self.sync:
-            return
-        bucket = self._bucket_of[id(param)]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        """Launch, in bucket order, every bucket whose gradients are all in."""
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if bucket.ready < len(bucket.params):
-                return
-            bucket.launch(self.group)
-            self._next_launch += 1
+        if self.sync:
+            self.buckets.grad_ready(param)
 
     def finish_grad_sync(self) -> None:
         """Launch the buckets backward did not complete (unused parameters), then wait for all.
@@ -189,13 +166,7 @@ class DataParallel:
         After it, every ``main_grad`` holds the data-parallel mean. Call it after the last
         micro-batch's backward, before the optimizer step.
         """
-        for bucket in self.buckets[self._next_launch :]:
-            bucket.launch(self.group)
-        for bucket in self.buckets:
-            if bucket.pending is not None:
-                bucket.wait()
-            bucket.ready = 0
-        self._next_launch = 0
+        self.buckets.flush()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -224,7 +195,7 @@ class DataParallel:
             {
                 "index": b.index,
                 "numel": b.numel,
-                "dtype": str(b.comm_dtype),
+                "dtype": str(b.wire),
                 "params": len(b.params),
             }
             for b in self.buckets

@@ -6,6 +6,8 @@
   into fp32 buffers (``accumulate_grad_``).
 - :mod:`~zerotron.precision.mixed`: :class:`MixedPrecisionOptimizer`, the optimizer wrapper the
   Engine steps in fp32, bf16 and fp16 alike.
+- :mod:`~zerotron.precision.step`: :class:`StepSequence`, the unscale / overflow / skip / norm /
+  clip sequence that every optimizer wrapper (this one and ZeRO's) runs, and :class:`StepResult`.
 """
 
 from zerotron.precision.grads import (
@@ -23,7 +25,8 @@ from zerotron.precision.loss_scaler import (
     StaticLossScaler,
     make_loss_scaler,
 )
-from zerotron.precision.mixed import MixedPrecisionOptimizer, StepResult
+from zerotron.precision.mixed import MixedPrecisionOptimizer
+from zerotron.precision.step import StepResult, StepSequence
 
 __all__ = [
     "DynamicLossScaler",
@@ -33,6 +36,7 @@ __all__ = [
     "ReduceFn",
     "StaticLossScaler",
     "StepResult",
+    "StepSequence",
     "clip_grad_norm_",
     "count_zeros",
     "get_grad_norm",

@@ -58,8 +58,8 @@ def accumulate_grad_(main_grad: Tensor, grad: Tensor) -> None:
     On CPU torch's mixed-dtype ``add_`` first converts the whole gradient into a fresh fp32
     tensor (for GPT-2's ``[50304, 384]`` embedding: 77 MB, which the allocator maps afresh and
     each page of which faults on first touch); here each piece of ``ACCUMULATE_PIECE`` elements
-    is converted into one small reused buffer and added from there: ~41 against ~5 ms on one core
-    of bench/README.md's CPU. The same fp32 sum, element for element.
+    is converted into one small reused buffer and added from there (bench/README.md has the
+    measurement). The same fp32 sum, element for element.
     """
     n = grad.numel()
     if (

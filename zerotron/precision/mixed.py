@@ -15,7 +15,8 @@ alive per parameter. ``main_grad`` then *is* the master gradient: no copy at ste
 parameter that already has a ``main_grad`` (a view into a data-parallel gradient buffer) keeps it;
 whoever made it fills it. fp32 parameters accumulate in ``.grad`` as usual.
 
-One step (:meth:`MixedPrecisionOptimizer.step`):
+One step (:meth:`MixedPrecisionOptimizer.step`; steps 2-3 are
+:class:`~zerotron.precision.step.StepSequence`'s, shared with ZeRO):
 
 1. point each master's ``.grad`` at its fp32 gradient;
 2. fp16: unscale by the loss scale and check for inf/nan in one fused pass (on every rank,
@@ -30,39 +31,20 @@ One step (:meth:`MixedPrecisionOptimizer.step`):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from zerotron.errors import CheckpointError, ConfigError
-from zerotron.precision.grads import (
-    IsCounted,
-    ReduceFn,
-    accumulate_grad_,
-    clip_grad_norm_,
-    count_zeros,
-    get_grad_norm,
-    has_overflow,
-    unscale_and_check_overflow_,
-)
-from zerotron.precision.loss_scaler import LossScaler, ScalesLoss
+from zerotron.precision.grads import IsCounted, ReduceFn, accumulate_grad_, count_zeros
+from zerotron.precision.loss_scaler import LossScaler
+from zerotron.precision.step import SKIPPED, StepResult, StepSequence, checks_overflow
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class StepResult(NamedTuple):
-    """What one optimizer step did (unpacks like Megatron's ``optimizer.step()`` result)."""
-
-    update_successful: bool
-    """False when the step was skipped because a gradient overflowed."""
-    grad_norm: float | None
-    """Global gradient norm before clipping; None for a skipped step."""
-    num_zeros_in_grad: int | None
-    """Zero gradient elements, when ``log_num_zeros_in_grad`` is on; else None."""
-
-
-class MixedPrecisionOptimizer(ScalesLoss):
+class MixedPrecisionOptimizer(StepSequence):
     """An optimizer over fp32 master weights, with loss scaling, overflow skipping and clipping.
 
     Args:
@@ -129,9 +111,7 @@ class MixedPrecisionOptimizer(ScalesLoss):
         self._is_16bit = [p.dtype in LOW_PRECISION for p in self.model_params]
         self._counted = [is_counted is None or is_counted(p) for p in self.model_params]
         if check_overflow is None:
-            check_overflow = loss_scaler is not None or any(
-                p.dtype == torch.float16 for p in self.model_params
-            )
+            check_overflow = checks_overflow(loss_scaler, self.model_params)
         self.check_overflow = check_overflow
 
         # fp32 accumulation buffers and the hooks that fill them.
@@ -164,25 +144,14 @@ class MixedPrecisionOptimizer(ScalesLoss):
     def step(self) -> StepResult:
         """Unscale, check, clip, step, copy back, zero gradients (see the module docstring)."""
         grads = self._bind_master_grads()
-        overflow = False
-        if self.loss_scaler is not None and self.loss_scaler.loss_scale != 1.0:
-            inv_scale = 1.0 / self.loss_scaler.loss_scale
-            overflow = unscale_and_check_overflow_(grads, inv_scale, reduce_fn=self.reduce_fn)
-        elif self.check_overflow:
-            overflow = has_overflow(grads, reduce_fn=self.reduce_fn)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow)
-        if overflow:
-            self.num_skipped_steps += 1
-            self.zero_grad()
-            return StepResult(False, None, None)
+        if self._skip_on_overflow(grads, self.reduce_fn):
+            return SKIPPED
 
         counted = [
             m.grad for m, c in zip(self.master_params, self._counted) if c and m.grad is not None
         ]
-        grad_norm = get_grad_norm(counted, self.norm_type, reduce_fn=self.reduce_fn)
-        if self.clip_grad > 0:
-            clip_grad_norm_(grads, self.clip_grad, total_norm=grad_norm)
+        grad_norm = self._grad_norm(counted, self.reduce_fn)
+        self._clip(grads, grad_norm)
         num_zeros = (
             count_zeros(counted, reduce_fn=self.reduce_fn) if self.log_num_zeros_in_grad else None
         )

@@ -151,25 +151,6 @@ def build_torch_optimizer(params: Any, cfg: Config) -> torch.optim.Optimizer:
     )
 
 
-def offload_options(cfg: Config, kind: str) -> Any:
-    """``zero.offload_{kind}_*`` as :class:`~zerotron.zero.offload.OffloadOptions` (None: off)."""
-    z = cfg.zero
-    device = getattr(z, f"offload_{kind}_device")
-    if device == "none":
-        return None
-    from zerotron.zero.offload import OffloadOptions
-
-    return OffloadOptions(
-        device=device,
-        nvme_path=getattr(z, f"offload_{kind}_nvme_path"),
-        pin_memory=getattr(z, f"offload_{kind}_pin_memory"),
-        buffer_count=getattr(z, f"offload_{kind}_buffer_count"),
-    )
-
-
-COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def wrap_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, ps: ParallelState | None = None
 ) -> tuple[Any, Any]:
@@ -213,51 +194,18 @@ def wrap_optimizer(
             is_counted=is_counted,
         )
         return wrapped, data_parallel
-    from zerotron.zero import ZeroOptimizer
+    from zerotron.zero import ZeroOptimizer, ZeroOptions
 
-    if z.zero_stage == 3:
-        from zerotron.zero.stage3 import partition_parameters
-
-        store = None
-        param_options = offload_options(cfg, "param")
-        if param_options is not None:
-            from zerotron.zero.offload import ParamStore
-
-            store = ParamStore(param_options, rank_name=f"rank{ps.rank}")
-        partition_parameters(
-            model,
-            ps.dp,
-            persistence_threshold=z.stage3_param_persistence_threshold,
-            prefetch_bucket_size=z.stage3_prefetch_bucket_size,
-            max_live_parameters=z.stage3_max_live_parameters,
-            param_store=store,
-        )
+    # Stage 3 partitions the model here (with the offload_param store when asked).
     wrapped = ZeroOptimizer(
         model,
         optimizer,
-        stage=z.zero_stage,
+        ZeroOptions.from_config(z),
         group=ps.dp,
         loss_scaler=scaler,
         clip_grad=o.clip_grad,
         reduce_fn=reduce_fn,
         is_counted=is_counted,
-        reduce_bucket_size=z.reduce_bucket_size,
-        allgather_bucket_size=z.allgather_bucket_size,
-        overlap_comm=bool(z.overlap_comm),
-        reduce_scatter=z.reduce_scatter,
-        contiguous_gradients=z.contiguous_gradients,
-        round_robin_gradients=z.round_robin_gradients,
-        offload_optimizer=offload_options(cfg, "optimizer"),
-        offload_param=offload_options(cfg, "param"),
-        sub_group_size=z.sub_group_size,
-        prefetch_bucket_size=z.stage3_prefetch_bucket_size,
-        param_persistence_threshold=z.stage3_param_persistence_threshold,
-        max_live_parameters=z.stage3_max_live_parameters,
-        max_reuse_distance=z.stage3_max_reuse_distance,
-        gather_16bit_weights_on_model_save=z.stage3_gather_16bit_weights_on_model_save,
-        communication_data_type=COMM_DTYPES.get(z.communication_data_type or ""),
-        gradient_predivide_factor=z.gradient_predivide_factor,
-        prescale_gradients=z.prescale_gradients,
     )
     return wrapped, wrapped
 

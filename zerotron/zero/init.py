@@ -24,6 +24,7 @@ partitioned parameter is an empty tensor and an in-place write does nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Mapping
@@ -35,7 +36,7 @@ from torch import nn
 
 from zerotron.distributed.comm import Group
 from zerotron.errors import ConfigError
-from zerotron.zero.stage3 import ParamStore, partition_param
+from zerotron.zero.stage3 import ShardStore, partition_param
 
 _active: list[Init] = []  # innermost last; the classes are patched while it is non-empty
 _building: dict[int, int] = {}  # id(module) -> nesting depth of its __init__ calls
@@ -56,14 +57,14 @@ class Init:
             ``zero_optimization.stage3_param_persistence_threshold`` and ``offload_param``
             are used.
         remote_device: ``"cpu"`` or ``"nvme"`` keeps the shards in a
-            :class:`~zerotron.zero.offload.ParamStore` (default: the config's
+            :class:`~zerotron.zero.offload.ParamOffloadStore` (default: the config's
             ``offload_param.device``).
         pin_memory: pin the host copies (``remote_device="cpu"``, with CUDA only).
         mem_efficient_linear: accepted for DeepSpeed compatibility; stage 3 always keeps saved
             views of weights as references to the parameter (see :mod:`zerotron.zero.stage3`).
         persistence_threshold: parameters of at most this many elements stay whole (default:
             the config's, else 1e5, DeepSpeed's).
-        param_store: a ready :class:`~zerotron.zero.offload.ParamStore` (overrides
+        param_store: a ready :class:`~zerotron.zero.offload.ParamOffloadStore` (overrides
             ``remote_device``).
     """
 
@@ -79,7 +80,7 @@ class Init:
         mem_efficient_linear: bool = True,
         *,
         persistence_threshold: int | None = None,
-        param_store: ParamStore | None = None,
+        param_store: ShardStore | None = None,
     ):
         self.enabled = enabled
         self.dtype = dtype
@@ -241,16 +242,16 @@ def _zero_section(config: Mapping[str, Any] | str | Path | None) -> Mapping[str,
 
 def _make_store(
     section: Mapping[str, Any] | None, remote_device: str | None, pin_memory: bool
-) -> ParamStore | None:
-    from zerotron.zero.offload import OffloadOptions
-    from zerotron.zero.offload import ParamStore as Store
+) -> ShardStore | None:
+    from zerotron.zero.offload import ParamOffloadStore
+    from zerotron.zero.options import OffloadOptions
 
     where = "zero_optimization.offload_param"
     opts = OffloadOptions.from_dict(section, where) if section else OffloadOptions()
     if remote_device is not None:
-        opts.device = remote_device
+        opts = dataclasses.replace(opts, device=remote_device)
     if pin_memory:
-        opts.pin_memory = True
+        opts = dataclasses.replace(opts, pin_memory=True)
     if opts.device == "none":
         return None
-    return Store(opts, where=where)
+    return ParamOffloadStore(opts, where=where)

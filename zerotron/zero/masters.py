@@ -24,7 +24,7 @@ from zerotron.distributed.comm import Group
 from zerotron.errors import ConfigError, UnsupportedError
 from zerotron.precision.grads import IsCounted
 from zerotron.zero.partition import chunk_bounds, chunk_size, full_shape
-from zerotron.zero.stage3 import read_shard
+from zerotron.zero.stage3.shards import is_partitioned, read_shard
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD,
@@ -146,11 +146,6 @@ def load_master_chunk(info: ParamInfo, master: Tensor) -> None:
         dst.copy_(read_shard(info.param)[: info.length])
     else:
         dst.copy_(info.param.detach().reshape(-1)[info.start : info.start + info.length])
-
-
-def is_partitioned(p: Tensor) -> bool:
-    """Stage 3 holds ``p`` as a shard (not a persistent, whole parameter)."""
-    return hasattr(p, "zero_shard") and not getattr(p, "zero_persistent", True)
 
 
 def check_args(

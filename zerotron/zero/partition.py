@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from zerotron.errors import ConfigError
+from zerotron.parallel.buckets import group_into_buckets
 
 
 def chunk_size(numel: int, world: int) -> int:
@@ -232,26 +233,12 @@ def build_buckets(
             f"bucket size must be positive, got {bucket_size}",
             where="zero_optimization.reduce_bucket_size / allgather_bucket_size",
         )
-    order = list(range(len(shapes))) if order is None else list(order)
-    buckets: list[BucketLayout] = []
-    current: list[int] = []
-    size = 0
-
-    def close() -> None:
-        nonlocal current, size
-        if current:
-            buckets.append(BucketLayout([shapes[i] for i in current], world, current))
-        current, size = [], 0
-
-    for i in order:
-        if current and key is not None and key(current[0]) != key(i):
-            close()
-        current.append(i)
-        size += torch.Size(shapes[i]).numel()
-        if size >= bucket_size:
-            close()
-    close()
-    return buckets
+    order = range(len(shapes)) if order is None else order
+    numels = [torch.Size(s).numel() for s in shapes]
+    return [
+        BucketLayout([shapes[i] for i in indices], world, indices)
+        for indices in group_into_buckets(numels, bucket_size, order, key)
+    ]
 
 
 def _check(ok: bool, what: str) -> None:

@@ -1,0 +1,212 @@
+"""ZeRO stage 3, one parameter: its shard, where the shard rests, and its bookkeeping.
+
+A partitioned parameter keeps this rank's chunk (the rule of :mod:`zerotron.zero.partition`) in
+``p.zero_shard`` and an empty ``p.data`` between uses; its stage-3 state (references, status,
+the fetch in flight) is a :class:`ParamState` at ``p._zero``. With ``offload_param`` the shard
+rests in a :class:`ShardStore` (:class:`~zerotron.zero.offload.ParamOffloadStore`): read and
+write it through :func:`read_shard` / :func:`write_shard`, never ``p.zero_shard`` directly.
+
+Loading whole tensors into shards (:func:`load_full_state_dict`) and telling an optimizer which
+shards changed behind its back (:func:`modified_parameters`) live here too: both only touch
+this rank's chunk, with no collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from zerotron.distributed.comm import Group
+from zerotron.errors import ConfigError
+from zerotron.zero.partition import full_shape, shard
+
+if TYPE_CHECKING:
+    from zerotron.zero.stage3.coordinator import ParamCoordinator
+    from zerotron.zero.stage3.gather import Fetch
+
+# Status of a partitioned parameter.
+RELEASED, INFLIGHT, AVAILABLE = "released", "inflight", "available"
+
+
+class ShardStore(Protocol):
+    """Where shards rest with ``offload_param``: :class:`zerotron.zero.offload.ParamOffloadStore`.
+
+    ``put(key, shard)`` stores a copy of the values (host memory or a file); ``get(key)``
+    returns them (for ``cpu`` the held tensor itself, for ``nvme`` a fresh one).
+    """
+
+    device: str
+
+    def put(self, key: str, tensor: Tensor) -> None: ...
+
+    def get(self, key: str, out: Tensor | None = None) -> Tensor: ...
+
+
+# --------------------------------------------------------------------------------------------
+# One parameter
+
+
+class ParamState:
+    """Stage-3 bookkeeping of one parameter (``p._zero``; persistent ones have it too, for
+    their group)."""
+
+    __slots__ = (
+        "group",
+        "refs",
+        "bwd_hold",
+        "status",
+        "fetch",
+        "prefetched",
+        "key",
+        "store",
+        "coordinator",
+    )
+
+    def __init__(self, group: Group, key: str, store: ShardStore | None):
+        self.group = group
+        self.refs = 0  # holders: module forwards, GatheredParameters blocks, the backward
+        self.bwd_hold = False  # the current backward holds one ref until the grad is in
+        self.status = RELEASED
+        self.fetch: Fetch | None = None  # the collective in flight, while INFLIGHT
+        self.prefetched = False  # gathered ahead of its module, not yet claimed
+        self.key = key
+        self.store = store
+        self.coordinator: ParamCoordinator | None = None  # set by partition_parameters
+
+
+def is_partitioned(p: Tensor) -> bool:
+    """True for a parameter held as a shard (not persistent)."""
+    return hasattr(p, "zero_shard") and not getattr(p, "zero_persistent", True)
+
+
+def state_of(p: Tensor) -> ParamState:
+    return p._zero  # type: ignore[attr-defined]
+
+
+def empty_like_param(p: Tensor) -> Tensor:
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def read_shard(p: Tensor) -> Tensor:
+    """This rank's chunk of a partitioned parameter (``chunk`` elements, zero-padded), wherever
+    it rests: ``p.zero_shard``, or the param store with ``offload_param``."""
+    st = state_of(p)
+    if st.store is not None and st.store.device == "nvme":
+        return st.store.get(st.key)
+    return p.zero_shard  # type: ignore[attr-defined]
+
+
+def write_shard(p: Tensor, values: Tensor) -> None:
+    """Replace this rank's chunk of ``p`` (``chunk`` elements; cast to ``p.dtype``).
+
+    Use this rather than writing ``p.zero_shard`` when the parameters may be offloaded to NVMe
+    (there ``p.zero_shard`` is an empty placeholder)."""
+    st = state_of(p)
+    if st.store is None:
+        own = p.zero_shard  # type: ignore[attr-defined]
+        if not (own.data_ptr() == values.data_ptr() and own.dtype == values.dtype):
+            own.copy_(values)  # (the optimizer's fp32 master may be the shard itself)
+    elif st.store.device == "nvme":
+        st.store.put(st.key, values.to(p.dtype))
+    else:  # cpu (or none): p.zero_shard is the tensor the store holds
+        p.zero_shard.copy_(values)  # type: ignore[attr-defined]
+
+
+def partition_param(
+    p: nn.Parameter,
+    group: Group,
+    *,
+    persistence_threshold: int = int(1e5),
+    key: str = "",
+    store: ShardStore | None = None,
+) -> bool:
+    """Split one whole parameter over ``group``; keep it whole when it is small.
+
+    Returns True when ``p`` was partitioned. A parameter that is already stage-3 is left alone.
+    """
+    if hasattr(p, "zero_persistent"):
+        return is_partitioned(p)
+    n = p.numel()
+    p.zero_shape = p.shape
+    p.zero_numel = n
+    p.zero_modified = False
+    p._zero = ParamState(group, key or f"param{id(p)}", None)
+    if n <= persistence_threshold:
+        p.zero_persistent = True
+        p._zero.status = AVAILABLE
+        return False
+    p.zero_persistent = False
+    own = shard(p.data, group.size, group.rank)
+    if store is None:
+        p.zero_shard = own
+    else:
+        p._zero.store = store
+        store.put(p._zero.key, own)
+        # cpu: the store's host tensor is the shard; nvme: only the file holds it.
+        p.zero_shard = own.new_empty(0) if store.device == "nvme" else store.get(p._zero.key)
+    p.data = empty_like_param(p)
+    return True
+
+
+def gather_source(p: Tensor) -> Tensor:
+    """The shard to all-gather, on the parameter's device, in its dtype (the shard may be a
+    view of the optimizer's fp32 master: see ``ZeroOptimizer.shards_are_masters``)."""
+    return read_shard(p).to(p.device, p.dtype, non_blocking=True)
+
+
+def write_full(p: Tensor, full: Tensor) -> None:
+    """Re-partition ``full`` (the whole parameter) into this rank's shard."""
+    st = state_of(p)
+    write_shard(p, shard(full.to(p.dtype), st.group.size, st.group.rank))
+
+
+def modified_parameters(params: Iterable[Tensor]) -> list[Tensor]:
+    """Those of ``params`` rewritten behind the optimizer's back (by :class:`GatheredParameters`
+    with ``modifier_rank`` or :func:`load_full_state_dict`) since their flag was cleared. An
+    optimizer reloads their master chunks from :func:`read_shard` (persistent ones: from
+    ``p``) and sets ``p.zero_modified = False``."""
+    return [p for p in params if getattr(p, "zero_modified", False)]
+
+
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor]) -> None:
+    """Load whole tensors (e.g. a model file every rank read) into a stage-3 module: each rank
+    keeps its chunk of each partitioned parameter; everything else loads as usual. No collective.
+    """
+    own = module.state_dict(keep_vars=True)
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise ConfigError(
+            f"state dict does not fit the module: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}",
+            where="zero.stage3.load_full_state_dict",
+        )
+    with torch.no_grad():
+        for name, t in own.items():
+            src = state_dict[name]
+            if not isinstance(t, Tensor):  # extra state: the module's own business
+                continue
+            if is_partitioned(t):
+                if torch.Size(src.shape) != full_shape(t):
+                    raise ConfigError(
+                        f"{name}: shape {tuple(src.shape)} != {tuple(full_shape(t))}",
+                        where="zero.stage3.load_full_state_dict",
+                    )
+                write_full(t, src.to(t.dtype))
+                t.zero_modified = True
+                if state_of(t).status == AVAILABLE:
+                    t.data.copy_(src.view_as(t.data))
+            else:
+                t.copy_(src)
+                if getattr(t, "zero_persistent", False):
+                    t.zero_modified = True
+
+
+def iter_partitioned(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` for every partitioned parameter of ``module``."""
+    for name, p in module.named_parameters():
+        if is_partitioned(p):
+            yield name, p
