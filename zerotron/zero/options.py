@@ -23,7 +23,7 @@ import torch
 from zerotron.errors import ConfigError
 
 if TYPE_CHECKING:
-    from zerotron.config.schema import ZeroConfig
+    from zerotron.config import ZeroConfig
 
 Device = Literal["none", "cpu", "nvme"]
 
