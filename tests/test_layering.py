@@ -64,7 +64,6 @@ PLACES = {
     **{name: "compat" for name in zerotron.COMPAT_MODULES},
     # Loose modules waiting for their move into the package of their layer:
     "api": "compat",  # DeepSpeed's initialize(): the coordinator moves it into compat/
-    "monitor": "engine",  # monitors belong to engine/ (engine helper)
     "malloc": "kernels",  # the allocator setting belongs to kernels/ (kernels helper)
 }
 
@@ -100,7 +99,7 @@ ALLOWED_MODEL_IMPORTS: dict[tuple[str, str], str] = {
     # ZeRO-3 registers GPT's external parameters itself instead of reading a declaration.
     ("zerotron.zero.stage3.externals", "zerotron.models.gpt"): "zero helper",
     # The Engine all-reduces the GPT's tied embedding gradient after each pipeline step.
-    ("zerotron.engine", "zerotron.parallel.pipeline.gpt_stage"): "engine helper",
+    ("zerotron.engine.core", "zerotron.parallel.pipeline.gpt_stage"): "kernels helper",
     # PipeStage subclasses GPTStage for that all-reduce's sake (its docstring says why); it can
     # stop once the Engine asks the pipeline chunks for their tied-gradient reduction.
     ("zerotron.compat.pipe.stage", "zerotron.parallel.pipeline.gpt_stage"): (
@@ -116,8 +115,6 @@ LOOSE_MODULES = {"__init__", "__main__", "cli", "errors", "fileio"}
 # Loose today, each with who moves it into a package; the coordinator empties this after merging.
 LOOSE_FOR_NOW = {
     "api": "coordinator (into compat/, after merging the engine helper's branch)",
-    "engine": "engine helper (into engine/)",
-    "monitor": "engine helper (into engine/)",
     "malloc": "kernels helper (into kernels/)",
 }
 

@@ -26,8 +26,8 @@ from torch import nn
 
 import zerotron
 from tests.distributed.spawn import run_ranks
+from zerotron.engine.monitors import CsvMonitor
 from zerotron.errors import CheckpointError, ConfigError
-from zerotron.monitor import CsvMonitor
 
 MICRO, GAS, STEPS, LR = 4, 2, 3, 1e-2
 NAMES = ("Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/loss_scale")

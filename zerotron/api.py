@@ -27,9 +27,9 @@ A DeepSpeed training script runs on zerotron by changing its import::
    ``fp16.auto_cast`` its floating-point inputs are cast to fp16 too);
 4. the optimizer: passed (a torch optimizer, or a callable ``params -> optimizer``; it wins
    over the config's, as in DeepSpeed) or from the config's ``optimizer`` section, wrapped
-   for precision and data parallelism by :func:`zerotron.training.build.wrap_optimizer`
+   for precision and data parallelism by :func:`zerotron.engine.builder.build_engine`
    (stage 0: MixedPrecisionOptimizer + DataParallel; stages 1-3: ZeroOptimizer with the
-   offload options);
+   offload options), which assembles the Engine;
 5. the scheduler: the config's ``scheduler`` section, else a passed scheduler (or callable
    ``optimizer -> scheduler``), stepped by the engine once per optimizer step;
 6. ``training_data`` -> a DataLoader of micro-batches over a DistributedSampler of the
@@ -123,15 +123,14 @@ def initialize(
     lr_scheduler)``."""
     from zerotron.config import AutoValues, format_resolved, load_deepspeed_config
     from zerotron.distributed.init import get_rank, get_world_size
-    from zerotron.engine import Engine
-    from zerotron.monitor import MonitorMaster
-    from zerotron.optim import build_ds_scheduler
-    from zerotron.training.build import (
+    from zerotron.engine.builder import (
         DTYPES,
+        OptimizerSetup,
+        build_engine,
         build_torch_optimizer,
         default_device,
-        wrap_optimizer,
     )
+    from zerotron.engine.monitors import MonitorMaster
 
     if model is None:
         raise ConfigError(
@@ -163,31 +162,21 @@ def initialize(
 
     params = _parameters(model, model_parameters)
     torch_optimizer = _torch_optimizer(optimizer, params, cfg, resolved, build_torch_optimizer)
-    wrapped, data_parallel = wrap_optimizer(model, torch_optimizer, cfg, ps)
-
-    s = cfg.scheduler
-    if s.lr_scheduler_type is not None:  # the config's wins, as in DeepSpeed
-        scheduler = build_ds_scheduler(s.lr_scheduler_type, wrapped, s.lr_scheduler_params)
-    elif lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
-        # DeepSpeed hands the callable its basic (torch) optimizer
-        scheduler = _TorchSchedule.wrap(lr_scheduler(getattr(wrapped, "optimizer", wrapped)))
-    else:
-        scheduler = _TorchSchedule.wrap(lr_scheduler)
-
     t = cfg.training
     pipeline = None
     if _is_pipeline_module(model):  # engine.train_batch(data_iter) runs DeepSpeed's 1F1B
         from zerotron.compat.pipe.stage import PipelineModuleRuntime
 
         pipeline = PipelineModuleRuntime(model, "1f1b", t.num_micro_batches)
-    engine = Engine(
+    engine = build_engine(
         model,
-        wrapped,
-        scheduler,
+        torch_optimizer,
+        OptimizerSetup.from_config(cfg),
+        ps=ps,
+        scheduler=lambda wrapped: _scheduler(cfg, wrapped, lr_scheduler),
         micro_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.num_micro_batches,
         data_parallel_size=ps.dp_size,
-        data_parallel=data_parallel,
         pipeline=pipeline,
         wall_clock_breakdown=cfg.monitor.wall_clock_breakdown,
         steps_per_print=t.log_interval,
@@ -201,6 +190,20 @@ def initialize(
     if training_data is not None:
         loader = build_data_loader(training_data, t.micro_batch_size, ps, collate_fn, t.seed)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _scheduler(cfg: Any, wrapped: Any, lr_scheduler: Any) -> Any:
+    """The config's ``scheduler`` section over the wrapped optimizer (it wins, as in
+    DeepSpeed), else the passed scheduler or callable ``optimizer -> scheduler``."""
+    from zerotron.optim import build_ds_scheduler
+
+    s = cfg.scheduler
+    if s.lr_scheduler_type is not None:
+        return build_ds_scheduler(s.lr_scheduler_type, wrapped, s.lr_scheduler_params)
+    if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
+        # DeepSpeed hands the callable its basic (torch) optimizer
+        return _TorchSchedule.wrap(lr_scheduler(getattr(wrapped, "optimizer", wrapped)))
+    return _TorchSchedule.wrap(lr_scheduler)
 
 
 def build_data_loader(

@@ -1,7 +1,8 @@
 """Checkpoints: one on-disk layout for every entry point, saved atomically, loaded safely.
 
 ``layout`` names the files, ``save_load`` writes and reads them (trackers, metadata.json),
-``state`` fits a loaded state dict to a model, ``rng`` captures the random generators,
+``state`` fits a loaded state dict to a model (``fit``: the Engine's hook for it, exact or
+re-padding a vocabulary), ``rng`` captures the random generators,
 ``zero_to_fp32`` consolidates the fp32 weights of a ZeRO checkpoint offline.
 """
 

@@ -30,6 +30,12 @@ DEEPSPEED_TRACKER = "latest"
 RELEASE_TAG = "release"  # Megatron's tag for converted weights that carry no iteration
 # Megatron-LM's model_optim_rng.pt format version, stored in every model file.
 CHECKPOINT_VERSION = 3.0
+# Entries of a model file besides Megatron's (model, optimizer, opt_param_scheduler, rng_state)
+RNG_TRACKER_KEY = "rng_tracker_states"  # the tensor-parallel RNG streams, beside torch's
+ZERO_STAGE_KEY = "zero_stage"  # in the model file of a ZeRO checkpoint
+DP_SIZE_KEY = "dp_world_size"  # the data-parallel size its partitions were cut for
+GATHERED_16BIT_FILE = "pytorch_model.bin"
+"""Consolidated 16-bit weights in a tag directory (stage3_gather_16bit_weights_on_model_save)."""
 
 _ITER_TAG = re.compile(r"iter_(\d{7,})")
 

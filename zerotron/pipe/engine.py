@@ -3,11 +3,11 @@
 ``engine.train_batch(data_iter)`` then runs one global batch through the pipeline schedule,
 DeepSpeed's ``PipelineEngine.train_batch``: ``data_iter`` yields ``(inputs, labels)``
 micro-batches (every stage draws them; only the first uses the inputs and the last the labels).
-The pieces are the ones ``zerotron pretrain`` composes: data-parallel gradient buckets
-(:class:`~zerotron.parallel.data_parallel.DataParallel`) when the data-parallel size is above
-one, built before the optimizer; a :class:`~zerotron.precision.mixed.MixedPrecisionOptimizer`
-over the given torch optimizer with the gradient norm spanning the model-parallel ranks; and
-:class:`~zerotron.pipe.stage.PipelineModuleRuntime`.
+It is assembled by :func:`zerotron.engine.builder.build_engine`, as ``zerotron pretrain``'s
+is: data-parallel gradient buckets when the data-parallel size is above one, a
+:class:`~zerotron.precision.mixed.MixedPrecisionOptimizer` over the given torch optimizer with
+the gradient norm spanning the model-parallel ranks, and
+:class:`~zerotron.pipe.stage.PipelineModuleRuntime` running the schedule.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import torch
 
 from zerotron.compat.pipe.module import PipelineModule
 from zerotron.compat.pipe.stage import PipelineModuleRuntime
-from zerotron.distributed.state import state
-from zerotron.engine import Engine, grad_norm_hooks
+from zerotron.engine import Engine
+from zerotron.engine.builder import OptimizerSetup, build_engine
 from zerotron.errors import ConfigError
-from zerotron.parallel.data_parallel import DataParallel
 from zerotron.precision.loss_scaler import LossScaler
-from zerotron.precision.mixed import MixedPrecisionOptimizer
 
 
 def pipeline_engine(
@@ -47,25 +45,13 @@ def pipeline_engine(
             where="pipeline_engine",
             fix="pass a fresh optimizer built over module.parameters()",
         )
-    ps = state()
-    data_parallel = None
-    if ps.dp_size > 1:  # its main_grad buffers must exist before the optimizer wraps the params
-        data_parallel = DataParallel(module.parameters(), ps.dp, bucket_size=bucket_size)
-    reduce_fn, is_counted = grad_norm_hooks(ps)
-    wrapped = MixedPrecisionOptimizer(
-        optimizer,
-        loss_scaler=loss_scaler,
-        clip_grad=clip_grad,
-        reduce_fn=reduce_fn,
-        is_counted=is_counted,
-    )
-    runtime = PipelineModuleRuntime(module, schedule, num_microbatches)
-    return Engine(
+    setup = OptimizerSetup(loss_scaler=loss_scaler, clip_grad=clip_grad, bucket_size=bucket_size)
+    return build_engine(
         module,
-        wrapped,
-        lr_scheduler,
+        optimizer,
+        setup,
+        scheduler=lambda _: lr_scheduler,
         micro_batch_size=micro_batch_size,
         gradient_accumulation_steps=num_microbatches,
-        data_parallel=data_parallel,
-        pipeline=runtime,
+        pipeline=PipelineModuleRuntime(module, schedule, num_microbatches),
     )

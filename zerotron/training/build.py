@@ -1,13 +1,16 @@
-"""Build what a GPT run needs from a validated Config: tokenizer, model, optimizer, Engine.
+"""Build what a GPT run needs from a validated Config: tokenizer, model, and its Engine.
 
-Shared by ``zerotron pretrain`` and the tests and benchmarks that want the same objects.
+Shared by ``zerotron pretrain`` and the tests and benchmarks that want the same objects. What
+is GPT- and loop-specific lives here (seeding, the model, its loss, pipeline stages, checkpoint
+metadata and vocabulary padding); the Engine itself is assembled by
+:func:`zerotron.engine.builder.build_engine`.
 
 Under pipeline parallelism every rank builds the full GPT from the same seed (so every layout
 starts from the one-process weights), cuts out its stage's chunks
-(:func:`~zerotron.parallel.pipeline.build_gpt_stages`), and gives the Engine a
+(:func:`~zerotron.parallel.pipeline.gpt_stage.build_gpt_stages`), and gives the Engine a
 :class:`StageModel` (those chunks under the GPT's own parameter names: the optimizer,
 data-parallel buckets and checkpoints see one module) and a
-:class:`~zerotron.parallel.pipeline.PipelineRuntime` running them.
+:class:`~zerotron.pipeline.PipelineRuntime` running them.
 """
 
 from __future__ import annotations
@@ -21,24 +24,24 @@ import torch
 from torch import nn
 
 from zerotron.checkpoint import build_metadata
+from zerotron.checkpoint.fit import VocabPadding
 from zerotron.config import Config
 from zerotron.data.tokenizer import GPT2BPETokenizer, build_tokenizer, vocab_size_with_padding
 from zerotron.distributed.rng import model_parallel_seed
 from zerotron.distributed.state import ParallelState, state
-from zerotron.engine import Engine, grad_norm_hooks
-from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
-from zerotron.optim import (
-    OptimizerParamScheduler,
-    build_ds_scheduler,
-    build_optimizer,
-    get_param_groups,
+from zerotron.engine import Engine
+from zerotron.engine.builder import (
+    DTYPES,
+    OptimizerSetup,
+    build_engine,
+    build_scheduler,
+    build_torch_optimizer,
+    default_device,
 )
-from zerotron.parallel.data_parallel import DataParallel
+from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
+from zerotron.optim import get_param_groups
 from zerotron.parallel.pipeline.gpt_stage import TIED_COPY, GPTStage, build_gpt_stages
 from zerotron.pipeline import PipelineRuntime
-from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def set_random_seed(seed: int, ps: ParallelState | None = None) -> int:
@@ -59,14 +62,6 @@ def _seed_all(seed: int) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_seed(seed)
-
-
-def default_device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else (torch.device("cpu"))
-    )
 
 
 def gpt_config(cfg: Config, padded_vocab_size: int, orig_vocab_size: int) -> GPTConfig:
@@ -131,109 +126,6 @@ class StageModel(nn.Module):
     def num_parameters(self) -> int:
         """Parameters on this rank (the last stage counts its tied-embedding copy, as Megatron)."""
         return sum(p.numel() for p in self.parameters())
-
-
-def build_torch_optimizer(params: Any, cfg: Config) -> torch.optim.Optimizer:
-    """The config's optimizer (``optimizer`` section) over ``params`` (tensors or groups)."""
-    o = cfg.optimizer
-    return build_optimizer(
-        params,
-        o.optimizer,
-        lr=o.lr if o.lr is not None else 0.0,  # --train-iters 0 may leave it unset
-        weight_decay=o.weight_decay,
-        betas=(o.adam_beta1, o.adam_beta2),
-        eps=o.adam_eps,
-        momentum=o.sgd_momentum,
-        nesterov=o.sgd_nesterov,
-        adam_w_mode=o.adam_w_mode,
-        max_coeff=o.lamb_max_coeff,
-        min_coeff=o.lamb_min_coeff,
-    )
-
-
-def wrap_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, ps: ParallelState | None = None
-) -> tuple[Any, Any]:
-    """Master weights, loss scaling, clipping and the data-parallel reduction around a fresh
-    torch ``optimizer`` over ``model``'s parameters (already in the training dtype).
-
-    Returns ``(optimizer, data_parallel)`` for the Engine. ZeRO stage 0:
-    a :class:`MixedPrecisionOptimizer` and a :class:`DataParallel` (None for one replica), the
-    latter built first so the optimizer sees its ``main_grad`` buffers. Stages 1-3: a
-    :class:`~zerotron.zero.ZeroOptimizer`, which is both (stage 3 partitions ``model``'s
-    parameters first, with the offload_param store when asked).
-    """
-    ps = ps or state()
-    z, p, o = cfg.zero, cfg.precision, cfg.optimizer
-    dtype = DTYPES[p.params_dtype]
-    scaler = make_loss_scaler(
-        dtype,
-        loss_scale=p.loss_scale,
-        initial_scale=p.initial_loss_scale,
-        scale_window=p.loss_scale_window,
-        hysteresis=p.hysteresis,
-        consecutive_hysteresis=p.consecutive_hysteresis,
-        min_scale=p.min_loss_scale,
-        raise_error_at_min_scale=False,  # Megatron keeps going at the minimum scale
-    )
-    reduce_fn, is_counted = grad_norm_hooks(ps)
-    if z.zero_stage == 0:
-        data_parallel = None
-        if ps.dp_size > 1:
-            data_parallel = DataParallel(
-                model.parameters(),
-                ps.dp,
-                bucket_size=cfg.parallel.ddp_bucket_size,
-                reduce_in_fp32=p.accumulate_allreduce_grads_in_fp32,
-            )
-        wrapped = MixedPrecisionOptimizer(
-            optimizer,
-            loss_scaler=scaler,
-            clip_grad=o.clip_grad,
-            reduce_fn=reduce_fn,
-            is_counted=is_counted,
-        )
-        return wrapped, data_parallel
-    from zerotron.zero import ZeroOptimizer, ZeroOptions
-
-    # Stage 3 partitions the model here (with the offload_param store when asked).
-    wrapped = ZeroOptimizer(
-        model,
-        optimizer,
-        ZeroOptions.from_config(z),
-        group=ps.dp,
-        loss_scaler=scaler,
-        clip_grad=o.clip_grad,
-        reduce_fn=reduce_fn,
-        is_counted=is_counted,
-    )
-    return wrapped, wrapped
-
-
-def build_scheduler(cfg: Config, optimizer: Any) -> Any:
-    """The config's LR schedule over ``optimizer``: DeepSpeed's ``lr_scheduler_type`` (counted
-    in iterations), else Megatron's warmup + decay (counted in samples) when the run has a
-    length; None otherwise."""
-    s, o = cfg.scheduler, cfg.optimizer
-    if s.lr_scheduler_type is not None:
-        return build_ds_scheduler(s.lr_scheduler_type, optimizer, s.lr_scheduler_params)
-    if cfg.lr_decay_steps is None:
-        return None
-    return OptimizerParamScheduler(
-        optimizer,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_decay_steps=cfg.lr_decay_steps,
-        lr_decay_style=s.lr_decay_style,
-        lr_warmup_steps=cfg.lr_warmup_steps,
-        init_lr=s.lr_warmup_init,
-        start_wd=o.start_weight_decay,
-        end_wd=o.end_weight_decay,
-        wd_incr_steps=cfg.lr_decay_steps,
-        wd_incr_style=o.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=s.override_opt_param_scheduler,
-    )
 
 
 def flops_parameters(model: GPT) -> int:
@@ -302,14 +194,9 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         model, pipeline = _pipeline(cfg, full, ps)
         del full  # what no chunk holds is freed
         set_random_seed(cfg.training.seed, ps)
-    # Groups before ZeRO stage 3 partitions the parameters (the rule looks at their shapes).
-    groups = get_param_groups(model, cfg.optimizer.weight_decay)
-    optimizer, data_parallel = wrap_optimizer(model, build_torch_optimizer(groups, cfg), cfg, ps)
-    scheduler = None
-    # --train-iters 0 only builds and prints: a schedule over 0 steps is not one to build.
-    if cfg.training.train_iters != 0:
-        scheduler = build_scheduler(cfg, optimizer)
     t = cfg.training
+    # --train-iters 0 only builds and prints: a schedule over 0 steps is not one to build.
+    scheduler = None if t.train_iters == 0 else (lambda opt: build_scheduler(cfg, opt))
     metadata = build_metadata(
         model_config=gcfg.to_dict(),
         vocab_size=tokenizer.vocab_size,
@@ -324,10 +211,14 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         },
         params_dtype=cfg.precision.params_dtype,
     )
-    engine = Engine(
+    # Groups before ZeRO stage 3 partitions the parameters (the rule looks at their shapes).
+    groups = get_param_groups(model, cfg.optimizer.weight_decay)
+    engine = build_engine(
         model,
-        optimizer,
-        scheduler,
+        build_torch_optimizer(groups, cfg),
+        OptimizerSetup.from_config(cfg),
+        ps=ps,
+        scheduler=scheduler,
         loss_fn=lm_loss,
         micro_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.num_micro_batches,
@@ -335,11 +226,13 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         # Megatron's schedule counts samples, DeepSpeed's iterations
         lr_increment=1 if cfg.scheduler.lr_scheduler_type else t.global_batch_size,
         checkpoint_metadata=metadata,
-        vocab_keys=(*VOCAB_PADDED_KEYS, TIED_COPY),
-        orig_vocab_size=tokenizer.vocab_size,
+        state_fitter=VocabPadding(
+            keys=(*VOCAB_PADDED_KEYS, TIED_COPY),
+            vocab_size=tokenizer.vocab_size,
+            padded_size=padded,
+        ),
         compile=cfg.model.compile,
         timers=timers,
-        data_parallel=data_parallel,
         pipeline=pipeline,
     )
     return Run(cfg, tokenizer, model, engine, flops_params)

@@ -22,10 +22,10 @@ import torch
 from zerotron.checkpoint import tag_for_iteration
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_rank
+from zerotron.engine.timers import Timers
 from zerotron.training import log
 from zerotron.training.build import Run
 from zerotron.training.throughput import model_flops_per_token, tflops_per_second
-from zerotron.training.timers import Timers
 
 
 def print_rank_0(*args: Any) -> None:

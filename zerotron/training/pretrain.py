@@ -19,7 +19,7 @@ schedule with ``--num-layers-per-virtual-pipeline-stage``, GPipe with ``--pipeli
 gpipe``; each step runs the config's ``num_micro_batches`` (global batch / (micro batch × dp)).
 
 ZeRO (``--zero-stage N``, ``--use-distributed-optimizer``, or ``--deepspeed --deepspeed_config
-ds.json`` as in DeepSpeed's Megatron tutorial): :func:`~zerotron.training.build.wrap_optimizer`
+ds.json`` as in DeepSpeed's Megatron tutorial): :func:`~zerotron.engine.builder.wrap_optimizer`
 builds a :class:`~zerotron.zero.ZeroOptimizer` instead of DataParallel + MixedPrecisionOptimizer;
 the loop does not change.
 """
@@ -39,11 +39,11 @@ from zerotron.data.samplers import build_pretraining_data_loader
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_world_size, init_distributed
 from zerotron.distributed.state import ParallelState, initialize_model_parallel, state
+from zerotron.engine.timers import Timers
 from zerotron.errors import CheckpointError, ConfigError, DistributedError, UnsupportedError
 from zerotron.models.gpt import print_num_parameters
 from zerotron.training.build import Run, build_run
 from zerotron.training.loop import TrainState, TrainSummary, print_rank_0, train
-from zerotron.training.timers import Timers
 
 
 def main(argv: list[str]) -> int:

@@ -1,4 +1,9 @@
-"""Named wall-clock timers, as Megatron's: start/stop around phases, report per interval.
+"""Named wall-clock timers: start/stop around phases, read per interval.
+
+One implementation serves both users: Megatron's training-loop timers (``forward-backward``,
+``optimizer``, ``batch-generator``; :meth:`Timers.log_line` formats an interval's times) and
+DeepSpeed's ``wall_clock_breakdown`` (the Engine times ``forward``, ``backward``,
+``backward_allreduce`` and ``step``, :data:`WALL_CLOCK_TIMERS`).
 
 On CUDA a timer synchronizes the device before reading the clock, so asynchronous kernels are
 counted in the phase that launched them.
@@ -9,6 +14,9 @@ from __future__ import annotations
 import time
 
 import torch
+
+# DeepSpeed's wall_clock_breakdown timers, printed every steps_per_print steps
+WALL_CLOCK_TIMERS = ("forward", "backward", "backward_allreduce", "step")
 
 
 class Timer:
@@ -47,7 +55,7 @@ def _sync() -> None:
 
 
 class Timers:
-    """``timers("forward-backward").start()``; :meth:`log_line` formats the interval's times."""
+    """``timers("forward-backward").start()``: a timer created on first use."""
 
     def __init__(self) -> None:
         self._timers: dict[str, Timer] = {}
@@ -65,3 +73,29 @@ class Timers:
             if n in self._timers
         ]
         return " time (ms) | " + " | ".join(parts) if parts else ""
+
+
+def wall_clock_line(times_ms: dict[str, float], step: int) -> str:
+    """``[step 10] time (ms) | forward: 12.30 | backward: ...`` (wall_clock_breakdown)."""
+    parts = " | ".join(f"{name}: {ms:.2f}" for name, ms in times_ms.items())
+    return f"[step {step}] time (ms) | {parts}"
+
+
+class NullTimer:
+    """A timer that measures nothing (the Engine's default when nothing is timed)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def elapsed(self, reset: bool = True) -> float:
+        return 0.0
+
+
+class NullTimers:
+    """``timers(name)`` -> a :class:`NullTimer`."""
+
+    _timer = NullTimer()
+
+    def __call__(self, name: str) -> NullTimer:
+        return self._timer

@@ -2,10 +2,10 @@
 define them: a :class:`MonitorMaster` fans ``(name, value, step)`` events out to every enabled
 writer.
 
-Placement: DESIGN.md puts monitors under ``training/``, but DeepSpeed scripts get theirs from the
-config handed to ``zerotron.initialize``, and the :class:`~zerotron.engine.Engine` — which sits
-below ``training/`` — must write them at each optimizer step. So this module lives at the engine's
-level and imports nothing from zerotron but ``errors``.
+They live in ``engine/`` because the :class:`~zerotron.engine.Engine` writes them at each
+optimizer step, and DeepSpeed scripts get theirs from the config handed to ``initialize``; the
+module imports nothing from zerotron but ``errors``. :func:`training_events` is what the
+Engine writes at each step.
 
 What each writer does (only global rank 0 writes; other ranks build a disabled master):
 
@@ -28,6 +28,9 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
+from torch import Tensor
 
 from zerotron.errors import ConfigError
 
@@ -125,6 +128,24 @@ class WandbMonitor:
 
     def close(self) -> None:
         self.wandb.finish()
+
+
+def training_events(
+    losses: Sequence[Tensor], lr: float, loss_scale: float | None, step: int
+) -> list[Event]:
+    """DeepSpeed's per-step events, keyed by the samples seen after the step:
+    ``Train/Samples/train_loss`` (this rank's micro-batch ``losses`` as backward saw them,
+    averaged over the accumulation; none without losses), ``Train/Samples/lr`` (the first
+    group's, after the scheduler stepped) and, with fp16 loss scaling,
+    ``Train/Samples/loss_scale``."""
+    events: list[Event] = []
+    if losses:
+        mean = torch.stack(list(losses)).float().mean()
+        events.append(("Train/Samples/train_loss", mean.item(), step))
+    events.append(("Train/Samples/lr", lr, step))
+    if loss_scale is not None:
+        events.append(("Train/Samples/loss_scale", loss_scale, step))
+    return events
 
 
 class MonitorMaster:

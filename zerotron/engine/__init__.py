@@ -1,0 +1,16 @@
+"""The Engine and the one place it is assembled.
+
+- :mod:`~zerotron.engine.core`: :class:`Engine`, the object a training loop talks to;
+- :mod:`~zerotron.engine.protocols`: the parts it composes (optimizer, data parallel, pipeline,
+  checkpoint fitter), as the protocols it calls them by;
+- :mod:`~zerotron.engine.optimizers`: the optimizer parts (mixed precision, ZeRO 1-2, ZeRO 3);
+- :mod:`~zerotron.engine.builder`: :func:`build_engine`, called by ``zerotron pretrain``,
+  ``initialize()`` and ``pipeline_engine()``;
+- :mod:`~zerotron.engine.checkpoint_io`: what an Engine saves and loads;
+- :mod:`~zerotron.engine.timers` and :mod:`~zerotron.engine.monitors`.
+"""
+
+from zerotron.engine.builder import OptimizerSetup, build_engine, grad_norm_hooks
+from zerotron.engine.core import Engine
+
+__all__ = ["Engine", "OptimizerSetup", "build_engine", "grad_norm_hooks"]

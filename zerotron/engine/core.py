@@ -1,0 +1,500 @@
+"""The Engine: the one object a training loop talks to.
+
+It gives DeepSpeed's engine API — ``engine(batch)``, ``backward(loss)``, ``step()``,
+``train_batch()``, ``eval_batch()``, ``save_checkpoint()``, ``load_checkpoint()`` — to parts it
+calls through small protocols (:mod:`zerotron.engine.protocols`), never asking which kind it
+holds; the loop never touches loss scales, master weights or gradients:
+
+- the optimizer part (:mod:`zerotron.engine.optimizers`) over a MixedPrecisionOptimizer or a
+  ZeroOptimizer: one step / state interface; it answers who reduces gradients and how its
+  state is saved and loaded;
+- data parallelism (DataParallel, or the ZeroOptimizer itself): told which micro-batch ends an
+  accumulation (only that backward reduces), waited for before the optimizer step;
+- pipeline parallelism (a PipelineRuntime over this rank's chunks; ``model`` is the module
+  holding them, e.g. ``training.build.StageModel``): whole batches only, data-parallel
+  reduction held back until the schedule is done, then the tied weights' gradients summed over
+  their stages and the loss broadcast from the last stage;
+- checkpoint I/O (:mod:`~zerotron.engine.checkpoint_io`, loads fitted to the model by a
+  :class:`~zerotron.checkpoint.fit.StateFitter`), timers and monitors.
+
+Engines are assembled in one place, :mod:`zerotron.engine.builder`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zerotron.checkpoint.fit import StateFitter
+from zerotron.checkpoint.layout import GATHERED_16BIT_FILE
+from zerotron.distributed import comm
+from zerotron.distributed.init import get_world_size
+from zerotron.distributed.state import state
+from zerotron.engine import checkpoint_io
+from zerotron.engine.monitors import MonitorMaster, training_events
+from zerotron.engine.optimizers import optimizer_part
+from zerotron.engine.protocols import DataParallelPart, Fitter, PipelinePart
+from zerotron.engine.timers import WALL_CLOCK_TIMERS, NullTimer, NullTimers, Timers, wall_clock_line
+from zerotron.errors import UnsupportedError
+from zerotron.malloc import keep_freed_heap
+from zerotron.parallel.pipeline.gpt_stage import allreduce_embedding_grads
+from zerotron.precision.step import StepResult
+
+LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
+
+
+def _module_device(model: nn.Module) -> torch.device:
+    """Where the module computes: its first parameter's (or buffer's) device, else the CPU.
+
+    Under ZeRO stage 3 a parameter's ``data`` is an empty tensor at rest, still on that device.
+    """
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+class Engine:
+    """Trains ``model`` with ``optimizer`` (a
+    :class:`~zerotron.precision.mixed.MixedPrecisionOptimizer` or a
+    :class:`~zerotron.zero.ZeroOptimizer`, wrapped in its part by
+    :func:`~zerotron.engine.optimizers.optimizer_part`).
+
+    Args:
+        model: the module; its parameters already in the training dtype and on ``device``
+            (under ZeRO stage 3: already partitioned).
+        optimizer: master weights, loss scaling, clipping; a ZeroOptimizer also partitions them
+            (and gradients, parameters) over its data-parallel group and is then the
+            ``data_parallel`` part too (passed again or left None).
+        lr_scheduler: anything with ``step(increment)``, ``state_dict()``, ``load_state_dict()``.
+        loss_fn: ``loss_fn(module, batch) -> scalar loss``, used by :meth:`train_batch` and
+            :meth:`eval_batch`; :meth:`__call__` just calls the module.
+        micro_batch_size: samples per micro-batch on this rank.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        data_parallel_size: replicas; the global batch is micro × accumulation × this.
+        lr_increment: what one step advances the scheduler by (Megatron counts samples: the
+            global batch size); default 1.
+        checkpoint_metadata: written to every checkpoint's metadata.json (model config, vocab
+            sizes, tokenizer, layout), see ``checkpoint.build_metadata``.
+        state_fitter: fits loaded checkpoints to the model (default
+            :class:`~zerotron.checkpoint.fit.StateFitter`: exact shapes; a GPT's builder passes
+            ``VocabPadding`` so that checkpoints with another vocabulary padding load).
+        compile: run the module's forward through ``torch.compile``.
+        timers: optional ``timers(name).start()/stop()`` (:class:`~zerotron.engine.timers.Timers`).
+        data_parallel: averages gradients over the data-parallel group (built before the
+            optimizer, see :mod:`zerotron.parallel.data_parallel`); None for one replica.
+        pipeline: runs ``model``'s pipeline chunks (``pipeline.modules``, all of them
+            ``model``'s submodules) on the schedule; ``gradient_accumulation_steps`` must equal
+            its ``num_microbatches``. None without pipeline parallelism.
+        wall_clock_breakdown: time forward, backward (and its gradient reduction) and step as
+            DeepSpeed does (``engine.timers(name)``) and print them on rank 0 every
+            ``steps_per_print`` steps.
+        steps_per_print: see ``wall_clock_breakdown``; None never prints.
+        device: where batches go; default the module's first parameter's device.
+        monitor: writes DeepSpeed's training events at each optimizer step (see
+            :meth:`step`); None or a disabled one writes nothing. :meth:`destroy` closes it.
+        checkpoint_tag_validation: at :meth:`save_checkpoint` with several ranks, check that
+            they all save under the same tag (DeepSpeed's ``checkpoint.tag_validation``):
+            ``"Warn"`` warns naming the ranks that differ, ``"Fail"`` raises CheckpointError,
+            ``"Ignore"`` skips the check (and its all-gather).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any = None,
+        *,
+        loss_fn: LossFn | None = None,
+        micro_batch_size: int = 1,
+        gradient_accumulation_steps: int = 1,
+        data_parallel_size: int = 1,
+        lr_increment: int = 1,
+        checkpoint_metadata: Mapping[str, Any] | None = None,
+        state_fitter: Fitter | None = None,
+        compile: bool = False,
+        timers: Callable[[str], Any] | None = None,
+        data_parallel: DataParallelPart | None = None,
+        pipeline: PipelinePart | None = None,
+        wall_clock_breakdown: bool = False,
+        steps_per_print: int | None = None,
+        device: torch.device | str | None = None,
+        monitor: MonitorMaster | None = None,
+        checkpoint_tag_validation: str = "Warn",
+    ):
+        checkpoint_io.check_tag_validation(checkpoint_tag_validation)
+        if pipeline is not None and pipeline.num_microbatches != gradient_accumulation_steps:
+            raise UnsupportedError(
+                f"the pipeline runs {pipeline.num_microbatches} micro-batches a step, but "
+                f"gradient_accumulation_steps is {gradient_accumulation_steps}",
+                where="Engine",
+                fix="build PipelineRuntime with num_microbatches = gradient_accumulation_steps",
+            )
+        if pipeline is not None and compile:
+            raise UnsupportedError(
+                "torch.compile of pipeline stages", where="Engine", fix="drop --compile"
+            )
+        self.optimizer_part = optimizer_part(optimizer)
+        """The optimizer as the Engine calls it (:mod:`zerotron.engine.optimizers`)."""
+        data_parallel = self.optimizer_part.data_parallel(data_parallel)
+        self.optimizer_part.check_pipeline(pipeline)
+        self.module = model
+        self.pipeline = pipeline
+        self.data_parallel = data_parallel
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_fn = loss_fn
+        self._micro_batch_size = micro_batch_size
+        self._gas = gradient_accumulation_steps
+        if data_parallel is not None and data_parallel_size == 1:
+            data_parallel_size = data_parallel.group.size
+        self.data_parallel_size = data_parallel_size
+        self.lr_increment = lr_increment
+        self.checkpoint_metadata = dict(checkpoint_metadata or {})
+        self.state_fitter: Fitter = state_fitter if state_fitter is not None else StateFitter()
+        self._wall_clock_breakdown = wall_clock_breakdown
+        self.steps_per_print = steps_per_print
+        if timers is None:
+            timers = Timers() if wall_clock_breakdown else NullTimers()
+        self.timers = timers
+        self.device = torch.device(device) if device is not None else _module_device(model)
+        if self.device.type == "cpu" and get_world_size() == 1:
+            keep_freed_heap()  # no page faults for every step's activations (zerotron/malloc.py)
+        # Compile the call, not the module: state-dict keys and parameters stay the module's.
+        self._forward = torch.compile(model) if compile else model
+
+        self._sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+        self.repartition_zero_checkpoints = True
+        """Load a ZeRO checkpoint saved with another data-parallel size by re-partitioning its
+        masters and optimizer state (False: refuse, naming zero-to-fp32)."""
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.last_step: StepResult | None = None
+        self.monitor = monitor if monitor is not None else MonitorMaster()
+        self.checkpoint_tag_validation = checkpoint_tag_validation
+        self._monitor_losses: list[Tensor] = []  # this step's micro-batch losses, when monitored
+
+    # ---- sizes (DeepSpeed's names) --------------------------------------------------------
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._gas
+
+    def train_batch_size(self) -> int:
+        return self._micro_batch_size * self._gas * self.data_parallel_size
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage of the optimizer (0: none)."""
+        return self.optimizer_part.zero_stage
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._wall_clock_breakdown
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer_part.num_skipped_steps
+
+    @property
+    def cur_scale(self) -> float:
+        return self.optimizer_part.loss_scale
+
+    loss_scale = cur_scale
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer_part.param_groups]
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps % self._gas == 0
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    # ---- one micro-batch at a time (DeepSpeed's loop) ---------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_under_pipeline("engine(batch)")
+        with self._timed("forward", self._wall_clock_breakdown):
+            return self._forward(*args, **kwargs)
+
+    forward = __call__
+
+    @contextmanager
+    def _timed(self, name: str, on: bool = True) -> Iterator[None]:
+        """The block timed by ``self.timers(name)`` when ``on``."""
+        timer = self.timers(name) if on else NullTimer()
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.stop()
+
+    def _refuse_under_pipeline(self, what: str) -> None:
+        if self.pipeline is not None:
+            raise UnsupportedError(
+                f"{what} under pipeline parallelism: a stage sees no whole model",
+                where="Engine",
+                fix="use engine.train_batch(data_iter) / engine.eval_batch(data_iter)",
+            )
+
+    def backward(self, loss: Tensor) -> None:
+        """Backward of one micro-batch's loss: divided by the accumulation steps, then scaled.
+
+        Gradients are reduced over the data-parallel ranks as in DeepSpeed: plain data
+        parallelism and ZeRO stage 1 on the micro-batch that ends an accumulation only (its
+        buckets overlap with its backward); ZeRO stages 2/3 on every micro-batch, each bucket
+        reduce-scattered into the gradient partitions as soon as it is in. At the boundary this
+        call returns once everything is reduced.
+        """
+        self._refuse_under_pipeline("engine.backward(loss)")
+        with self._timed("backward", self._wall_clock_breakdown):
+            self._backward(loss)
+
+    def _backward(self, loss: Tensor) -> None:
+        if self.monitor.enabled:
+            self._monitor_losses.append(loss.detach())
+        if self._gas > 1:
+            loss = loss / self._gas
+        dp = self.data_parallel
+        boundary = (self.micro_steps + 1) % self._gas == 0
+        if dp is not None:
+            dp.sync = boundary
+        self.optimizer_part.scale_loss(loss).backward()
+        self.micro_steps += 1
+        if boundary:
+            with self._timed("backward_allreduce", self._wall_clock_breakdown):
+                if dp is not None:
+                    dp.finish_grad_sync()
+                self._allreduce_sequence_parallel_grads()
+
+    def _allreduce_sequence_parallel_grads(self) -> None:
+        """Sum over TP the gradients of replicated parameters that ran on sequence shards.
+
+        Once per step, after the data-parallel average (the two commute): LayerNorms, row-
+        parallel biases and position embeddings under ``--sequence-parallel`` (marked
+        ``sequence_parallel``). Their gradient lives in ``main_grad`` (data parallel, 16-bit
+        params) or ``.grad``; all of one dtype go in one flat all-reduce.
+        """
+        tp = state().tp
+        if tp.size == 1 or not self._sp_params:
+            return
+        self.optimizer_part.allreduce_grads(self._sp_params, tp)
+
+    def _dp_mean(self, loss: Tensor) -> Tensor:
+        """``loss`` averaged over the data-parallel ranks (the value every rank reports)."""
+        if self.data_parallel is None:
+            return loss
+        return comm.all_reduce(loss.clone(), self.data_parallel.group, op="avg")
+
+    def step(self) -> StepResult | None:
+        """At an accumulation boundary: optimizer step (skipped on overflow), then scheduler."""
+        if not self.is_gradient_accumulation_boundary():
+            return None
+        timing = self._wall_clock_breakdown
+        with self._timed("step", timing):
+            result = self.optimizer_part.step()
+            if result.update_successful and self.lr_scheduler is not None:
+                self.lr_scheduler.step(self.lr_increment)
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self.last_step = result
+            if self.monitor.enabled:
+                self._write_monitor_events()
+        if timing and self.steps_per_print and self.global_steps % self.steps_per_print == 0:
+            self._print_wall_clock()
+        return result
+
+    def _write_monitor_events(self) -> None:
+        scaled = getattr(self.optimizer, "loss_scaler", None) is not None  # fp16
+        events = training_events(
+            self._monitor_losses,
+            float(self.get_lr()[0]),
+            float(self.cur_scale) if scaled else None,
+            self.global_samples,
+        )
+        self._monitor_losses = []
+        self.monitor.write_events(events)
+
+    def destroy(self) -> None:
+        """Close the monitors (flushing their files); the engine can still train, unmonitored."""
+        self.monitor.close()
+
+    def wall_clock_summary(self, reset: bool = True) -> dict[str, float]:
+        """Milliseconds spent per DeepSpeed phase since the last reset (wall_clock_breakdown)."""
+        return {name: self.timers(name).elapsed(reset) * 1000.0 for name in WALL_CLOCK_TIMERS}
+
+    def _print_wall_clock(self) -> None:
+        line = wall_clock_line(self.wall_clock_summary(), self.global_steps)
+        if state().rank == 0:
+            print(line, flush=True)
+
+    # ---- whole batches (Megatron's loop, pipeline models) -----------------------------------
+
+    def _next_batch(self, data_iter: Iterator) -> Any:
+        with self._timed("batch-generator"):
+            return _to_device(next(data_iter), self.device)
+
+    def train_batch(self, data_iter: Iterator) -> Tensor:
+        """Forward and backward over one global batch's micro-batches, then step.
+
+        Returns the mean loss over the micro-batches and data-parallel ranks (a detached scalar,
+        the same on every rank).
+        """
+        if self.pipeline is not None:
+            return self._train_batch_pipeline(data_iter)
+        assert self.loss_fn is not None, "train_batch needs Engine(loss_fn=...)"
+        self.module.train()
+        losses = []
+        model = self if self._wall_clock_breakdown else self._forward  # times "forward"
+        for _ in range(self._gas):
+            batch = self._next_batch(data_iter)
+            with self._timed("forward-backward"):
+                loss = self.loss_fn(model, batch)
+                self.backward(loss)
+            losses.append(loss.detach())
+        with self._timed("optimizer"):
+            self.step()
+        return self._dp_mean(torch.stack(losses).float().mean())
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator) -> Tensor:
+        """Mean loss over one global batch's micro-batches (and data-parallel ranks), without
+        gradients or dropout."""
+        was_training = self.module.training
+        if self.pipeline is not None:
+            try:
+                loss = self.pipeline.eval_step(self._batches(data_iter))
+            finally:
+                self.module.train(was_training)
+            return self._dp_mean(self._from_last_stage(loss))
+        assert self.loss_fn is not None, "eval_batch needs Engine(loss_fn=...)"
+        self.module.eval()
+        try:
+            losses = [
+                self.loss_fn(self._forward, self._next_batch(data_iter)) for _ in range(self._gas)
+            ]
+        finally:
+            self.module.train(was_training)
+        return self._dp_mean(torch.stack(losses).float().mean())
+
+    # ---- pipeline parallelism -------------------------------------------------------------
+
+    def _batches(self, data_iter: Iterator) -> Iterator:
+        """``data_iter``'s micro-batches on this device, drawn one at a time by the runtime."""
+        while True:
+            try:
+                yield self._next_batch(data_iter)
+            except StopIteration:
+                return
+
+    def _train_batch_pipeline(self, data_iter: Iterator) -> Tensor:
+        """One step of the pipeline schedule over the global batch's micro-batches, then step.
+
+        The data-parallel buckets stay quiet through the schedule (they would otherwise reduce
+        on every micro-batch's backward) and are reduced once, after the last backward.
+        """
+        pipe, dp = self.pipeline, self.data_parallel
+        with self._timed("forward-backward"):
+            with dp.no_sync() if dp is not None else nullcontext():
+                loss = pipe.train_step(self._batches(data_iter), grad_scale=self.cur_scale)
+            # Where the data-parallel reduction leaves partitions (ZeRO), the tied weights' sum
+            # over their stages must come first; otherwise after it (the two sums commute).
+            tied_first = self.optimizer_part.grads_freed
+            if tied_first:
+                self._allreduce_tied_grads()
+            if dp is not None:
+                dp.finish_grad_sync()
+            if not tied_first:
+                self._allreduce_tied_grads()
+            self._allreduce_sequence_parallel_grads()
+        self.micro_steps += self._gas
+        loss = self._from_last_stage(loss)
+        if self.monitor.enabled:
+            self._monitor_losses = [loss.detach()]
+        with self._timed("optimizer"):
+            self.step()
+        return self._dp_mean(loss)
+
+    def _allreduce_tied_grads(self) -> None:
+        """Sum the tied weights' gradients over the pipeline stages that hold a copy."""
+        allreduce_embedding_grads(self.pipeline.modules)
+
+    def _from_last_stage(self, loss: Tensor | None) -> Tensor:
+        """The last pipeline stage's ``loss``, broadcast to every stage of the pipeline group."""
+        pp = state().pp
+        if pp.size == 1:
+            assert loss is not None
+            return loss
+        value = torch.zeros((), device=self.device) if loss is None else loss.float().clone()
+        return comm.broadcast(value, pp, pp.size - 1)
+
+    # ---- checkpoints (zerotron.engine.checkpoint_io) ---------------------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        *,
+        save_optimizer: bool = True,
+        save_rng: bool = True,
+    ) -> Path:
+        """Write ``<save_dir>/<tag>/`` (default tag ``global_step{N}``, DeepSpeed's), with
+        ``client_state`` beside the engine's own entries; every rank calls it (see
+        :func:`~zerotron.engine.checkpoint_io.save_engine_checkpoint`)."""
+        tag = tag or f"global_step{self.global_steps}"
+        return checkpoint_io.save_engine_checkpoint(
+            self, save_dir, tag, client_state, save_latest, save_optimizer, save_rng
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        *,
+        load_rng: bool = True,
+    ) -> tuple[str, dict[str, Any]]:
+        """Load a checkpoint (``tag`` None: the one ``latest`` names); returns ``(path,
+        client_state)`` as DeepSpeed does (see
+        :func:`~zerotron.engine.checkpoint_io.load_engine_checkpoint`)."""
+        return checkpoint_io.load_engine_checkpoint(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+            load_module_only, load_rng,
+        )  # fmt: skip
+
+    def module_state_dict(self, rank0_only: bool = False) -> dict[str, Any] | None:
+        """The module's full state dict; under ZeRO stage 3 gathered (a collective), kept on
+        data-parallel rank 0 only with ``rank0_only`` (others get None)."""
+        return self.optimizer_part.module_state_dict(self.module, rank0_only)
+
+    def save_16bit_model(
+        self, save_dir: str | Path, save_filename: str = GATHERED_16BIT_FILE
+    ) -> Path:
+        """DeepSpeed's API: the module's (gathered) state dict to ``save_dir/save_filename``."""
+        return checkpoint_io.save_16bit_model(self, save_dir, save_filename)
