@@ -18,8 +18,9 @@ Pipeline parallelism plugs in as a
 then the module holding them, e.g. ``training.build.StageModel``). Only whole batches make sense
 there (:meth:`Engine.train_batch`, :meth:`Engine.eval_batch`): the runtime runs the step's
 micro-batches on its schedule, with data-parallel reduction held back until all of them are done;
-then the tied embedding's gradients are summed over the first and last stages, the sequence-
-parallel ones over TP, and the optimizer steps. The loss, known on the last stage only, is
+then the tied weights' gradients (as the chunks declare them,
+:func:`~zerotron.parallel.declarations.allreduce_tied_grads`) are summed over their stages, the
+sequence-parallel ones over TP, and the optimizer steps. The loss, known on the last stage only, is
 broadcast over the pipeline group so every rank returns the same value.
 
 ZeRO plugs in as the optimizer: a :class:`~zerotron.zero.ZeroOptimizer` speaks both protocols
@@ -71,10 +72,11 @@ from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import ParallelState, state
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.fileio import atomic_open
-from zerotron.malloc import keep_freed_heap
+from zerotron.kernels import apply_process_settings
 from zerotron.monitor import MonitorMaster
 from zerotron.parallel.data_parallel import DataParallel
-from zerotron.parallel.pipeline import PipelineRuntime, allreduce_embedding_grads
+from zerotron.parallel.declarations import allreduce_tied_grads
+from zerotron.parallel.pipeline import PipelineRuntime
 from zerotron.precision.grads import IsCounted, ReduceFn, grad_of
 from zerotron.precision.mixed import LOW_PRECISION, MixedPrecisionOptimizer, StepResult
 
@@ -337,8 +339,7 @@ class Engine:
             timers = _WallClockTimers() if wall_clock_breakdown else (lambda name: _NullTimer())
         self.timers = timers
         self.device = torch.device(device) if device is not None else _module_device(model)
-        if self.device.type == "cpu" and get_world_size() == 1:
-            keep_freed_heap()  # no page faults for every step's activations (zerotron/malloc.py)
+        apply_process_settings(self.device, get_world_size())  # e.g. glibc's kept heap (CPU)
         # Compile the call, not the module: state-dict keys and parameters stay the module's.
         self._forward = torch.compile(model) if compile else model
 
@@ -619,14 +620,14 @@ class Engine:
         with dp.no_sync() if dp is not None else nullcontext():
             loss = pipe.train_step(self._batches(data_iter), grad_scale=self.optimizer.loss_scale)
         if self._zero_stage:
-            # ZeRO's reduction turns full gradients into partitions: the tied embedding's sum
-            # over the first and last stages must come first (the two sums commute).
-            allreduce_embedding_grads(pipe.modules)
+            # ZeRO's reduction turns full gradients into partitions: the tied weights' sum
+            # over their stages must come first (the two sums commute).
+            allreduce_tied_grads(pipe.modules)
             dp.finish_grad_sync()
         else:
             if dp is not None:
                 dp.finish_grad_sync()
-            allreduce_embedding_grads(pipe.modules)
+            allreduce_tied_grads(pipe.modules)
         self._allreduce_sequence_parallel_grads()
         fb.stop()
         self.micro_steps += self._gas

@@ -4,7 +4,7 @@ Shared by ``zerotron pretrain`` and the tests and benchmarks that want the same 
 
 Under pipeline parallelism every rank builds the full GPT from the same seed (so every layout
 starts from the one-process weights), cuts out its stage's chunks
-(:func:`~zerotron.parallel.pipeline.build_gpt_stages`), and gives the Engine a
+(:func:`~zerotron.models.gpt_stage.build_gpt_stages`), and gives the Engine a
 :class:`StageModel` (those chunks under the GPT's own parameter names: the optimizer,
 data-parallel buckets and checkpoints see one module) and a
 :class:`~zerotron.parallel.pipeline.PipelineRuntime` running them.
@@ -27,6 +27,7 @@ from zerotron.distributed.rng import model_parallel_seed
 from zerotron.distributed.state import ParallelState, state
 from zerotron.engine import Engine, grad_norm_hooks
 from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
+from zerotron.models.gpt_stage import TIED_COPY, GPTStage, build_gpt_stages
 from zerotron.optim import (
     OptimizerParamScheduler,
     build_ds_scheduler,
@@ -34,8 +35,7 @@ from zerotron.optim import (
     get_param_groups,
 )
 from zerotron.parallel.data_parallel import DataParallel
-from zerotron.parallel.pipeline import GPTStage, PipelineRuntime, build_gpt_stages
-from zerotron.parallel.pipeline.gpt_stage import TIED_COPY
+from zerotron.parallel.pipeline import PipelineRuntime
 from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

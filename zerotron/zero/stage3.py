@@ -18,8 +18,9 @@ partitioned parameter (``notes/zero_api.md``)::
 The life of a parameter in one training step (hooks on every submodule):
 
 1. before a module's forward, its *own* parameters (``recurse=False``) and those registered
-   with :func:`register_external_parameter` are gathered: one ``all_gather`` of rank-major rows
-   per fetch (all the module's parameters in one collective);
+   with :func:`register_external_parameter` (or declared by the module's
+   ``external_parameters()``, :mod:`zerotron.parallel.declarations`) are gathered: one
+   ``all_gather`` of rank-major rows per fetch (all the module's parameters in one collective);
 2. after its forward they are released (``p.data`` back to an empty tensor) and its outputs pass
    through a small autograd function whose backward gathers them again;
 3. each parameter is released once its gradient has been accumulated (a post-accumulate-grad
@@ -70,6 +71,7 @@ from torch import Tensor, nn
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group, Pending
 from zerotron.errors import ConfigError, DistributedError
+from zerotron.parallel.declarations import external_parameters
 from zerotron.zero.partition import BucketLayout, shard
 
 __all__ = [
@@ -346,15 +348,12 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
     module.__dict__.get("_zero_external_params", {}).pop(id(parameter), None)
 
 
-def _register_known_externals(root: nn.Module) -> None:
-    """zerotron's GPT reads two parameters outside their modules: register them."""
-    from zerotron.models.gpt import GPT, Embedding  # models sit below zero/
-
+def _register_declared_externals(root: nn.Module) -> None:
+    """Register the parameters each module declares it reads outside their owners
+    (``external_parameters()``, :mod:`zerotron.parallel.declarations`)."""
     for m in root.modules():
-        if isinstance(m, GPT):  # the tied output layer in GPT.forward / _parallel_output
-            register_external_parameter(m, m.embedding.word_embeddings.weight)
-        elif isinstance(m, Embedding):  # position_embeddings.weight[offset:offset + s]
-            register_external_parameter(m, m.position_embeddings.weight)
+        for p in external_parameters(m):
+            register_external_parameter(m, p)
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,7 +494,7 @@ class ParamCoordinator:
         self._bwd_task: int | None = None
         self._handles: list[Any] = []
         self._partition()
-        _register_known_externals(module)
+        _register_declared_externals(module)
         self._install_hooks()
 
     def __deepcopy__(self, memo: dict) -> ParamCoordinator:

@@ -9,16 +9,8 @@
 - :mod:`~zerotron.parallel.pipeline.partition`: which layers each (virtual) stage holds.
 - :mod:`~zerotron.parallel.pipeline.runtime`: :class:`PipelineRuntime`, which executes a
   stage's actions on the pipeline group (batched p2p, shape headers, freed sent outputs).
-- :mod:`~zerotron.parallel.pipeline.gpt_stage`: a GPT cut into stage chunks, and the tied
-  embedding's gradient all-reduce.
 """
 
-from zerotron.parallel.pipeline.gpt_stage import (
-    GPTStage,
-    allreduce_embedding_grads,
-    build_gpt_stages,
-    layer_boundaries,
-)
 from zerotron.parallel.pipeline.partition import (
     partition_balanced,
     partition_uniform,
@@ -71,7 +63,6 @@ __all__ = [
     "CommBatch",
     "Event",
     "Forward",
-    "GPTStage",
     "HEADER_BYTES",
     "P2POp",
     "PipelineRuntime",
@@ -84,9 +75,7 @@ __all__ = [
     "SendGrad",
     "Timeline",
     "activations_in_flight",
-    "allreduce_embedding_grads",
     "bubble",
-    "build_gpt_stages",
     "build_schedule",
     "comm_ops",
     "draw",
@@ -94,7 +83,6 @@ __all__ = [
     "gpipe",
     "idle_fraction",
     "interleaved_1f1b",
-    "layer_boundaries",
     "masked_mean_loss",
     "measure",
     "one_f_one_b",
