@@ -55,7 +55,7 @@ from zerotron.distributed import comm, ledger  # noqa: E402
 from zerotron.distributed.state import initialize_model_parallel  # noqa: E402
 from zerotron.distributed.topology import ProcessTopology  # noqa: E402
 from zerotron.models.gpt import GPT, GPTConfig  # noqa: E402
-from zerotron.parallel.pipeline.gpt_stage import build_gpt_stages  # noqa: E402
+from zerotron.models.gpt_stage import build_gpt_stages  # noqa: E402
 from zerotron.parallel.tensor.sequence_parallel import sequence_parallel_params  # noqa: E402
 from zerotron.pipeline import HEADER_BYTES, PipelineRuntime  # noqa: E402
 

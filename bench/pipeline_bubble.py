@@ -49,10 +49,8 @@ from tests.distributed.spawn import run_ranks  # noqa: E402
 from zerotron.distributed import comm  # noqa: E402
 from zerotron.distributed.state import initialize_model_parallel  # noqa: E402
 from zerotron.models.gpt import GPT, GPTConfig  # noqa: E402
-from zerotron.parallel.pipeline.gpt_stage import (  # noqa: E402
-    allreduce_embedding_grads,
-    build_gpt_stages,
-)
+from zerotron.models.gpt_stage import build_gpt_stages  # noqa: E402
+from zerotron.parallel.declarations import allreduce_tied_grads  # noqa: E402
 from zerotron.pipeline import (  # noqa: E402
     Backward,
     Forward,
@@ -170,7 +168,7 @@ def _rank(rank: int, pp: int, setup: Setup) -> dict:
             start = time.perf_counter()  # CLOCK_MONOTONIC: one clock for all local ranks
             runtime.train_step(iter(data))
             end = time.perf_counter()
-            allreduce_embedding_grads(stages)  # as in training; outside the timed step
+            allreduce_tied_grads(stages)  # as in training; outside the timed step
             if step >= setup.warmup:
                 out[kind].append(
                     {

@@ -69,9 +69,9 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from zerotron.checkpoint.hf import from_hf_state_dict  # noqa: E402
 from zerotron.engine import Engine  # noqa: E402
 from zerotron.fileio import atomic_write_text  # noqa: E402
+from zerotron.kernels.onednn import ONEDNN_AVAILABLE, onednn_mm_t  # noqa: E402
 from zerotron.models.gpt import GPT  # noqa: E402
 from zerotron.optim import build_optimizer, get_param_groups  # noqa: E402
-from zerotron.parallel.tensor.onednn import ONEDNN_AVAILABLE, onednn_mm_t  # noqa: E402
 from zerotron.precision import MixedPrecisionOptimizer  # noqa: E402
 from zerotron.training.build import lm_loss  # noqa: E402
 from zerotron.training.throughput import model_flops_per_token  # noqa: E402

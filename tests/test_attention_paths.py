@@ -1,6 +1,6 @@
 """The GPT's attention core is ``F.scaled_dot_product_attention`` with a causal mask, for every
 dtype, in training and generation, eager and under ``torch.compile`` (16 bits on CPU: its MATH
-kernel kept in 16 bits, zerotron/models/attention_cpu.py)."""
+kernel kept in 16 bits, zerotron/kernels/attention_cpu.py)."""
 
 import dataclasses
 

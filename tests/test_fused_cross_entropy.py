@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from zerotron.kernels import fused_cross_entropy as fce
+from zerotron.kernels import fused_linear_cross_entropy
+from zerotron.kernels.fused_cross_entropy import ChunkWorkspace, default_chunk_size
 from zerotron.models import GPT, GPTConfig
-from zerotron.parallel.tensor import fused_cross_entropy as fce
-from zerotron.parallel.tensor import fused_linear_cross_entropy
-from zerotron.parallel.tensor.fused_cross_entropy import ChunkWorkspace, default_chunk_size
 
 H, V, V_PAD = 24, 50, 64
 

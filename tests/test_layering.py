@@ -3,9 +3,13 @@
 Every module under ``zerotron/`` is parsed (no import, so no torch needed) and each import of a
 ``zerotron`` module is checked against the layer order of DESIGN.md, top to bottom::
 
-    cli > launcher > compat > tuning > training > inference > engine > zero > pipeline
-        > checkpoint > models > kernels > parallel > precision > optim > data > distributed
+    cli > launcher > compat > tuning > training > inference > engine > zero > checkpoint
+        > models > pipeline > parallel > kernels > precision > optim > data > distributed
         > config > errors/fileio
+
+(Two places differ from the first DESIGN.md: pipeline/ sits below checkpoint/ and models/, which
+use its stage partitioning while it knows no model; kernels/ sits below parallel/, whose TP=1
+linear layers take the oneDNN path and which kernels/ never imports.)
 
 An import may point to its own layer or any layer below it. Counted: top-level imports, lazy
 imports inside functions, ``TYPE_CHECKING`` imports (a type-only import still says what a module
@@ -41,11 +45,11 @@ LAYERS = (
     "inference",
     "engine",
     "zero",
-    "pipeline",
     "checkpoint",
     "models",
-    "kernels",
+    "pipeline",
     "parallel",
+    "kernels",
     "precision",
     "optim",
     "data",
@@ -64,22 +68,11 @@ PLACES = {
     **{name: "compat" for name in zerotron.COMPAT_MODULES},
     # Loose modules waiting for their move into the package of their layer:
     "api": "compat",  # DeepSpeed's initialize(): the coordinator moves it into compat/
-    "malloc": "kernels",  # the allocator setting belongs to kernels/ (kernels helper)
 }
 
-# Today's upward imports, (importer, imported module), each with the helper whose branch removes
-# it. The coordinator empties this list after merging; an entry that no longer occurs fails the
-# test, so the list cannot go stale.
-ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    # A type-only import of GPT; the kernels helper moves gpt_stage.py into models/.
-    ("zerotron.parallel.pipeline.gpt_stage", "zerotron.models.gpt"): "kernels helper",
-    # The GPT stage and checkpoint resharding both need the layer-range arithmetic of
-    # pipeline/partition.py, below pipeline/ (after the kernels helper's move this entry reads
-    # zerotron.models.gpt_stage). Coordinator's design decision: the partition arithmetic
-    # moves below models/ (DESIGN.md then says so), or its callers get the layer ranges passed in.
-    ("zerotron.parallel.pipeline.gpt_stage", "zerotron.pipeline.partition"): "coordinator",
-    ("zerotron.checkpoint.reshard", "zerotron.pipeline.partition"): "coordinator",
-}
+# Upward imports allowed, (importer, imported module) -> why: none. An entry that no longer
+# occurs fails the test, so the list cannot go stale.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 # Layers (and packages) that must not know the model: DESIGN.md, "Models declare, parallelism
 # obeys". compat.pipe is DeepSpeed's generic PipelineModule, which knows no GPT either.
@@ -96,18 +89,11 @@ MODEL_MODULES = ("zerotron.models", "zerotron.parallel.pipeline.gpt_stage")
 # Today's imports of a model from a model-agnostic module, each with who removes it (the
 # coordinator empties this list after merging; entries that no longer occur fail the test).
 ALLOWED_MODEL_IMPORTS: dict[tuple[str, str], str] = {
-    # ZeRO-3 registers GPT's external parameters itself instead of reading a declaration.
-    ("zerotron.zero.stage3.externals", "zerotron.models.gpt"): "zero helper",
-    # The Engine all-reduces the GPT's tied embedding gradient after each pipeline step.
-    ("zerotron.engine.core", "zerotron.parallel.pipeline.gpt_stage"): "kernels helper",
-    # PipeStage subclasses GPTStage for that all-reduce's sake (its docstring says why); it can
-    # stop once the Engine asks the pipeline chunks for their tied-gradient reduction.
-    ("zerotron.compat.pipe.stage", "zerotron.parallel.pipeline.gpt_stage"): (
-        "engine helper (Engine side), then pipeline helper drops the subclass"
-    ),
-    # Checkpoint save/load and HF conversion read GPT's config and padded-vocabulary keys.
-    ("zerotron.checkpoint.model", "zerotron.models.gpt"): "unassigned (coordinator)",
-    ("zerotron.checkpoint.hf", "zerotron.models.gpt"): "unassigned (coordinator)",
+    # A checkpoint *format* of the GPT family is model-specific by nature: the Megatron-layout
+    # GPT save/load (shapes, padded-vocabulary keys) and HF GPT-2 conversion read GPTConfig.
+    # The generic checkpoint machinery (layout, save_load, reshard, state, zero_*) does not.
+    ("zerotron.checkpoint.model", "zerotron.models.gpt"): "GPT's checkpoint format",
+    ("zerotron.checkpoint.hf", "zerotron.models.gpt"): "HF GPT-2 conversion",
 }
 
 # Loose modules at the top of zerotron/: the entry point, the CLI, and the two bottom modules.
@@ -115,7 +101,6 @@ LOOSE_MODULES = {"__init__", "__main__", "cli", "errors", "fileio"}
 # Loose today, each with who moves it into a package; the coordinator empties this after merging.
 LOOSE_FOR_NOW = {
     "api": "coordinator (into compat/, after merging the engine helper's branch)",
-    "malloc": "kernels helper (into kernels/)",
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 LOOP = textwrap.dedent(
     """
     import ctypes, resource
-    from zerotron.malloc import keep_freed_heap
+    from zerotron.kernels.malloc import keep_freed_heap
     applied = keep_freed_heap()
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
@@ -55,7 +55,7 @@ def test_freed_heap_is_kept_between_steps():
 ENGINE = textwrap.dedent(
     """
     import torch
-    from zerotron import malloc
+    from zerotron.kernels import malloc
     from zerotron.engine import Engine
     from zerotron.precision import MixedPrecisionOptimizer
     model = torch.nn.Linear(4, 4)

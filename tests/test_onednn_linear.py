@@ -1,4 +1,4 @@
-"""fp32 linear layers on oneDNN (zerotron.parallel.tensor.onednn): the same results as
+"""fp32 linear layers on oneDNN (zerotron.kernels.onednn): the same results as
 ``F.linear`` up to summation order, eager and under ``torch.compile`` without a graph break;
 other dtypes and autocast keep ``F.linear`` itself."""
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, onednn
-from zerotron.parallel.tensor.onednn import linear
+from zerotron.kernels import onednn
+from zerotron.kernels.onednn import linear
+from zerotron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
 def inputs(dtype=torch.float32, bias=True, seed=0):

@@ -3,8 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from zerotron.parallel.tensor import fused_linear_cross_entropy
-from zerotron.parallel.tensor.tied_grad import TiedGrad, embedding_lookup
+from zerotron.kernels import fused_linear_cross_entropy
+from zerotron.kernels.tied_grad import TiedGrad, embedding_lookup
 
 H, V, V_PAD = 16, 40, 48
 

@@ -19,13 +19,13 @@ from zerotron.distributed.comm import ledger
 from zerotron.distributed.state import initialize_model_parallel
 from zerotron.errors import ConfigError, DataError
 from zerotron.models.gpt import GPT, GPTConfig
-from zerotron.parallel.pipeline.gpt_stage import (
+from zerotron.models.gpt_stage import (
     TIED_COPY,
     WORD_EMBEDDING,
-    allreduce_embedding_grads,
     build_gpt_stages,
     layer_boundaries,
 )
+from zerotron.parallel.declarations import allreduce_tied_grads
 from zerotron.parallel.tensor import allreduce_sequence_parallel_grads
 from zerotron.pipeline import HEADER_BYTES, PipelineRuntime
 
@@ -116,7 +116,7 @@ def _pipeline_rank(rank, pp, kind, v, m, num_layers, steps, tp=1):
         with ledger.capture() as cap:
             loss = runtime.train_step(iter(microbatches(step, m)))
         with ledger.capture() as emb:
-            allreduce_embedding_grads(stages)
+            allreduce_tied_grads(stages)
         for stage in stages:
             allreduce_sequence_parallel_grads(stage)
         if step == 0:

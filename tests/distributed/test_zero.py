@@ -46,12 +46,9 @@ from zerotron.distributed.comm import Group
 from zerotron.distributed.state import destroy_model_parallel, initialize_model_parallel, state
 from zerotron.errors import UnsupportedError
 from zerotron.models import GPT, GPTConfig
+from zerotron.models.gpt_stage import TIED_COPY, build_gpt_stages
 from zerotron.parallel.data_parallel import DataParallel
-from zerotron.parallel.pipeline.gpt_stage import (
-    TIED_COPY,
-    allreduce_embedding_grads,
-    build_gpt_stages,
-)
+from zerotron.parallel.declarations import allreduce_tied_grads
 from zerotron.parallel.tensor.sequence_parallel import sequence_parallel_params
 from zerotron.pipeline.runtime import PipelineRuntime
 from zerotron.precision.loss_scaler import make_loss_scaler
@@ -704,7 +701,7 @@ def pipeline_stage1() -> dict:
             micro.append({"tokens": x, "labels": y})
         with opt.no_sync():
             loss = runtime.train_step(iter(micro))
-        allreduce_embedding_grads(stages)  # on the full gradients, before they are reduced
+        allreduce_tied_grads(stages)  # on the full gradients, before they are reduced
         opt.finish_grad_sync()
         norms.append(opt.step().grad_norm)
         if loss is not None:

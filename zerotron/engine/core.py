@@ -42,8 +42,8 @@ from zerotron.engine.optimizers import optimizer_part
 from zerotron.engine.protocols import DataParallelPart, Fitter, PipelinePart
 from zerotron.engine.timers import WALL_CLOCK_TIMERS, NullTimer, NullTimers, Timers, wall_clock_line
 from zerotron.errors import UnsupportedError
-from zerotron.malloc import keep_freed_heap
-from zerotron.parallel.pipeline.gpt_stage import allreduce_embedding_grads
+from zerotron.kernels import apply_process_settings
+from zerotron.parallel.declarations import allreduce_tied_grads
 from zerotron.precision.step import StepResult
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
@@ -172,8 +172,7 @@ class Engine:
             timers = Timers() if wall_clock_breakdown else NullTimers()
         self.timers = timers
         self.device = torch.device(device) if device is not None else _module_device(model)
-        if self.device.type == "cpu" and get_world_size() == 1:
-            keep_freed_heap()  # no page faults for every step's activations (zerotron/malloc.py)
+        apply_process_settings(self.device, get_world_size())  # e.g. glibc's kept heap (CPU)
         # Compile the call, not the module: state-dict keys and parameters stay the module's.
         self._forward = torch.compile(model) if compile else model
 
@@ -438,8 +437,9 @@ class Engine:
         return self._dp_mean(loss)
 
     def _allreduce_tied_grads(self) -> None:
-        """Sum the tied weights' gradients over the pipeline stages that hold a copy."""
-        allreduce_embedding_grads(self.pipeline.modules)
+        """Sum the tied weights' gradients over the pipeline stages that hold a copy (each stage
+        module declares its own, :mod:`zerotron.parallel.declarations`)."""
+        allreduce_tied_grads(self.pipeline.modules)
 
     def _from_last_stage(self, loss: Tensor | None) -> Tensor:
         """The last pipeline stage's ``loss``, broadcast to every stage of the pipeline group."""

@@ -24,7 +24,11 @@ head_dim]``, so a column split across tensor-parallel ranks hands each rank whol
 
 Vocabulary padding: the embedding has ``vocab_size`` rows, padded for efficient splitting; ids
 ``>= orig_vocab_size`` are never real tokens. Their logits are left out of the loss and returned as
-``-inf``, so neither training nor sampling ever sees them.
+``-inf``, so neither training nor sampling ever sees them (:mod:`~zerotron.models.lm_head`).
+
+Device-specific fast paths (16-bit CPU attention, the fused loss, the eager embedding lookup, the
+linear layers' oneDNN matmuls) are chosen by :func:`zerotron.kernels.kernel_policy` for the
+tensors' device; on CUDA the model is plain PyTorch.
 
 Tensors are batch-first: tokens ``[b, s]``, hidden states ``[b, s, h]``.
 
@@ -46,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -58,23 +61,17 @@ from zerotron.distributed.comm import Group
 from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import state
 from zerotron.errors import ConfigError, UnsupportedError
-from zerotron.models.attention_cpu import sdpa_math_16bit
+from zerotron.kernels import TiedGrad, embedding_lookup, kernel_policy, sdpa_math_16bit
+from zerotron.models.lm_head import LMHead
 from zerotron.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tensor_model_parallel_region,
-    fused_linear_cross_entropy,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
     init_method_normal,
     mark_sequence_parallel,
     scaled_init_method_normal,
     tp_group_attribute,
-    vocab_parallel_cross_entropy,
 )
-from zerotron.parallel.tensor.fused_cross_entropy import ChunkWorkspace
-from zerotron.parallel.tensor.tied_grad import TiedGrad, embedding_lookup
 
 # State-dict keys whose dim 0 is the padded vocabulary (re-padded when the padding changes).
 VOCAB_PADDED_KEYS = ("embedding.word_embeddings.weight",)
@@ -353,10 +350,12 @@ def _core_attention(q, k, v, attention_mask, is_causal, dropout_p):
     """``softmax(q k^T / sqrt(d) + mask) v`` by ``F.scaled_dot_product_attention``.
 
     SDPA picks its backend (flash on CPU; flash, memory-efficient or cuDNN on CUDA), except for
-    16-bit tensors on CPU without attention dropout, where SDPA's MATH kernel kept in 16 bits is
-    ~2x faster than flash (:mod:`~zerotron.models.attention_cpu`).
+    16-bit tensors without attention dropout where the kernel policy's ``attention_16bit`` holds
+    (the CPU): there SDPA's MATH kernel kept in 16 bits beats flash
+    (:mod:`~zerotron.kernels.attention_cpu`).
     """
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0:
+    low = q.dtype in (torch.bfloat16, torch.float16)
+    if low and dropout_p == 0 and kernel_policy(q.device).attention_16bit:
         return sdpa_math_16bit(q, k, v, attention_mask, is_causal)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, is_causal=is_causal
@@ -458,6 +457,10 @@ class Embedding(nn.Module):
             mark_sequence_parallel(self.position_embeddings.parameters())
         self.hidden_dropout = config.hidden_dropout
 
+    def external_parameters(self) -> list[nn.Parameter]:
+        """The forward slices the position table itself (:mod:`zerotron.parallel.declarations`)."""
+        return [self.position_embeddings.weight]
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -466,8 +469,10 @@ class Embedding(nn.Module):
         tied: TiedGrad | None = None,
     ) -> torch.Tensor:
         """``tied``: the fused loss's slot for the word embedding's gradient (TP=1; see
-        :mod:`~zerotron.parallel.tensor.tied_grad`)."""
-        x = _word_embedding(self.word_embeddings, tokens, tied)
+        :mod:`~zerotron.kernels.tied_grad`)."""
+        eager = kernel_policy(tokens.device).eager_embedding
+        lookup = _eager_word_embedding if eager else _word_embedding
+        x = lookup(self.word_embeddings, tokens, tied)
         s = x.shape[1]  # this rank's sequence shard under SP
         if self.sequence_parallel:
             first = self.tp_group.rank * s
@@ -484,24 +489,26 @@ class Embedding(nn.Module):
         return x
 
 
-@torch.compiler.disable
 def _word_embedding(
     embedding: VocabParallelEmbedding, tokens: torch.Tensor, tied: TiedGrad | None = None
 ) -> torch.Tensor:
-    """The word-embedding lookup, eager even inside ``torch.compile`` (a graph break before it).
-
-    Compiled, its backward (the tied ``[vocab, h]`` weight's gradient) becomes inductor's
-    decomposition: zero a ``[vocab, h]`` fp32 buffer, scatter-add the 2048 rows, cast it to the
-    parameters' dtype; ~215 ms per step on one core of bench/README.md's CPU (GPT-2 vocabulary,
-    bf16), against ~20 ms for eager's ``embedding_dense_backward``.
+    """The word-embedding lookup.
 
     ``tied`` (TP=1, with the fused loss on the same weight): the lookup's rows are added into
-    the loss's gradient in place (:mod:`~zerotron.parallel.tensor.tied_grad`), with no
-    ``[vocab, h]`` tensor of their own.
+    the loss's gradient in place (:mod:`~zerotron.kernels.tied_grad`), with no ``[vocab, h]``
+    tensor of their own.
     """
     if tied is not None and embedding.tp_group.size == 1:
         return embedding_lookup(tokens, embedding.weight, tied)
     return embedding(tokens)
+
+
+# The lookup eager even inside ``torch.compile`` (a graph break before it), where the kernel
+# policy's ``eager_embedding`` holds (the CPU): compiled, its backward (the tied ``[vocab, h]``
+# weight's gradient) becomes inductor's decomposition (zero a ``[vocab, h]`` fp32 buffer,
+# scatter-add the rows, cast), many times slower there than eager's ``embedding_dense_backward``
+# (bench/README.md).
+_eager_word_embedding = torch.compiler.disable(_word_embedding)
 
 
 def _checkpoint_with_tracker(fn, *args, use_reentrant: bool = False):
@@ -550,7 +557,17 @@ class GPT(nn.Module):
         )
         if self.sequence_parallel:
             mark_sequence_parallel(self.final_layernorm.parameters())
-        self._loss_workspace = ChunkWorkspace()  # the fused loss's chunk buffers (CPU)
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.orig_vocab_size,
+            self.tp_group,
+            vocab_start_index=self.embedding.word_embeddings.vocab_start_index,
+            sequence_parallel=self.sequence_parallel,
+        )
+
+    def external_parameters(self) -> list[nn.Parameter]:
+        """The tied output layer reads the word embedding (see zerotron.parallel.declarations)."""
+        return [self.embedding.word_embeddings.weight]
 
     def forward(
         self,
@@ -568,9 +585,25 @@ class GPT(nn.Module):
         masking is then the caller's job); without it attention is causal. With ``kv_cache`` the
         tokens continue the cached positions (keys = cached + s) and the cache is advanced.
         """
-        cfg = self.config
-        b, s = tokens.shape
         offset = kv_cache.length if kv_cache is not None else 0
+        self._check_input(tokens, position_ids, offset)
+        attention_mask, is_causal = _attention_mask(attention_mask, offset, tokens)
+        training = torch.is_grad_enabled() and kv_cache is None
+        # The fused loss and the lookup may share the tied weight's gradient (kernels.tied_grad).
+        tied = self.lm_head.tied_slot(labels, tokens.device) if training else None
+
+        x = self.embedding(tokens, position_ids, offset, tied)
+        x = self._run_layers(x, attention_mask, is_causal, kv_cache, training)
+        x = self.final_layernorm(x)
+        if kv_cache is not None:
+            kv_cache.length += tokens.shape[1]
+        return self.lm_head(x, self.embedding.word_embeddings.weight, labels, tied)
+
+    def _check_input(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None, offset: int
+    ) -> None:
+        cfg = self.config
+        s = tokens.shape[1]
         if position_ids is None and offset + s > cfg.max_position_embeddings:
             raise ConfigError(
                 f"{offset + s} positions exceed max_position_embeddings="
@@ -586,72 +619,6 @@ class GPT(nn.Module):
                 fix="use a sequence length divisible by the tensor-parallel size, or build the "
                 "model without sequence_parallel (e.g. for generation)",
             )
-        is_causal = attention_mask is None
-        if is_causal and offset > 0:
-            is_causal = False
-            if s > 1:  # new queries see all cached keys and, causally, each other
-                keys = torch.arange(offset + s, device=tokens.device)
-                queries = torch.arange(offset, offset + s, device=tokens.device)
-                attention_mask = keys[None, :] <= queries[:, None]
-
-        training_pass = torch.is_grad_enabled() and kv_cache is None
-        # With labels at TP=1 the fused loss gives the tied weight a dense gradient: the lookup
-        # adds its rows into that one.
-        fused_loss = labels is not None and self.tp_group.size == 1
-        tied = TiedGrad() if fused_loss and training_pass else None
-        x = self.embedding(tokens, position_ids, offset, tied)
-        x = self._run_layers(x, attention_mask, is_causal, kv_cache, training_pass)
-        x = self.final_layernorm(x)
-        if kv_cache is not None:
-            kv_cache.length += s
-
-        if self.tp_group.size > 1:
-            return self._parallel_output(x, labels)
-        if labels is not None:
-            return self._output_loss(x, labels, tied)
-        # Tied output layer over the real vocabulary only: padded ids never get probability.
-        weight = self.embedding.word_embeddings.weight
-        if cfg.orig_vocab_size < cfg.vocab_size:
-            weight = weight[: cfg.orig_vocab_size]
-        logits = F.linear(x, weight)
-        if cfg.orig_vocab_size < cfg.vocab_size:
-            logits = F.pad(logits, (0, cfg.vocab_size - cfg.orig_vocab_size), value=-math.inf)
-        return logits
-
-    def _output_loss(
-        self, x: torch.Tensor, labels: torch.Tensor, tied: TiedGrad | None = None
-    ) -> torch.Tensor:
-        """Per-token loss ``[b, s]`` of the tied output layer over the real vocabulary (TP=1).
-
-        The output layer and the loss fused in token chunks
-        (:func:`~zerotron.parallel.tensor.fused_linear_cross_entropy`): no ``[b, s, vocab]``
-        logits, no fp32 copy of them, the gradients computed while each chunk is in cache, and
-        the tied weight's gradient produced at its padded shape.
-        """
-        weight = self.embedding.word_embeddings.weight
-        return _fused_output_loss(
-            x, weight, labels, self.config.orig_vocab_size, self._loss_workspace, tied
-        )
-
-    def _parallel_output(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        """The tied output layer on this rank's vocabulary rows, then the loss or all logits.
-
-        Padded ids (``>= orig_vocab_size``, on the last rank(s)) get ``-inf`` logits: no
-        probability in the loss or in sampling, and zero gradient.
-        """
-        g = self.tp_group
-        if self.sequence_parallel:  # [b, s/tp, h] -> [b, s, h]; backward reduce-scatters
-            x = gather_from_sequence_parallel_region(x, g)
-        else:  # backward sums the ranks' partial input gradients
-            x = copy_to_tensor_model_parallel_region(x, g)
-        emb = self.embedding.word_embeddings
-        logits = F.linear(x, emb.weight)  # [b, s, vocab_size / tp]
-        real = self.config.orig_vocab_size - emb.vocab_start_index  # real ids in this shard
-        if real < logits.shape[-1]:
-            logits[..., max(real, 0) :] = -math.inf
-        if labels is not None:
-            return vocab_parallel_cross_entropy(logits, labels, g)
-        return gather_from_tensor_model_parallel_region(logits, g)
 
     def _run_layers(self, x, attention_mask, is_causal, kv_cache, training_pass: bool):
         """The transformer layers, with full recompute per ``recompute_method`` when training.
@@ -690,15 +657,21 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters() if id(p) not in skip)
 
 
-@torch.compiler.disable
-def _fused_output_loss(x, weight, labels, vocab_size, workspace, tied=None) -> torch.Tensor:
-    """The fused loss, eager even inside ``torch.compile`` (the compiled graph stops before it).
-
-    Measured on a 2-core CPU (bench/README.md), this beats letting inductor compile the plain
-    ``F.cross_entropy`` over full logits (fp32 ~4%, bf16 ~2% per step): the chunk loop would
-    only be unrolled into the graph, and inductor's fresh [tokens, vocab] buffers page-fault.
-    """
-    return fused_linear_cross_entropy(x, weight, labels, vocab_size, workspace=workspace, tied=tied)
+def _attention_mask(
+    attention_mask: torch.Tensor | None, offset: int, tokens: torch.Tensor
+) -> tuple[torch.Tensor | None, bool]:
+    """``(mask, is_causal)`` for SDPA: causal without a mask; after ``offset`` cached positions
+    the new queries see every cached key and, causally, each other."""
+    if attention_mask is not None:
+        return attention_mask, False
+    s = tokens.shape[1]
+    if offset == 0:
+        return None, True
+    if s == 1:  # one new query sees every key
+        return None, False
+    keys = torch.arange(offset + s, device=tokens.device)
+    queries = torch.arange(offset, offset + s, device=tokens.device)
+    return keys[None, :] <= queries[:, None], False
 
 
 def print_num_parameters(model: GPT, rank: int = 0) -> int:

@@ -17,7 +17,7 @@ Chunk protocol: a chunk is called as ``chunk(hidden, batch)`` with ``hidden`` th
 activation (None on virtual stage 0) and ``batch`` this stage's copy of the micro-batch (a
 mapping); it returns the activation to send on, or, on the last virtual stage, what
 ``loss_fn(output, batch) -> scalar`` turns into the loss
-(:class:`~zerotron.parallel.pipeline.gpt_stage.GPTStage` is such a chunk).
+(:class:`~zerotron.models.gpt_stage.GPTStage` is such a chunk).
 
 Data: every stage reads the step's ``num_microbatches`` micro-batches from its own
 ``data_iterator`` at the start of the step (token ids and masks: small). The first stage uses
@@ -42,7 +42,7 @@ transformer layer's residual add); outputs that are views or leaves are never fr
 Results: :meth:`PipelineRuntime.train_step` returns the mean loss over the micro-batches on the
 last pipeline stage and None elsewhere (no extra communication; broadcast it over the pipeline
 group if every rank must log it). Gradients accumulate into ``.grad``: zero them before the
-step; after it, call :func:`~zerotron.parallel.pipeline.gpt_stage.allreduce_embedding_grads`
+step; after it, call :func:`~zerotron.parallel.declarations.allreduce_tied_grads`
 (tied embedding), reduce over data parallel, then step the optimizer.
 """
 
@@ -116,7 +116,7 @@ class PipelineRuntime:
                 f"{self.num_chunks} model chunks on this rank, but the parallel state has "
                 f"virtual pipeline size {vpp}",
                 where="PipelineRuntime",
-                fix="build one chunk per virtual stage (build_gpt_stages(..., virtual_stages))",
+                fix="build one stage module per virtual stage (e.g. build_gpt_stages(..., virtual_stages))",
             )
         self.kind = schedule_kind
         self.num_stages = st.pp_size

@@ -7,7 +7,7 @@ metadata and vocabulary padding); the Engine itself is assembled by
 
 Under pipeline parallelism every rank builds the full GPT from the same seed (so every layout
 starts from the one-process weights), cuts out its stage's chunks
-(:func:`~zerotron.parallel.pipeline.gpt_stage.build_gpt_stages`), and gives the Engine a
+(:func:`~zerotron.models.gpt_stage.build_gpt_stages`), and gives the Engine a
 :class:`StageModel` (those chunks under the GPT's own parameter names: the optimizer,
 data-parallel buckets and checkpoints see one module) and a
 :class:`~zerotron.pipeline.PipelineRuntime` running them.
@@ -39,8 +39,8 @@ from zerotron.engine.builder import (
     default_device,
 )
 from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
+from zerotron.models.gpt_stage import TIED_COPY, GPTStage, build_gpt_stages
 from zerotron.optim import get_param_groups
-from zerotron.parallel.pipeline.gpt_stage import TIED_COPY, GPTStage, build_gpt_stages
 from zerotron.pipeline import PipelineRuntime
 
 

@@ -1,6 +1,6 @@
 """A :class:`~zerotron.pipe.module.PipelineModule` on zerotron's pipeline runtime.
 
-:class:`PipelineModuleRuntime` is a :class:`~zerotron.parallel.pipeline.PipelineRuntime` whose
+:class:`PipelineModuleRuntime` is a :class:`~zerotron.pipeline.PipelineRuntime` whose
 one model chunk is :class:`PipeStage`, an adapter from DeepSpeed's data format to the runtime's
 chunk protocol (``chunk(hidden, batch)``, see :mod:`zerotron.pipeline.runtime`):
 
@@ -15,23 +15,17 @@ chunk protocol (``chunk(hidden, batch)``, see :mod:`zerotron.pipeline.runtime`):
 Activations between stages are single tensors (the runtime sends one tensor per micro-batch
 and boundary, with a shape header); a stage returning a tuple is an error that says so.
 
-After the schedule's backwards, :meth:`PipelineModuleRuntime.train_step` sums the tied layers'
-gradients over the stages sharing them
-(:meth:`~zerotron.pipe.module.PipelineModule.allreduce_tied_weight_gradients`); with data
-parallelism that happens before the Engine's data-parallel average, which commutes with it.
-
-Why :class:`PipeStage` subclasses :class:`~zerotron.parallel.pipeline.GPTStage`: the Engine
-calls :func:`~zerotron.parallel.pipeline.allreduce_embedding_grads` on the runtime's chunks
-after every pipeline step, and that function wants, on the first and last stage, one GPT stage
-holding the word embedding. A PipelineModule has no GPT embedding (its tied layers are reduced
-above), so the adapter presents an empty tensor as that "embedding": the call all-reduces zero
-bytes. Once the Engine asks the module for its own tied-gradient reduction
-(``allreduce_tied_weight_gradients``, DeepSpeed's hook), the subclassing can go.
+Tied layers (``TiedLayerSpec``): :meth:`PipeStage.tied_weights` declares their weights with
+the group of the stages sharing each (:mod:`zerotron.parallel.declarations`), and the Engine
+sums their gradients over it after the schedule's backwards
+(:func:`~zerotron.parallel.declarations.allreduce_tied_grads`, as for any model's chunks), the
+reduction :meth:`~zerotron.pipe.module.PipelineModule.allreduce_tied_weight_gradients` makes.
+With data parallelism it comes where the Engine puts it for every pipeline: before ZeRO's
+reduce-scatter, after the plain data-parallel average (the two sums commute).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,24 +33,29 @@ from torch import nn
 
 from zerotron.compat.pipe.module import PipelineModule
 from zerotron.errors import ConfigError, DataError
-from zerotron.parallel.pipeline.gpt_stage import GPTStage
+from zerotron.parallel.declarations import TiedWeight
 from zerotron.pipeline import PipelineRuntime
 
 
-class PipeStage(GPTStage):
+class PipeStage(nn.Module):
     """The runtime's chunk for a :class:`PipelineModule` (see the module docstring)."""
 
     def __init__(self, module: PipelineModule):
-        nn.Module.__init__(self)  # not a GPT stage: none of GPTStage's state applies
+        super().__init__()
         self.module = module
         self.pre_process = module.is_first_stage()
         self.post_process = module.is_last_stage()
         self.layer_range = range(module.parts[module.stage_id], module.parts[module.stage_id + 1])
-        self._no_embedding = torch.zeros(0)
 
-    def word_embeddings_weight(self) -> torch.Tensor:
-        """An empty tensor: a PipelineModule's tied weights are reduced by the module itself."""
-        return self._no_embedding.to(_device(self.module))
+    def tied_weights(self) -> list[TiedWeight]:
+        """This stage's tied-layer weights, each with the group of the stages sharing it (keys
+        in sorted order, the same on every stage)."""
+        m = self.module
+        return [
+            TiedWeight(weight, group)
+            for key, group in m.tied_comms.items()
+            for weight in m._tied_weights(key)
+        ]
 
     def forward(self, hidden: torch.Tensor | None, batch: Any) -> Any:
         if self.pre_process:
@@ -100,13 +99,6 @@ class PipelineModuleRuntime(PipelineRuntime):
         self.pipe_module = module
         self.chunk = PipeStage(module)  # (self.stage is the runtime's stage index)
         super().__init__([self.chunk], schedule_kind, num_microbatches, loss_fn=self.chunk.loss)
-
-    def train_step(
-        self, data_iterator: Iterator[Any] | None, grad_scale: float = 1.0
-    ) -> torch.Tensor | None:
-        loss = super().train_step(data_iterator, grad_scale)
-        self.pipe_module.allreduce_tied_weight_gradients()
-        return loss
 
 
 def _inputs(batch: Any) -> Any:
@@ -155,9 +147,3 @@ def _sendable(out: torch.Tensor) -> torch.Tensor:
         if isinstance(saved, torch.Tensor) and saved.untyped_storage().data_ptr() == ptr:
             return out.view_as(out)
     return out
-
-
-def _device(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")

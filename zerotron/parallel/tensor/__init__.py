@@ -5,15 +5,12 @@
 - :mod:`~zerotron.parallel.tensor.layers`: :class:`ColumnParallelLinear`,
   :class:`RowParallelLinear`, :class:`VocabParallelEmbedding`.
 - :mod:`~zerotron.parallel.tensor.cross_entropy`: :func:`vocab_parallel_cross_entropy`.
-- :mod:`~zerotron.parallel.tensor.onednn`: fp32 CPU matmuls of the linear layers and the fused
-  loss on oneDNN (about 2x MKL's fp32 GEMM on AMD CPUs).
 - :mod:`~zerotron.parallel.tensor.sequence_parallel`:
   :func:`allreduce_sequence_parallel_grads` (LayerNorm-like parameters under
   ``--sequence-parallel``).
 """
 
 from zerotron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from zerotron.parallel.tensor.fused_cross_entropy import fused_linear_cross_entropy
 from zerotron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -46,7 +43,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
     "copy_to_tensor_model_parallel_region",
-    "fused_linear_cross_entropy",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "init_method_normal",

@@ -26,7 +26,7 @@ gradient clipping can find the split ones.
 The TP group is ``zerotron.distributed.state().tp`` unless ``tp_group`` is given; ``tp_size`` /
 ``tp_rank``, if given, must agree with it. At TP=1 the layers are plain ``F.linear`` /
 ``F.embedding`` (no communication, no extra autograd nodes); fp32 matmuls on CPU go to oneDNN
-(:func:`~zerotron.parallel.tensor.onednn.linear`: ~2x MKL's fp32 GEMM on AMD CPUs).
+(:func:`~zerotron.kernels.onednn.linear`, as the kernel policy says).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from torch import nn
 from zerotron.distributed.comm import Group
 from zerotron.distributed.state import state
 from zerotron.errors import UnsupportedError
+from zerotron.kernels.onednn import linear
 from zerotron.parallel.tensor.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -48,7 +49,6 @@ from zerotron.parallel.tensor.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from zerotron.parallel.tensor.onednn import linear
 
 InitMethod = Callable[[torch.Tensor], object]
 

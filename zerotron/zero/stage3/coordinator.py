@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from zerotron.distributed.comm import Group
 from zerotron.errors import ConfigError, DistributedError
-from zerotron.zero.stage3.externals import _register_known_externals
+from zerotron.zero.stage3.externals import register_declared_externals
 from zerotron.zero.stage3.gather import (
     drop_ref,
     free,
@@ -174,7 +174,7 @@ class ParamCoordinator:
         self._bwd_task: int | None = None
         self._handles: list[Any] = []
         self._partition()
-        _register_known_externals(module)
+        register_declared_externals(module)
         self._install_hooks()
 
     def __deepcopy__(self, memo: dict) -> ParamCoordinator:

@@ -2,12 +2,15 @@
 
 Stage 3 gathers a module's own parameters around its forward and backward; a parameter read
 elsewhere (a tied output layer, ``child.weight`` used directly) must be registered with the
-module that reads it, or that module would find it empty. DeepSpeed's API of the same names.
+module that reads it, or that module would find it empty. DeepSpeed's API of the same names;
+models declare theirs (:mod:`zerotron.parallel.declarations`), so ZeRO never imports a model.
 """
 
 from __future__ import annotations
 
 from torch import nn
+
+from zerotron.parallel.declarations import external_parameters
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -25,12 +28,9 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
     module.__dict__.get("_zero_external_params", {}).pop(id(parameter), None)
 
 
-def _register_known_externals(root: nn.Module) -> None:
-    """zerotron's GPT reads two parameters outside their modules: register them."""
-    from zerotron.models.gpt import GPT, Embedding  # models sit below zero/
-
+def register_declared_externals(root: nn.Module) -> None:
+    """Register the parameters each module under ``root`` declares it reads outside their owners
+    (``external_parameters()``, :mod:`zerotron.parallel.declarations`)."""
     for m in root.modules():
-        if isinstance(m, GPT):  # the tied output layer in GPT.forward / _parallel_output
-            register_external_parameter(m, m.embedding.word_embeddings.weight)
-        elif isinstance(m, Embedding):  # position_embeddings.weight[offset:offset + s]
-            register_external_parameter(m, m.position_embeddings.weight)
+        for p in external_parameters(m):
+            register_external_parameter(m, p)

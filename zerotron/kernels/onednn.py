@@ -1,11 +1,11 @@
 """fp32 matmuls on CPU by oneDNN rather than torch.mm (MKL), where oneDNN is there.
 
 torch.mm's fp32 GEMM on CPU is MKL, which on AMD CPUs runs its AVX2 code; oneDNN's runs
-AVX-512 there. On one core of bench/README.md's AVX-512 AMD EPYC, GPT-2 small's shapes: oneDNN
-~150-210 GFLOP/s against torch.mm's ~90 (16-bit torch.mm already is oneDNN, so only fp32 is
-routed here). Results equal torch.mm's up to summation order.
+AVX-512 there (the rates are in bench/README.md; 16-bit torch.mm already is oneDNN, so only fp32
+is routed here). Results equal torch.mm's up to summation order.
 
-- :func:`use_onednn`: whether a tensor's matmuls go here (fp32, CPU, oneDNN built in).
+- :func:`use_onednn`: whether a tensor's matmuls go here (fp32, CPU, oneDNN built in, and the
+  kernel policy's ``onednn_linear``: ``ZEROTRON_ONEDNN=0`` turns it off).
 - :func:`onednn_mm_t`: ``a @ b^T`` for 2-D tensors of any strides, eager (the fused loss).
 - :func:`onednn_mm_t_into`: ``out = a @ b^T`` (or ``out += a @ b^T``) in slices of ``b``'s rows,
   for products too large to come out of oneDNN fresh (see its docstring).
@@ -21,14 +21,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zerotron.kernels.policy import kernel_policy
+
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
 )
 
 
 def use_onednn(t: torch.Tensor) -> bool:
-    """Whether ``t``'s matmuls go to oneDNN: fp32 on CPU with oneDNN built in."""
-    return ONEDNN_AVAILABLE and t.dtype == torch.float32 and t.device.type == "cpu"
+    """Whether ``t``'s matmuls go to oneDNN: fp32, oneDNN built in, and the device's kernel
+    policy says so (the CPU, unless ``ZEROTRON_ONEDNN=0``)."""
+    return ONEDNN_AVAILABLE and t.dtype == torch.float32 and kernel_policy(t.device).onednn_linear
 
 
 def onednn_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -44,8 +47,8 @@ def onednn_mm_t_into(
 
     oneDNN has no ``out=``: a large product comes out in fresh memory, and on CPU an allocation
     above glibc's mmap threshold (32 MB at most) is a fresh mapping whose every page faults on
-    first touch (~0.4 ms per MB on bench/README.md's CPU, a third of the GEMM's own time for the
-    fused loss's ``[512, 50257]`` fp32 logits). Results of a few MB are served from the heap,
+    first touch (for the fused loss's ``[512, 50257]`` fp32 logits, a third of the GEMM's own
+    time on bench/README.md's CPU). Results of a few MB are served from the heap,
     reused from one call to the next; the copy into ``out`` costs far less than the faults. Each
     element is the same dot product as in one call (the slices split ``out``'s columns, not the
     sum).

@@ -1,13 +1,12 @@
 """16-bit causal attention on CPU: SDPA's MATH backend kept in 16 bits, as one custom op.
 
 On CPU ``F.scaled_dot_product_attention`` runs its flash kernel, which is slow in 16 bits, its
-backward above all. Per GPT layer of bench/train_step.py (bf16 ``[8, 6, 256, 64]``, causal, one
-core of bench/README.md's CPU): flash 10.9 ms forward + 26.5 ms backward; the MATH backend
-(two matmuls and a softmax) 17.2 + 26.0 as SDPA runs it, upcast to fp32, and 9.7 + 8.6 kept in
-bf16. SDPA keeps MATH in 16 bits only under
+backward above all; the MATH backend (two matmuls and a softmax) is slower still as SDPA runs it,
+upcast to fp32, and about twice as fast as flash kept in 16 bits (per-layer timings in
+bench/README.md). SDPA keeps MATH in 16 bits only under
 ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``, a process-wide flag (it governs the
 CPU too) that dynamo cannot trace: toggled around a call inside a compiled model, it breaks the
-graph at every layer (~10 ms each on that CPU).
+graph at every layer.
 
 So :func:`sdpa_math_16bit` is a ``torch.library`` custom op: its forward runs SDPA's own MATH
 kernel (``aten::_scaled_dot_product_attention_math``) with the flag set for that call only and
@@ -18,7 +17,8 @@ the op is opaque (no graph break) and its backward's matmuls are traced into the
 Numerics are Megatron-LM's unfused attention in 16 bits: ``q`` and ``k`` scaled by
 ``d^-1/4`` each, scores and probabilities stored in 16 bits, the softmax computed in fp32 within
 the kernel. No dropout here (:func:`~zerotron.models.gpt._core_attention` leaves attention
-dropout to SDPA's own path).
+dropout to SDPA's own path). The kernel policy's ``attention_16bit`` chooses it (the CPU;
+``ZEROTRON_MATH_ATTENTION=0`` turns it off).
 """
 
 from __future__ import annotations

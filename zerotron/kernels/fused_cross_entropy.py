@@ -28,7 +28,7 @@ padding rows zero, so the tied embedding's gradient costs no slice-backward zero
 Numerics equal the unfused path up to rounding. fp32: the same operations in the same order per
 element (loss and gradients within ~1e-6 relative; on CPU the three matmuls run on oneDNN, whose
 fp32 GEMM is up to 2x torch.mm's MKL one on AMD CPUs, see
-:mod:`~zerotron.parallel.tensor.onednn`, in vocabulary slices of ``SLICE_COLUMNS`` so that no large
+:mod:`~zerotron.kernels.onednn`, in vocabulary slices of ``SLICE_COLUMNS`` so that no large
 product comes out fresh, ``grad_x`` summed over the slices: see :meth:`_Chunks.products`).
 16-bit: the same 16-bit
 logits and fp32 loss (within ~2e-7), the softmax from ``torch.softmax``'s faster exp (~1e-5
@@ -43,25 +43,24 @@ from __future__ import annotations
 
 import torch
 
-from zerotron.parallel.tensor.onednn import onednn_mm_t as _onednn_linear
-from zerotron.parallel.tensor.onednn import onednn_mm_t_into as _onednn_linear_into
-from zerotron.parallel.tensor.onednn import use_onednn as _use_onednn
-from zerotron.parallel.tensor.tied_grad import TiedGrad
+from zerotron.kernels.onednn import onednn_mm_t as _onednn_linear
+from zerotron.kernels.onednn import onednn_mm_t_into as _onednn_linear_into
+from zerotron.kernels.onednn import use_onednn as _use_onednn
+from zerotron.kernels.tied_grad import TiedGrad
 
 # fp32 logits of one chunk, in bytes: large enough for efficient matmuls (the weight is re-read
-# once per chunk), small enough to keep the buffers modest. On the 2-core CPU of bench/README.md
-# 256 to 1024 GPT-2 tokens per chunk run within noise of each other; this is 512.
+# once per chunk), small enough to keep the buffers modest: 512 GPT-2 tokens (bench/README.md
+# found 256 to 1024 within noise of each other).
 DEFAULT_CHUNK_BYTES = 512 * 50257 * 4
 
 
 # Vocabulary columns of one oneDNN product slice in the fp32 fused loss on CPU (its logits and
 # grad_W come in vocabulary slices, see onednn_mm_t_into): 4 MB of fp32 for a 512-token chunk,
-# below glibc's mmap threshold so the heap reuses them, large enough for full-speed GEMMs. On
-# bench/README.md's CPU, 512 tokens: logits 1,024 to 8,192 columns per call within noise (~103 ms
-# against ~146 ms for one fresh [512, 50257] product), grad_W 1,024 to 2,048 (~120 against
-# ~145 ms). Fixed, not sized by the chunk's token count: each token's grad_x sums the same
-# slices in the same order however the tokens are cut into chunks (pipeline micro-batches, the
-# last short chunk), so layouts give the same bits.
+# below glibc's mmap threshold so the heap reuses them, large enough for full-speed GEMMs
+# (bench/README.md: widths from 1,024 to 8,192 columns within noise of each other). Fixed, not
+# sized by the chunk's token count: each token's grad_x sums the same slices in the same order
+# however the tokens are cut into chunks (pipeline micro-batches, the last short chunk), so
+# layouts give the same bits.
 SLICE_COLUMNS = 2048
 
 
@@ -77,7 +76,7 @@ class ChunkWorkspace:
     """The ``[rows, V]`` chunk buffers, kept from one call to the next (on CPU only).
 
     On CPU a fresh buffer this large is mapped anew by the allocator on every call and each of
-    its pages faults on first touch: ~0.4 ms per MB, as much as several passes over it. The
+    its pages faults on first touch, as costly as several passes over it. The
     model keeps one workspace for its loss; on other devices the caching allocator already
     reuses blocks, so nothing is held between calls there.
     """
@@ -130,15 +129,14 @@ class _Chunks:
         ``softmax - one_hot(target)`` (rows times ``scale``, if given).
 
         fp32 on CPU (oneDNN, no ``out=``): the logits come in vocabulary slices into the reused
-        buffer (:func:`~zerotron.parallel.tensor.onednn.onednn_mm_t_into`); after the softmax's
+        buffer (:func:`~zerotron.kernels.onednn.onednn_mm_t_into`); after the softmax's
         statistics, ``grad_logits`` is made one vocabulary slice at a time into a small contiguous
         buffer, straight from the exponentials (``exp / sum``, the same operation per element as
         the whole-row path) and both of its products are taken while it is hot in cache
         (``grad_x`` sums its slices' ``[n, h]`` products; for ``grad_W``, oneDNN's wrapper still
-        copies the transposed slice contiguous, ~20 ms per 512-token GPT-2 chunk). Against the
-        whole-row division pass, an explicit copy per ``grad_W`` slice and one ``grad_x`` GEMM
-        over the whole row: ~1-4% of the fp32 step, within noise on the shared machine.
-        Elsewhere: :meth:`grad_logits` and two whole-chunk products.
+        copies the transposed slice contiguous). Measured against the whole-row division pass,
+        an explicit copy per ``grad_W`` slice and one ``grad_x`` GEMM over the whole row in
+        bench/README.md. Elsewhere: :meth:`grad_logits` and two whole-chunk products.
         """
         if not self.sliced:
             g = self.grad_logits(rows, loss, scale)
@@ -336,11 +334,11 @@ class _GradW:
 
     fp32 on CPU (oneDNN): :meth:`add_slice` per vocabulary slice, ``out[s] (+)= g_s^T @ x`` from
     a contiguous slice ``g_s`` of ``grad_logits`` (:meth:`_Chunks.products`), each ``[S, h]``
-    product small enough for the heap to reuse: ~120 ms per 512-token GPT-2 chunk against ~145
-    for one fresh ``[h, V]`` product added to a sum and transposed at the end.
+    product small enough for the heap to reuse (faster than one fresh ``[h, V]`` product added
+    to a sum and transposed at the end, bench/README.md).
     16-bit on CPU: each chunk's product is taken transposed, ``x^T @ grad_logits`` (``[h, V]``),
     summed in a reused workspace buffer, and transposed into ``out`` once at the end: that layout
-    is the faster one there (bf16 ~335 against ~270 GFLOP/s), the transposing copy costs ~15 ms.
+    is the faster one there, and the transposing copy costs less than it gains (bench/README.md).
     Elsewhere ``addmm_`` accumulates into ``out`` directly.
     """
 
@@ -397,7 +395,7 @@ def fused_linear_cross_entropy(
     of fp32 logits, see :func:`default_chunk_size`). ``workspace`` keeps the chunk buffers for
     the next call (see :class:`ChunkWorkspace`). Gradients reach ``hidden`` and ``weight``; the
     full logits are never materialized. ``tied``: the weight is also looked up by
-    :func:`~zerotron.parallel.tensor.tied_grad.embedding_lookup` with this slot, before this
+    :func:`~zerotron.kernels.tied_grad.embedding_lookup` with this slot, before this
     loss and on the path to it; the weight gradient goes to the slot, and the lookup's backward
     returns it with its own rows added.
     """

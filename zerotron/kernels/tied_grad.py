@@ -5,8 +5,8 @@ micro-batch: the fused loss's dense ``[V_pad, h]`` one and the lookup's, a few r
 autograd, adding them costs a full ``[V_pad, h]`` tensor more than needed: the lookup's dense
 gradient is a zero-filled ``[V_pad, h]`` tensor (``embedding_dense_backward``) and a sparse one
 is added out of place (a fresh copy of the dense gradient). On CPU a fresh tensor that large is a
-fresh mapping whose every page faults on first touch: ~33 ms for GPT-2's fp32 ``[50304, 384]``
-on one core of bench/README.md's CPU, against ~1 ms to add the 2048 rows in place.
+fresh mapping whose every page faults on first touch, which costs far more than adding the
+micro-batch's rows in place (bench/README.md has the numbers).
 
 :class:`TiedGrad` routes the loss's gradient through the lookup. The fused loss's backward
 (which runs first: the lookup's output feeds everything before the loss) leaves its ``grad_w``

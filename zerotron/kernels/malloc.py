@@ -3,19 +3,19 @@
 glibc returns the top of its heap to the OS once more than ``M_TRIM_THRESHOLD`` bytes are free
 there (a dynamic threshold: twice the mmap threshold, 64 MB at most). A training step frees its
 activations at the end of backward, the heap shrinks, and the next forward's activations fault
-every page in again (the kernel zeroes each one). On bench/README.md's CPU, bench/train_step.py's
-fp32 GPT step under ``torch.compile`` faulted ~300 MB per step this way (~160 ms of system time
-in a ~2.45 s step); with the heap kept, 77 MB (one tensor above the mmap threshold) and ~35 ms.
+every page in again (the kernel zeroes each one): bench/README.md measures how much of
+bench/train_step.py's compiled fp32 GPT step that costs.
 
 :func:`keep_freed_heap` sets ``M_TRIM_THRESHOLD`` to 1 GiB, so freed heap memory stays mapped
 for the next step (resident memory stays at the step's peak instead of dipping between steps;
 the peak itself does not rise). Setting any threshold also turns off glibc's dynamic mmap
 threshold, so ``M_MMAP_THRESHOLD`` is set to 32 MB, the ceiling that dynamic threshold rises to
 (allocations above it are still mapped and unmapped each time). It is process-wide, applied
-once, by the Engine when its model is on the CPU and the job is one process; with several
-ranks on one host, which share its memory, glibc's defaults stay: a fixed threshold puts more
-buffers in the heap, and kept heap raised a rank's peak RSS by 13-42 MB in bench/zero.py (23M
-parameters, 2 ranks) while trimmed heap is what lets those ranks' resident memory fall.
+once, by :func:`~zerotron.kernels.policy.apply_process_settings` (the Engine) when its model is
+on the CPU and the job is one process; with several ranks on one host, which share its memory,
+glibc's defaults stay: a fixed threshold puts more buffers in the heap, and kept heap raised a
+rank's peak RSS in bench/zero.py while trimmed heap is what lets those ranks' resident memory
+fall.
 ``ZEROTRON_KEEP_HEAP=0`` leaves malloc as it is; other C libraries (musl, macOS) are left alone.
 The same page faults are why CPU training guides preload jemalloc or tcmalloc.
 """

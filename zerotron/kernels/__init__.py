@@ -1,0 +1,35 @@
+"""Device-specific fast paths behind one device-keyed policy, each with a plain twin it equals.
+
+- :mod:`~zerotron.kernels.policy`: :func:`kernel_policy` (which fast paths a device takes, and
+  their off switches) and :func:`apply_process_settings` (process-wide settings of a job).
+- :mod:`~zerotron.kernels.onednn`: fp32 CPU matmuls on oneDNN (:func:`linear`, the linear
+  layers' ``F.linear``).
+- :mod:`~zerotron.kernels.attention_cpu`: 16-bit CPU attention, SDPA's MATH kernel kept in
+  16 bits (:func:`sdpa_math_16bit`).
+- :mod:`~zerotron.kernels.fused_cross_entropy`: the output layer and the cross entropy fused in
+  token chunks (:func:`fused_linear_cross_entropy`), and :mod:`~zerotron.kernels.tied_grad`,
+  the tied embedding's two gradients summed in place.
+- :mod:`~zerotron.kernels.malloc`: glibc's freed heap kept between steps.
+
+This package imports nothing of zerotron's outside itself: the parallel layers, the models and
+the Engine choose among these paths by asking the policy.
+"""
+
+from zerotron.kernels.attention_cpu import sdpa_math_16bit
+from zerotron.kernels.fused_cross_entropy import ChunkWorkspace, fused_linear_cross_entropy
+from zerotron.kernels.onednn import linear, use_onednn
+from zerotron.kernels.policy import KernelPolicy, apply_process_settings, kernel_policy
+from zerotron.kernels.tied_grad import TiedGrad, embedding_lookup
+
+__all__ = [
+    "ChunkWorkspace",
+    "KernelPolicy",
+    "TiedGrad",
+    "apply_process_settings",
+    "embedding_lookup",
+    "fused_linear_cross_entropy",
+    "kernel_policy",
+    "linear",
+    "sdpa_math_16bit",
+    "use_onednn",
+]

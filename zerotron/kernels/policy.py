@@ -1,0 +1,80 @@
+"""Which device-specific fast paths run: one policy per device type, each path with an off switch.
+
+The model, the linear layers and the Engine ask :func:`kernel_policy` (with the device their
+tensors live on) instead of testing for a device themselves, so every CPU-tuned choice sits here.
+On CUDA (and any device other than the CPU) every field is False: the model takes the plain
+PyTorch path (SDPA with its flash kernel, ``F.cross_entropy`` over the logits, which
+``torch.compile`` traces whole), with no forced graph break.
+
+Fields, their off switches, and the plain twin each fast path must equal (tests/ compare them):
+
+- ``onednn_linear`` (``ZEROTRON_ONEDNN=0``): fp32 matmuls of the linear layers and of the fused
+  loss on oneDNN rather than torch.mm (:mod:`~zerotron.kernels.onednn`); twin ``F.linear``.
+- ``attention_16bit`` (``ZEROTRON_MATH_ATTENTION=0``): 16-bit attention without dropout by
+  SDPA's MATH kernel kept in 16 bits (:mod:`~zerotron.kernels.attention_cpu`); twin SDPA with
+  the backend it picks.
+- ``fused_loss`` (``ZEROTRON_FUSED_LOSS=0``): at TP=1 the output layer and the loss fused in
+  token chunks (:mod:`~zerotron.kernels.fused_cross_entropy`), eager under ``torch.compile``,
+  and with ``eager_embedding`` the tied embedding's two gradients summed in place
+  (:mod:`~zerotron.kernels.tied_grad`); twin ``F.cross_entropy`` over ``F.linear``'s logits.
+- ``eager_embedding`` (``ZEROTRON_EAGER_EMBEDDING=0``): the word-embedding lookup left out of
+  the compiled graph (inductor's compiled embedding backward is slow on CPU); twin: compiled.
+- ``keep_freed_heap`` (``ZEROTRON_KEEP_HEAP=0``, read by
+  :func:`~zerotron.kernels.malloc.keep_freed_heap` itself): glibc keeps its freed heap between
+  steps, in a one-process job (applied by :func:`apply_process_settings`).
+
+An off switch is read whenever the policy is asked (under ``torch.compile``: when the graph is
+traced), so ``ZEROTRON_FUSED_LOSS=0 zerotron pretrain ...`` runs the plain path on the CPU, to
+compare or to bisect. Why each fast path exists and what it gains is measured in bench/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from zerotron.kernels.malloc import keep_freed_heap
+
+ENV_SWITCHES = {
+    "onednn_linear": "ZEROTRON_ONEDNN",
+    "attention_16bit": "ZEROTRON_MATH_ATTENTION",
+    "fused_loss": "ZEROTRON_FUSED_LOSS",
+    "eager_embedding": "ZEROTRON_EAGER_EMBEDDING",
+}
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """The fast paths one device type takes (see the module docstring for each field)."""
+
+    onednn_linear: bool = False
+    attention_16bit: bool = False
+    fused_loss: bool = False
+    eager_embedding: bool = False
+    keep_freed_heap: bool = False
+
+
+def kernel_policy(device: torch.device | str) -> KernelPolicy:
+    """The fast paths for tensors on ``device``: all of them on the CPU (less those switched off
+    by their environment variable), none elsewhere."""
+    device_type = device if isinstance(device, str) else device.type
+    if device_type != "cpu":
+        return KernelPolicy()
+    switches = {field: _on(env) for field, env in ENV_SWITCHES.items()}
+    return KernelPolicy(**switches, keep_freed_heap=True)
+
+
+def apply_process_settings(device: torch.device | str, world_size: int) -> None:
+    """Process-wide settings for a training job on ``device`` with ``world_size`` processes.
+
+    Today glibc's kept heap (:func:`~zerotron.kernels.malloc.keep_freed_heap`), on the CPU in a
+    one-process job only: ranks sharing a host's memory keep glibc's defaults.
+    """
+    if world_size == 1 and kernel_policy(device).keep_freed_heap:
+        keep_freed_heap()
+
+
+def _on(env: str) -> bool:
+    return os.environ.get(env, "1") != "0"
