@@ -66,8 +66,6 @@ PLACES = {
     "fileio": "base",
     # DeepSpeed's module names: zerotron.<name> is zerotron.compat.<name> (zerotron/__init__.py).
     **{name: "compat" for name in zerotron.COMPAT_MODULES},
-    # Loose modules waiting for their move into the package of their layer:
-    "api": "compat",  # DeepSpeed's initialize(): the coordinator moves it into compat/
 }
 
 # Upward imports allowed, (importer, imported module) -> why: none. An entry that no longer
@@ -98,10 +96,6 @@ ALLOWED_MODEL_IMPORTS: dict[tuple[str, str], str] = {
 
 # Loose modules at the top of zerotron/: the entry point, the CLI, and the two bottom modules.
 LOOSE_MODULES = {"__init__", "__main__", "cli", "errors", "fileio"}
-# Loose today, each with who moves it into a package; the coordinator empties this after merging.
-LOOSE_FOR_NOW = {
-    "api": "coordinator (into compat/, after merging the engine helper's branch)",
-}
 
 
 @dataclass(frozen=True)
@@ -238,10 +232,8 @@ def test_model_agnostic_layers_import_no_model():
 
 def test_few_loose_modules_at_the_top():
     loose = {p.stem for p in PACKAGE.glob("*.py")}
-    extra = sorted(loose - LOOSE_MODULES - set(LOOSE_FOR_NOW))
+    extra = sorted(loose - LOOSE_MODULES)
     assert not extra, (
         f"loose modules at the top of zerotron/: {extra}; move each into the package of its "
         "layer (DESIGN.md)"
     )
-    gone = sorted(set(LOOSE_FOR_NOW) - loose)
-    assert not gone, f"moved already, drop from LOOSE_FOR_NOW: {gone}"

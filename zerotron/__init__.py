@@ -2,7 +2,7 @@
 
 DeepSpeed's API is here too, so ``import zerotron as deepspeed`` runs a DeepSpeed script:
 :func:`initialize`, :func:`add_config_arguments`, :func:`init_distributed` (from
-:mod:`zerotron.api`), ``zerotron.zero``, and DeepSpeed's modules in :mod:`zerotron.compat`
+:mod:`zerotron.compat.api`), ``zerotron.zero``, and DeepSpeed's modules in :mod:`zerotron.compat`
 under their DeepSpeed names (``zerotron.checkpointing``, ``zerotron.pipe``: see
 :data:`COMPAT_MODULES`). Everything is imported on first use, so ``import zerotron`` stays cheap.
 """
@@ -25,14 +25,14 @@ __version__ = "0.1.0"
 COMPAT_MODULES = ("pipe", "checkpointing")
 
 _API = ("initialize", "add_config_arguments", "init_distributed")
-_MODULES = ("zero", "config", "distributed", "engine", "api", *COMPAT_MODULES)
+_MODULES = ("zero", "config", "distributed", "engine", "compat", *COMPAT_MODULES)
 
 __all__ = [*_API, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _API:
-        return getattr(importlib.import_module("zerotron.api"), name)
+        return getattr(importlib.import_module("zerotron.compat.api"), name)
     if name in _MODULES:
         return importlib.import_module(f"zerotron.{name}")
     raise AttributeError(f"module 'zerotron' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The one place an :class:`~zerotron.engine.Engine` is assembled.
 
 ``zerotron pretrain`` (:mod:`zerotron.training.build`), DeepSpeed's ``initialize()``
-(:mod:`zerotron.api`) and ``pipeline_engine()`` (:mod:`zerotron.pipe.engine`) all call
+(:mod:`zerotron.compat.api`) and ``pipeline_engine()`` (:mod:`zerotron.compat.pipe.engine`) all call
 :func:`build_engine`. Given the model (in the training dtype, on its device) and a fresh torch
 optimizer over its parameters, it
 

@@ -116,7 +116,7 @@ class PipelineRuntime:
                 f"{self.num_chunks} model chunks on this rank, but the parallel state has "
                 f"virtual pipeline size {vpp}",
                 where="PipelineRuntime",
-                fix="build one stage module per virtual stage (e.g. build_gpt_stages(..., virtual_stages))",
+                fix="build one stage module per virtual stage (as build_gpt_stages does)",
             )
         self.kind = schedule_kind
         self.num_stages = st.pp_size

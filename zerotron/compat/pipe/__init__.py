@@ -5,21 +5,14 @@ trained on zerotron's pipeline runtime (:mod:`zerotron.pipeline`).
   :class:`PipelineModule` (builds this stage's layers; partitioning; tied weights).
 - :mod:`~zerotron.compat.pipe.stage`: :class:`PipelineModuleRuntime`, the pipeline runtime over
   a PipelineModule with DeepSpeed's ``(inputs, labels)`` micro-batches.
-- ``engine``: :func:`pipeline_engine`, the Engine for a PipelineModule
+- :mod:`~zerotron.compat.pipe.engine`: :func:`pipeline_engine`, the Engine for a PipelineModule
   (``engine.train_batch(data_iter)``).
 
 See ``docs/pipeline-module.md``.
 """
 
-from pathlib import Path
-
-# TRANSITIONAL: engine.py still lives in zerotron/pipe/ (the engine helper's file) until the
-# coordinator moves it here; until then this package also searches that folder, so that it is
-# zerotron.compat.pipe.engine (and, through the alias, zerotron.pipe.engine). Drop with the move.
-__path__.append(str(Path(__file__).resolve().parents[2] / "pipe"))  # noqa: F821
-
-from zerotron.compat.pipe.engine import pipeline_engine  # noqa: E402
-from zerotron.compat.pipe.module import (  # noqa: E402
+from zerotron.compat.pipe.engine import pipeline_engine
+from zerotron.compat.pipe.module import (
     LayerSpec,
     PipelineModule,
     TiedLayerSpec,
@@ -27,7 +20,7 @@ from zerotron.compat.pipe.module import (  # noqa: E402
     layer_parameters,
     partition_layers,
 )
-from zerotron.compat.pipe.stage import PipelineModuleRuntime, PipeStage  # noqa: E402
+from zerotron.compat.pipe.stage import PipelineModuleRuntime, PipeStage
 
 __all__ = [
     "LayerSpec",
