@@ -208,11 +208,29 @@ def _layouts_rank(rank):
     return out
 
 
-def test_layouts_on_4_ranks():
-    results = run_ranks(_layouts_rank, 4)
-    for rank, out in enumerate(results):
+LAYOUTS = pytest.mark.xdist_group("state_layouts")  # one spawn for the tests that read it
+
+
+@pytest.fixture(scope="module")
+def layouts() -> list[dict]:
+    return run_ranks(_layouts_rank, 4)
+
+
+@LAYOUTS
+def test_default_layout_on_4_ranks(layouts):
+    for rank, out in enumerate(layouts):
         assert out["default"] == (False, 4, rank, True, 1, 1, None)
+
+
+@LAYOUTS
+def test_indivisible_layout_is_refused(layouts):
+    for out in layouts:
         assert "world size 4" in out["indivisible"] and "size 3" in out["indivisible"]
+
+
+@LAYOUTS
+def test_pp4_stages_neighbours_and_embedding_group(layouts):
+    for rank, out in enumerate(layouts):
         pp4 = out["pp4"]
         end = rank in (0, 3)
         assert pp4["stage"] == (rank, rank == 0, rank == 3)
@@ -224,9 +242,19 @@ def test_layouts_on_4_ranks():
             assert pp4["embedding_sum"].startswith("refused: all_reduce on the embedding group")
             assert pp4["mpu_embedding"] == "refused"
         assert pp4["self_reduce"] == rank  # a one-rank reduction, not a sum over the world
+
+
+@LAYOUTS
+def test_reinitialize_same_other_and_after_destroy(layouts):
+    for out in layouts:
         assert out["same_again"] is True
         assert "already exist" in out["reinit"]
         assert out["after_destroy"] == (False, 4)
+
+
+@LAYOUTS
+def test_virtual_pipeline_stages(layouts):
+    for rank, out in enumerate(layouts):
         assert "needs pipeline-parallel size > 1" in out["virtual_without_pp"]
         last = rank >= 2  # tp2 pp2: ranks 2, 3 are stage 1
         assert out["virtual"] == (

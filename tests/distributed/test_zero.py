@@ -26,7 +26,7 @@ noise (the attention key bias: softmax ignores a per-query constant) would other
 update of ``lr × noise / |noise|`` whose sign depends on the summation order; with a larger eps
 the update stays proportional to the noise (see tests/distributed/test_equivalence_matrix.py).
 
-Cost: two spawns (2 and 4 ranks), one test each, so pytest-xdist never runs one twice.
+Cost: two spawns (2 and 4 ranks), each a module-scoped fixture that one test per check reads.
 """
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ from .spawn import run_ranks
 STEPS, GAS, TOL = 3, 2, 1e-5
 LR, EPS, WD, CLIP = 1e-2, 1e-4, 0.1, 0.05  # CLIP below the norm: clipping acts every step
 VOCAB, SEQ, MB = 128, 16, 2
+# The tests reading one spawn share an xdist group: `make test` (--dist loadgroup) sends them to
+# one worker, so each spawn runs once.
+DP2 = pytest.mark.xdist_group("zero_dp2")
+DP4 = pytest.mark.xdist_group("zero_dp4")
 
 
 # ------------------------------------------------------------------------------------------
@@ -279,6 +283,19 @@ def references():
     return refs
 
 
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory) -> list[dict]:
+    """One spawn, every dp2 configuration (see the module docstring and each test)."""
+    return run_ranks(_dp2_rank, 2, str(tmp_path_factory.mktemp("zero_dp2")), timeout=240)
+
+
+@pytest.fixture(scope="module")
+def dp4() -> list[dict]:
+    """One spawn: dp2 x tp2 (stages 1-3, and 2-3 with sequence parallelism), dp2 x pp2 stage 1,
+    memory at N=4, pipelines refuse stages 2/3."""
+    return run_ranks(_dp4_rank, 4, timeout=240)
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-12)).item()
 
@@ -294,7 +311,9 @@ def check_equal(result: dict, ref: dict, what: str) -> None:
         assert err <= TOL, f"{what}: {name} differs by {err:.2e} relative"
 
 
-def check_dp2_stages_equal_one_process(dp2, references, kind):
+@DP2
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "mlp inf-norm"])
+def test_dp2_stages_equal_one_process(dp2, references, kind):
     ref = references[kind]
     # the weights moved: a tolerance cannot pass just because nothing changed
     start = dict(make_model(kind.split()[0]).named_parameters())
@@ -560,7 +579,8 @@ def _dp4_rank(rank: int) -> dict:
 # Tests of the above
 
 
-def check_fp16_overflow_skips_the_step_in_every_stage(dp2):
+@DP2
+def test_fp16_overflow_skips_the_step_in_every_stage(dp2):
     for rank in range(2):
         for stage in (1, 2, 3):
             r = dp2[rank]["fp16", stage]
@@ -569,7 +589,8 @@ def check_fp16_overflow_skips_the_step_in_every_stage(dp2):
             assert r["scale"] == (256.0, 128.0), (stage, r)
 
 
-def check_stage3_modified_parameters_reload_their_masters(dp2):
+@DP2
+def test_stage3_modified_parameters_reload_their_masters(dp2):
     for rank in range(2):
         r = dp2[rank]["modified"]
         assert r["weight"].eq(0.5).all()
@@ -583,7 +604,8 @@ def check_stage3_modified_parameters_reload_their_masters(dp2):
                 assert e["length"] == 0 or not torch.equal(was, was.bfloat16().float()), e["name"]
 
 
-def check_buckets_overlap_with_backward(dp2):
+@DP2
+def test_buckets_overlap_with_backward(dp2):
     """Later layers' buckets are on the wire before backward reaches the first layer; stage 1
     communicates only on the micro-batch that ends the accumulation, stage 2 on every one."""
     buckets = 3  # reduce_bucket_size=40: one per layer (bias 4 or 32 elements, then weight)
@@ -596,7 +618,8 @@ def check_buckets_overlap_with_backward(dp2):
         assert buckets < s2_before1 < s2_after1 == 2 * buckets
 
 
-def check_reentrant_checkpointing_sends_each_bucket_once(dp2):
+@DP2
+def test_reentrant_checkpointing_sends_each_bucket_once(dp2):
     """A nested backward (reentrant recompute) does not end the reduction early: each bucket is
     reduce-scattered once per micro-batch, and the result equals the plain run's."""
     plain, ckpt = dp2[0]["reentrant"][False], dp2[0]["reentrant"][True]
@@ -605,14 +628,16 @@ def check_reentrant_checkpointing_sends_each_bucket_once(dp2):
     assert all(torch.equal(a, b) for a, b in zip(ckpt[1], plain[1]))
 
 
-def check_bf16_trains(dp2):
+@DP2
+def test_bf16_trains(dp2):
     for stage in (1, 2, 3):
         losses = dp2[0]["bf16", stage]
         assert losses == dp2[1]["bf16", stage]
         assert losses[-1] < 0.8 * losses[0], (stage, losses)
 
 
-def check_bf16_grad_partitions_give_the_fp32_bits(dp2):
+@DP2
+def test_bf16_grad_partitions_give_the_fp32_bits(dp2):
     """Storing one micro-batch's bf16 rows in bf16 and promoting before a second is added
     changes no bit of the step (stage 3, with and without accumulation, clipping on)."""
     for rank in range(2):
@@ -646,7 +671,8 @@ def _by_op(summary: dict, group: str = "dp") -> dict:
     return out
 
 
-def check_comm_ledger_matches_closed_form(dp2):
+@DP2
+def test_comm_ledger_matches_closed_form(dp2):
     for stage in (0, 1, 2, 3):
         for gas, summary in dp2[0]["ledger", stage].items():
             assert _by_op(summary) == _ledger_closed_form(2, stage, gas), (stage, gas, summary)
@@ -705,7 +731,8 @@ def pipeline_stage1() -> dict:
     return {"losses": losses, "norms": norms, "weights": weights}
 
 
-def check_dp2_pp2_stage1_equals_one_process(dp4, references):
+@DP4
+def test_dp2_pp2_stage1_equals_one_process(dp4, references):
     """Global ranks 0, 1: stage 0 of DP ranks 0, 1; ranks 2, 3: stage 1 (it has the loss)."""
     ref = references["gpt"]
     for dp_rank in range(2):
@@ -717,7 +744,8 @@ def check_dp2_pp2_stage1_equals_one_process(dp4, references):
         check_equal(result, ref, f"pp2 stage 1 dp rank {dp_rank}")
 
 
-def check_dp2_tp2_stages_equal_one_process(dp4, references):
+@DP4
+def test_dp2_tp2_stages_equal_one_process(dp4, references):
     """Global ranks 0, 1 are TP ranks 0, 1 of DP rank 0; 2, 3 those of DP rank 1. With
     sequence parallelism (stages 2, 3) the gradients of replicated parameters are summed over
     TP on the partitions (``ZeroOptimizer.allreduce_grads``)."""
@@ -767,43 +795,37 @@ def check_stage3_keeps_one_copy_of_the_partition(results, world):
         assert r["accumulated"]["grads"] == 4 * r["psi"] // world, r
 
 
-def check_grad_accum_dtype(dp2):
+@DP2
+def test_grad_accum_dtype(dp2):
     """fp32 gradient partitions under bf16 parameters: 4 bytes per element of the partition."""
     r = dp2[0]["memory", "fp32 accum"]
     assert r["report"]["grads"] == 4 * r["psi"] // 2
 
 
-def check_pipeline_refuses_stage_2_and_3(dp4):
+@DP4
+def test_pipeline_refuses_stage_2_and_3(dp4):
     assert len(dp4[0]["pp_refused"]) == 2
     assert all("pipeline" in msg for msg in dp4[0]["pp_refused"])
 
 
-def test_zero_on_2_ranks(tmp_path, references):
-    """One spawn, every dp2 configuration (see the module docstring and each check)."""
-    dp2 = run_ranks(_dp2_rank, 2, str(tmp_path), timeout=240)
-    for kind in ("mlp", "gpt", "mlp inf-norm"):
-        check_dp2_stages_equal_one_process(dp2, references, kind)
-    check_fp16_overflow_skips_the_step_in_every_stage(dp2)
-    check_bf16_trains(dp2)
-    check_bf16_grad_partitions_give_the_fp32_bits(dp2)
-    check_buckets_overlap_with_backward(dp2)
-    check_reentrant_checkpointing_sends_each_bucket_once(dp2)
-    check_stage3_modified_parameters_reload_their_masters(dp2)
-    check_comm_ledger_matches_closed_form(dp2)
+@DP2
+def test_memory_matches_zero_formulas_on_2_ranks(dp2):
     check_memory_matches_zero_formulas(dp2, 2)
-    check_stage3_keeps_one_copy_of_the_partition(dp2, 2)
-    check_grad_accum_dtype(dp2)
 
 
-def test_zero_on_4_ranks(references):
-    """One spawn: dp2 x tp2 (stages 1-3, and 2-3 with sequence parallelism), dp2 x pp2 stage 1,
-    memory at N=4, pipelines refuse stages 2/3."""
-    dp4 = run_ranks(_dp4_rank, 4, timeout=240)
-    check_dp2_tp2_stages_equal_one_process(dp4, references)
-    check_dp2_pp2_stage1_equals_one_process(dp4, references)
+@DP4
+def test_memory_matches_zero_formulas_on_4_ranks(dp4):
     check_memory_matches_zero_formulas(dp4, 4)
+
+
+@DP2
+def test_stage3_keeps_one_copy_of_the_partition_on_2_ranks(dp2):
+    check_stage3_keeps_one_copy_of_the_partition(dp2, 2)
+
+
+@DP4
+def test_stage3_keeps_one_copy_of_the_partition_on_4_ranks(dp4):
     check_stage3_keeps_one_copy_of_the_partition(dp4, 4)
-    check_pipeline_refuses_stage_2_and_3(dp4)
 
 
 class _Lamb(torch.optim.Optimizer):
