@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(REPO, "tests", "distributed", "launch_scripts")
 ALLREDUCE = os.path.join(SCRIPTS, "allreduce.py")
@@ -122,6 +124,7 @@ def test_zerotron_cli_gets_no_local_rank_flag():
         assert f"[rank{rank}]: usage: zerotron <command>" in r.stdout
 
 
+@pytest.mark.timing  # bounds the launcher's wall-clock time
 def test_rank_raising_at_step_2_takes_the_job_down_and_is_named(tmp_path):
     # Rank 1 raises at step 2 while rank 0 waits in that step's all-reduce.
     r, seconds = _launch(["--nproc_per_node", "2", "--log_dir", str(tmp_path), FAIL_AT_STEP])
@@ -148,6 +151,7 @@ def test_rank_raising_at_step_2_takes_the_job_down_and_is_named(tmp_path):
     assert len(pids) == 2 and all(_gone(p) for p in pids)
 
 
+@pytest.mark.timing  # the SIGKILL deadline is told apart from the agent's wait by wall-clock
 def test_rank_dying_with_exit_3_is_named_and_sigterm_ignorers_are_killed():
     # Rank 1 calls os._exit(3); rank 0 ignores SIGTERM and sleeps: the deadline must SIGKILL it
     # (the agent alone would wait 30 s).

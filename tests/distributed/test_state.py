@@ -338,6 +338,7 @@ def _one_rank_stalls(rank):
     comm.all_reduce(torch.ones(1), state().world)
 
 
+@pytest.mark.timing  # bounds the wall-clock time to the failure
 def test_a_raising_rank_fails_the_run_with_its_traceback():
     start = time.monotonic()
     with pytest.raises(RankError) as info:
@@ -354,6 +355,7 @@ def test_a_dying_rank_is_named():
     assert info.value.rank == 1 and "exited with code 3" in str(info.value)
 
 
+@pytest.mark.timing  # bounds the wall-clock time to the kill
 def test_hung_ranks_are_killed_at_the_timeout():
     start = time.monotonic()
     with pytest.raises(RankTimeout, match=r"ranks \[0, 1\] did not finish within 2 s"):
