@@ -63,8 +63,8 @@ from .spawn import run_ranks
 STEPS, GAS, TOL = 3, 2, 1e-5
 LR, EPS, WD, CLIP = 1e-2, 1e-4, 0.1, 0.05  # CLIP below the norm: clipping acts every step
 VOCAB, SEQ, MB = 128, 16, 2
-# The tests reading one spawn share an xdist group: `make test` (--dist loadgroup) sends them to
-# one worker, so each spawn runs once.
+# The tests reading one spawn share an xdist group (--dist loadgroup, in pyproject's addopts):
+# one worker runs them all, so each spawn runs once.
 DP2 = pytest.mark.xdist_group("zero_dp2")
 DP4 = pytest.mark.xdist_group("zero_dp4")
 

@@ -45,7 +45,7 @@ from .spawn import run_ranks
 DP = 2
 THRESHOLD = 100
 STEPS = 2
-# The tests reading one spawn share an xdist group, so `make test` runs each spawn once.
+# The tests reading one spawn share an xdist group (--dist loadgroup): each spawn runs once.
 LIFECYCLE = pytest.mark.xdist_group("zero3_lifecycle")
 INIT = pytest.mark.xdist_group("zero3_init")
 
