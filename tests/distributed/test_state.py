@@ -100,12 +100,20 @@ def _grid_rank(rank, tp, pp):
     return out
 
 
-def test_groups_on_8_ranks_match_the_grid():
-    tp, dp, pp = 2, 2, 2
-    coords, ref = reference_groups(tp, dp, pp)
-    topo = ProcessTopology(tp=tp, dp=dp, pp=pp)
-    results = run_ranks(_grid_rank, 8, tp, pp)
-    for rank, out in enumerate(results):
+GRID = pytest.mark.xdist_group("state_grid")  # one spawn for the tests that read it
+TP, DP, PP = 2, 2, 2
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[dict]:
+    return run_ranks(_grid_rank, 8, TP, PP)
+
+
+@GRID
+def test_groups_on_8_ranks_match_the_grid(grid):
+    coords, ref = reference_groups(TP, DP, PP)
+    topo = ProcessTopology(tp=TP, dp=DP, pp=PP)
+    for rank, out in enumerate(grid):
         p, d, t = coords[rank]
         assert out["coords"] == (p, d, t) == tuple(topo.coords(rank))
         for name in NAMES:
@@ -118,20 +126,31 @@ def test_groups_on_8_ranks_match_the_grid():
             total, entries = out["sums"][name]
             assert total == sum(ranks)
             assert entries == [(name, "all_reduce", 4)]
+
+
+@GRID
+def test_mpu_on_8_ranks_matches_the_grid(grid):
+    coords, ref = reference_groups(TP, DP, PP)
+    for rank, out in enumerate(grid):
+        p, d, t = coords[rank]
         m = out["mpu"]
         mp_index = ref["mp"][rank].index(rank)
-        assert m["tp"] == m["slice"] == (t, tp)
-        assert m["dp"] == (d, dp)
-        assert m["pp"] == m["pipe"] == (p, pp)
-        assert m["mp"] == m["mp_torch"] == (mp_index, tp * pp)
-        assert mp_index == p * tp + t  # DeepSpeed's ds_model_rank order
-        assert m["stages"] == (p == 0, p == pp - 1)
+        assert m["tp"] == m["slice"] == (t, TP)
+        assert m["dp"] == (d, DP)
+        assert m["pp"] == m["pipe"] == (p, PP)
+        assert m["mp"] == m["mp_torch"] == (mp_index, TP * PP)
+        assert mp_index == p * TP + t  # DeepSpeed's ds_model_rank order
+        assert m["stages"] == (p == 0, p == PP - 1)
         assert m["src"] == (ref["tp"][rank][0], ref["dp"][rank][0])
         other_stage = ref["pp"][rank][1 - p]
         assert m["next_prev"] == (other_stage, other_stage)
         assert all(m["same_pg"])
-    # DESIGN.md's worked example.
-    by_rank = {r: out["groups"] for r, out in enumerate(results)}
+
+
+@GRID
+def test_design_worked_example(grid):
+    """DESIGN.md's worked example."""
+    by_rank = {r: out["groups"] for r, out in enumerate(grid)}
     assert sorted({tuple(by_rank[r]["dp"][0]) for r in range(4)}) == [(0, 2), (1, 3)]
     assert sorted({tuple(by_rank[r]["tp"][0]) for r in range(4)}) == [(0, 1), (2, 3)]
 
