@@ -2,7 +2,7 @@
 
 For each layout (tp2, tp2+sp, pp2, pp4, dp2 and their products) the benchmark runs one training
 step of a small GPT on gloo CPU ranks: ``m`` micro-batches forward and backward through
-:class:`~zerotron.parallel.pipeline.PipelineRuntime` (one stage when pp = 1), then the gradient
+:class:`~zerotron.pipeline.PipelineRuntime` (one stage when pp = 1), then the gradient
 reductions in the engine's order: the data-parallel average
 (:class:`~zerotron.parallel.data_parallel.DataParallel`, all buckets once per step), the
 sequence-parallel sum over TP, the tied-embedding sum over the embedding group. Every byte goes

@@ -1,7 +1,7 @@
 """Pipeline bubble of the real runtime: measured idle time against (p − 1)/(v·m) and the simulator.
 
 For each pipeline size p (default 2 and 4) the benchmark starts p gloo CPU ranks (one torch
-thread each) and trains a GPT with :class:`~zerotron.parallel.pipeline.PipelineRuntime` under
+thread each) and trains a GPT with :class:`~zerotron.pipeline.PipelineRuntime` under
 GPipe, 1F1B and interleaved 1F1B (v virtual stages), the schedules taking turns step by step so
 that load from other processes hits all alike. In every timed step each rank records the time
 it spends inside its ``Forward`` and ``Backward`` actions (the chunk's compute, loss included;

@@ -1,4 +1,5 @@
-"""Shared test setup: one thread per test process (pytest-xdist runs two on CI's two cores)."""
+"""Shared test setup: one thread per test process (pytest-xdist runs two on CI's two cores), the
+Austen fixtures, and xdist groups that hold under pytest 9."""
 
 import os
 
@@ -39,3 +40,26 @@ def data_prefix(tmp_path_factory) -> str:
             + ["--append-eod", "--workers", "1"]
         )
     return str(d / "austen20_text_document")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Make ``--dist loadgroup`` keep each ``xdist_group`` on one worker under pytest 9.
+
+    Tests that read one module-scoped spawn share an xdist group so the spawn runs once. xdist
+    3.8 groups them by renaming ``item._nodeid`` to ``<nodeid>@<group>``, which pytest 9 no
+    longer reads (it derives ``nodeid`` from ``item._id``): without this the group's tests
+    spread over both workers and each worker spawns again. Under pytest 8 xdist's own renaming
+    works and this does nothing.
+    """
+    if not getattr(config.option, "loadgroup", False):  # set only in xdist's workers
+        return
+    for item in items:
+        groups = {
+            str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+            for m in item.iter_markers("xdist_group")
+        }
+        if groups and "@" not in item.nodeid.rpartition("]")[2]:
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(groups))}")

@@ -2,8 +2,8 @@
 
 Every check compares with the same computation run without checkpointing, exactly (``equal``):
 the recompute must draw the same dropout masks from the CPU generator and the RNG tracker's
-streams and leave the random state where an ordinary run leaves it. partition_activations runs
-on two gloo ranks (tp=2) and must keep half the bytes per rank with unchanged gradients.
+streams and leave the random state where an ordinary run leaves it. partition_activations on
+two gloo ranks is in tests/distributed/test_checkpointing_ranks.py.
 Megatron's selective recompute in models/gpt.py must rerun the attention core and nothing else.
 """
 
@@ -17,11 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerotron.checkpointing as ck
-from tests.distributed.spawn import run_ranks
 from zerotron.distributed import mpu
-from zerotron.distributed.comm import ledger
 from zerotron.distributed.rng import MODEL_PARALLEL_RNG, get_rng_tracker
-from zerotron.distributed.state import initialize_model_parallel
 from zerotron.errors import ConfigError
 
 
@@ -321,65 +318,6 @@ def test_gpt_selective_recompute_reruns_only_the_attention_core(monkeypatch):
 
 def _recorder(calls):
     return lambda module, *_: calls.append(module)
-
-
-# ---- partition_activations on two tensor-parallel ranks ----------------------------------------
-
-
-class ForeignMpu:
-    """A Megatron-style mpu object that is not zerotron's module (its groups are torch's)."""
-
-    def get_tensor_model_parallel_group(self):
-        return mpu.get_tensor_model_parallel_group()
-
-    def get_tensor_model_parallel_rank(self):
-        return mpu.get_tensor_model_parallel_rank()
-
-
-def _partition_rank(rank):
-    initialize_model_parallel(tensor_model_parallel_size=2)
-    out = {}
-    for name, kw in {
-        "plain": {},
-        "partition": {"partition_activations": True},
-        "partition-foreign-mpu": {"partition_activations": True, "mpu_": ForeignMpu()},
-        "partition+cpu+contiguous": {
-            "partition_activations": True,
-            "checkpoint_in_cpu": True,
-            "contiguous_checkpointing": True,
-            "num_checkpoints": 3,
-        },
-    }.items():
-        ck.configure(kw.pop("mpu_", mpu), **kw)
-        # Partitioning assumes block inputs equal on the TP ranks (Megatron's replicated
-        # residual stream): dropout here draws from the default stream, seeded alike.
-        blocks = _blocks()
-        x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(5))
-        with ledger.capture() as cap:
-            got = run_blocks(blocks, x, 1.0, True)
-        out[name] = {"result": got[:5], "kept": got[5], "ledger": cap.summary()}
-    ref = run_blocks(_blocks(), x, 1.0, False)
-    out["reference"] = ref[:5]
-    return out
-
-
-def test_partition_activations_on_two_tensor_parallel_ranks():
-    results = run_ranks(_partition_rank, 2, timeout=60)
-    full = 4 * 6 * 16 * 4  # bytes of one block input
-    for rank, r in enumerate(results):
-        ref = r["reference"]
-        for name in ("plain", "partition", "partition-foreign-mpu", "partition+cpu+contiguous"):
-            assert _same(r[name]["result"], ref), f"rank {rank} {name}"
-        assert r["plain"]["ledger"] == {}
-        assert r["plain"]["kept"] == full
-        assert r["partition"]["kept"] == full // 2  # each rank keeps its half
-        assert r["partition+cpu+contiguous"]["kept"] == full // 2
-        # One all-gather of the half per checkpointed block in backward.
-        assert r["partition"]["ledger"] == {("tp", "all_gather"): (3 * full // 2, 3)}
-        assert r["partition-foreign-mpu"]["ledger"] == r["partition"]["ledger"]
-        assert r["partition-foreign-mpu"]["kept"] == full // 2
-    # Gathered from both halves: the ranks' gradients agree with each other as well.
-    assert _same(results[0]["partition"]["result"], results[1]["partition"]["result"])
 
 
 def test_no_warnings_from_plain_use():

@@ -82,7 +82,7 @@ MODEL_AGNOSTIC = (
     "zerotron.compat.pipe",
 )
 # Model modules: models/, and the GPT stage until the kernels helper moves it there.
-MODEL_MODULES = ("zerotron.models", "zerotron.parallel.pipeline.gpt_stage")
+MODEL_MODULES = ("zerotron.models",)
 
 # Today's imports of a model from a model-agnostic module, each with who removes it (the
 # coordinator empties this list after merging; entries that no longer occur fail the test).

@@ -41,6 +41,7 @@ def run_loop(keep: str) -> tuple[bool, float]:
     return out[0] == "True", float(out[1])
 
 
+@pytest.mark.timing  # page-fault counts: a serial pass, away from the other tests' load
 @pytest.mark.skipif(
     not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"), reason="needs glibc (Linux)"
 )

@@ -1,13 +1,12 @@
 """RNG tracker: forked streams draw what a generator with their seed draws, and leave the
-default stream exactly where it was; tensor-parallel ranks share the default stream and differ
-in the model-parallel one."""
+default stream exactly where it was. (Tensor-parallel ranks: tests/distributed/
+test_rng_tracker_ranks.py.)"""
 
 import io
 
 import pytest
 import torch
 
-from tests.distributed.spawn import run_ranks
 from zerotron.distributed.rng import (
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
@@ -15,7 +14,6 @@ from zerotron.distributed.rng import (
     model_parallel_cuda_manual_seed,
     model_parallel_seed,
 )
-from zerotron.distributed.state import initialize_model_parallel
 from zerotron.errors import DistributedError
 
 
@@ -102,24 +100,3 @@ def test_model_parallel_seed_in_one_process():
     assert torch.equal(default, draws(42, 3)[0])
     assert torch.equal(mp, draws(42 + 2718 + 0, 3)[0])
     get_rng_tracker().reset()
-
-
-def _seeded_rank(rank):
-    s = initialize_model_parallel(2)  # 4 ranks: tp [0,1] [2,3], dp [0,2] [1,3]
-    model_parallel_seed(1234)
-    before = torch.rand(4)
-    with get_rng_tracker().fork():
-        mp = torch.rand(4)
-    after = torch.rand(4)
-    return s.tp_rank, before, mp, after
-
-
-def test_tensor_parallel_ranks_share_the_default_stream_only():
-    results = run_ranks(_seeded_rank, 4)
-    ref_default = draws(1234, 4, 4)
-    for tp_rank, before, mp, after in results:
-        assert torch.equal(before, ref_default[0]) and torch.equal(after, ref_default[1])
-        assert torch.equal(mp, draws(1234 + 2718 + tp_rank, 4)[0])
-    assert [r[0] for r in results] == [0, 1, 0, 1]
-    assert not torch.equal(results[0][2], results[1][2])  # TP ranks: different dropout masks
-    assert torch.equal(results[0][2], results[2][2])  # DP replicas: the same ones

@@ -173,6 +173,9 @@ def expected_ledger(name, case):
     return [(name, "all_reduce", shard)]
 
 
+COMM = pytest.mark.xdist_group("comm")  # one spawn for the tests that read it
+
+
 @pytest.fixture(scope="module")
 def results():
     return run_ranks(_comm_rank, WORLD)
@@ -186,6 +189,7 @@ def results():
         ("dp", [[0, 2], [1, 3]]),
     ],
 )
+@COMM
 def test_collectives_are_exact_and_ledgered(results, name, groups):
     for members in groups:
         for index, rank in enumerate(members):
@@ -204,12 +208,14 @@ def test_collectives_are_exact_and_ledgered(results, name, groups):
             assert torch.equal(third, 2 * ref["scatter0"])
 
 
+@COMM
 def test_one_rank_group_is_a_no_op_on_every_rank(results):
     for rank in range(WORLD):
         value, entries = results[rank]["pp"]
         assert torch.equal(value, data(rank)) and entries == []
 
 
+@COMM
 def test_fallbacks_give_the_same_results_and_bytes(results):
     members = [0, 1, 2, 3]
     for rank in range(WORLD):
@@ -223,6 +229,7 @@ def test_fallbacks_give_the_same_results_and_bytes(results):
         assert fb["failure"] == "Connection closed by peer"
 
 
+@COMM
 def test_point_to_point(results):
     nbytes = 3 * 5 * 4
     for rank in range(WORLD):

@@ -123,6 +123,9 @@ def _all_cases(rank: int) -> dict:
     }
 
 
+DP_RUNS = pytest.mark.xdist_group("data_parallel")  # one spawn for the tests that read it
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
     return run_ranks(_all_cases, DP)
@@ -142,6 +145,7 @@ def assert_same_run(got, ref, exact: bool) -> None:
         torch.testing.assert_close(weights[k], ref_weights[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@DP_RUNS
 def test_dp2_equals_one_process(ranks):
     # One process: micro-batch 2, 2 accumulation steps. dp2: micro-batch 2 on each rank. The
     # all-reduce adds the same two partial gradients one process accumulates (each halved), so
@@ -153,6 +157,7 @@ def test_dp2_equals_one_process(ranks):
     assert losses != losses[:1] * STEPS  # the model did train
 
 
+@DP_RUNS
 def test_dp2_with_accumulation_equals_one_process(ranks):
     # Micro-batch 1, 2 accumulation steps per rank vs 4 in one process: the same samples per
     # step, summed in another order, so equal up to rounding. SGD here: Adam divides by sqrt(v)
@@ -163,6 +168,7 @@ def test_dp2_with_accumulation_equals_one_process(ranks):
         assert_same_run(r["sgd_mbs1"], reference, exact=False)
 
 
+@DP_RUNS
 def test_gradient_bytes_once_per_step_and_buckets_overlap_backward(ranks):
     for r in ranks:
         grad_numel, per_micro, launched, buckets = r["traffic"]
@@ -179,6 +185,7 @@ def test_gradient_bytes_once_per_step_and_buckets_overlap_backward(ranks):
 
 
 @pytest.mark.parametrize("case", ["bf16", "bf16_fp32_reduce"])
+@DP_RUNS
 def test_bf16_wire_and_fp32_reduction(ranks, case):
     (numel, nbytes, grads0), (_, _, grads1) = (r[case] for r in ranks)
     # bf16 on the wire unless --accumulate-allreduce-grads-in-fp32.

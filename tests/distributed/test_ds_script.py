@@ -121,13 +121,31 @@ def _initialize_with_mpu(rank: int) -> dict:
     }
 
 
-def test_initialize_honours_a_passed_mpu():
+MPU = pytest.mark.xdist_group("ds_script_mpu")  # one spawn for the tests that read it
+
+
+@pytest.fixture(scope="module")
+def with_mpu() -> list[dict]:
     from .spawn import run_ranks
 
-    results = run_ranks(_initialize_with_mpu, 4)
-    for rank, r in enumerate(results):
-        assert "data-parallel rank" in r["refused"] and "of 2" in r["refused"]
+    return run_ranks(_initialize_with_mpu, 4)
+
+
+@MPU
+def test_initialize_honours_a_passed_mpu(with_mpu):
+    for rank, r in enumerate(with_mpu):
         assert r["tp"] == 2
         assert r["dp"] == (rank // 2, 2, 8)  # 2 per micro-batch x 2 accumulation x dp 2
         assert r["steps"] == 2 and r["batches"] == 4  # 16 samples / dp 2 / 2 per batch
-        assert torch.equal(r["weights"], results[0]["weights"])  # replicas stay equal
+
+
+@MPU
+def test_an_mpu_that_disagrees_with_the_rank_grid_is_refused(with_mpu):
+    for r in with_mpu:
+        assert "data-parallel rank" in r["refused"] and "of 2" in r["refused"]
+
+
+@MPU
+def test_data_parallel_replicas_stay_equal(with_mpu):
+    for r in with_mpu:
+        assert torch.equal(r["weights"], with_mpu[0]["weights"])

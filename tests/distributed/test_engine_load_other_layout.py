@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
+
 from zerotron.checkpoint.reshard import reshard_checkpoint
 from zerotron.config import parse_megatron_args
 from zerotron.distributed import comm
@@ -55,10 +57,29 @@ def _rank(rank, data, root):
     return out
 
 
-def test_weights_load_across_layouts(data_prefix, tmp_path):
-    for r in run_ranks(_rank, 4, data_prefix, str(tmp_path), timeout=240):
+LOADS = pytest.mark.xdist_group("load_other_layout")  # one spawn for the tests that read it
+
+
+@pytest.fixture(scope="module")
+def loads(data_prefix, tmp_path_factory) -> list[dict]:
+    return run_ranks(_rank, 4, data_prefix, str(tmp_path_factory.mktemp("layouts")), timeout=240)
+
+
+@LOADS
+def test_optimizer_state_of_another_layout_is_refused(loads):
+    for r in loads:
         assert "optimizer states cannot be resharded" in r["error"]
         assert "zerotron convert --load" in r["error"]
+
+
+@LOADS
+def test_weights_load_across_layouts_and_resume_the_iteration(loads):
+    for r in loads:
         assert sorted(r["direct"]) == [3]  # the iteration was restored: one more step
         assert r["direct"] == r["converted"]  # online and offline resharding: the same weights
+
+
+@LOADS
+def test_finetune_from_another_layout_starts_at_iteration_0(loads):
+    for r in loads:
         assert sorted(r["finetune"]) == [1]

@@ -200,6 +200,9 @@ def _all_cases(rank: int, root: str) -> dict:
     return out
 
 
+ENGINE_ZERO = pytest.mark.xdist_group("engine_zero")  # one spawn for the tests that read it
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[list[dict], Path]:
     root = tmp_path_factory.mktemp("zero_ckpt")
@@ -207,6 +210,7 @@ def ranks(tmp_path_factory) -> tuple[list[dict], Path]:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@ENGINE_ZERO
 def test_resume_gives_the_same_losses_bitwise(ranks, stage):
     results, _ = ranks
     for r in results:
@@ -224,6 +228,7 @@ def test_resume_gives_the_same_losses_bitwise(ranks, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@ENGINE_ZERO
 def test_checkpoint_files_and_zero_to_fp32(ranks, stage):
     results, root = ranks
     tag_dir = root / f"stage{stage}" / "global_step2"
@@ -248,6 +253,7 @@ def test_checkpoint_files_and_zero_to_fp32(ranks, stage):
         assert all(torch.equal(gathered[k], v) for k, v in saved.items())
 
 
+@ENGINE_ZERO
 def test_fp16_overflow_is_skipped_and_counted(ranks):
     for r in ranks[0]:
         o = r["overflow"]
@@ -255,6 +261,7 @@ def test_fp16_overflow_is_skipped_and_counted(ranks):
         assert o["scales"][1] == o["scales"][0] / 2
 
 
+@ENGINE_ZERO
 def test_other_data_parallel_size_is_repartitioned_or_refused_by_name(ranks):
     """A dp2 stage-2 checkpoint loaded by one process (data-parallel size 1): re-partitioned,
     it continues as the two ranks did (same global batches; the sums run in another order);

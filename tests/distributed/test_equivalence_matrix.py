@@ -227,23 +227,42 @@ def _check_layout(name: str, results: list[dict], root: Path, ref: dict) -> list
     return problems
 
 
-def _check_world(world: int, data: str, root: Path, ref: dict, resume: bool = False):
-    results = _run_world(world, data, root, resume)
+def _check_results(world: int, results: list[dict], root: Path, ref: dict) -> None:
+    """Every layout of this world size against the reference; all differences in one failure."""
     problems = []
     for name, (size, _) in LAYOUTS.items():
         if size == world:
             problems += _check_layout(name, results, root, ref)
     assert not problems, "\n".join(problems)
-    return results
+
+
+def _check_world(world: int, data: str, root: Path, ref: dict) -> None:
+    _check_results(world, _run_world(world, data, root), root, ref)
 
 
 # ---- tests ------------------------------------------------------------------------------------
 
 
-def test_two_ranks_dp_tp_sp_pp_and_pp2_resume(data_prefix, reference, tmp_path):
+TWO_RANKS = pytest.mark.xdist_group("matrix_two_ranks")  # one spawn for the tests that read it
+
+
+@pytest.fixture(scope="module")
+def two_ranks(data_prefix, tmp_path_factory) -> tuple[list[dict], Path]:
     """dp2, tp2, tp2+sp, pp2 1F1B, pp2 interleaved (v=2); pp2 stopped at 3 and resumed."""
-    results = _check_world(2, data_prefix, tmp_path, reference, resume=True)
-    # Resume on the same layout is exact: the losses and the final files, bit for bit.
+    root = tmp_path_factory.mktemp("two_ranks")
+    return _run_world(2, data_prefix, root, resume=True), root
+
+
+@TWO_RANKS
+def test_two_ranks_dp_tp_sp_pp_equal_one_process(two_ranks, reference):
+    results, root = two_ranks
+    _check_results(2, results, root, reference)
+
+
+@TWO_RANKS
+def test_pp2_resume_is_exact(two_ranks):
+    """Resume on the same layout is exact: the losses and the final files, bit for bit."""
+    results, root = two_ranks
     for r in results:
         assert sorted(r["first"]["losses"]) == [1, 2, 3]
         assert sorted(r["second"]["losses"]) == [4, 5]
@@ -251,8 +270,8 @@ def test_two_ranks_dp_tp_sp_pp_and_pp2_resume(data_prefix, reference, tmp_path):
         assert r["second"]["valid"] == r["pp2_1f1b"]["valid"]
     tag = tag_for_iteration(ITERS)
     for f in model_files(1, 2):
-        whole = load_file(tmp_path / "pp2_1f1b", tag, f)
-        parts = load_file(tmp_path / "pp2_parts", tag, f)
+        whole = load_file(root / "pp2_1f1b", tag, f)
+        parts = load_file(root / "pp2_parts", tag, f)
         for key in ("model", "optimizer", "opt_param_scheduler", "rng_state", "iteration"):
             _assert_same(whole[key], parts[key], f"{f}/{key}")
 

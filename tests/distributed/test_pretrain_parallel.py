@@ -52,6 +52,9 @@ def _dp2_rank(rank: int, data: str, root: str) -> dict:
     return {"whole": whole, "first": first, "second": second, "stdout": out.getvalue()}
 
 
+DP2_RUN = pytest.mark.xdist_group("pretrain_dp2")  # one spawn for the tests that read it
+
+
 @pytest.fixture(scope="module")
 def dp2(data_prefix, tmp_path_factory) -> tuple[list[dict], Path]:
     # Before any single-process run: the ranks find no index cache, so rank 0 builds it while
@@ -80,6 +83,7 @@ def model_state(save: Path) -> dict[str, torch.Tensor]:
     return load_file(save, tag_for_iteration(ITERS), model_file())["model"]
 
 
+@DP2_RUN
 def test_dp2_pretrain_equals_one_process(dp2, data_prefix, tmp_path):
     results, root = dp2
     single = _pretrain(1, data_prefix, "--save", tmp_path / "single")
@@ -96,6 +100,7 @@ def test_dp2_pretrain_equals_one_process(dp2, data_prefix, tmp_path):
         assert torch.equal(ref[k], got[k]), k
 
 
+@DP2_RUN
 def test_dp2_checkpoint_layout_and_exact_resume(dp2):
     results, root = dp2
     tag = root / "whole" / tag_for_iteration(ITERS)
@@ -115,6 +120,7 @@ def test_dp2_checkpoint_layout_and_exact_resume(dp2):
         assert_same(a[key], b[key], key)
 
 
+@DP2_RUN
 def test_only_rank_0_logs(dp2):
     results, _ = dp2
     rank0, rank1 = results[0]["stdout"], results[1]["stdout"]

@@ -22,6 +22,7 @@ import contextlib
 import io
 from pathlib import Path
 
+import pytest
 import torch
 
 from zerotron.checkpoint import load_file, model_files, read_latest_tag
@@ -108,12 +109,29 @@ def _rank(rank: int, data: str, root: str) -> dict:
     return out
 
 
-def test_tp2_pp2_checkpoint_resharded_and_generated(data_prefix, tmp_path):
-    # One test, one spawn (a module fixture would run once per xdist worker).
-    results = run_ranks(_rank, 4, data_prefix, str(tmp_path), timeout=240)
-    _check_logits(results, tmp_path)
-    _check_round_trip(tmp_path)
-    _check_generation(results, tmp_path)
+TP2_PP2 = pytest.mark.xdist_group("reshard_tp2_pp2")  # one spawn for the tests that read it
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2(data_prefix, tmp_path_factory) -> tuple[list[dict], Path]:
+    """One spawn: the tp2 x pp2 checkpoint, resharded and generated from on 4 ranks."""
+    root = tmp_path_factory.mktemp("reshard")
+    return run_ranks(_rank, 4, data_prefix, str(root), timeout=240), root
+
+
+@TP2_PP2
+def test_resharded_layouts_give_the_tp2_pp2_logits(tp2_pp2):
+    _check_logits(*tp2_pp2)
+
+
+@TP2_PP2
+def test_reshard_round_trip_is_exact(tp2_pp2):
+    _check_round_trip(tp2_pp2[1])
+
+
+@TP2_PP2
+def test_generation_at_tp2_equals_one_process(tp2_pp2):
+    _check_generation(*tp2_pp2)
 
 
 def _close(a: torch.Tensor, ref: torch.Tensor) -> float:

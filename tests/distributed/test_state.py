@@ -100,12 +100,20 @@ def _grid_rank(rank, tp, pp):
     return out
 
 
-def test_groups_on_8_ranks_match_the_grid():
-    tp, dp, pp = 2, 2, 2
-    coords, ref = reference_groups(tp, dp, pp)
-    topo = ProcessTopology(tp=tp, dp=dp, pp=pp)
-    results = run_ranks(_grid_rank, 8, tp, pp)
-    for rank, out in enumerate(results):
+GRID = pytest.mark.xdist_group("state_grid")  # one spawn for the tests that read it
+TP, DP, PP = 2, 2, 2
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[dict]:
+    return run_ranks(_grid_rank, 8, TP, PP)
+
+
+@GRID
+def test_groups_on_8_ranks_match_the_grid(grid):
+    coords, ref = reference_groups(TP, DP, PP)
+    topo = ProcessTopology(tp=TP, dp=DP, pp=PP)
+    for rank, out in enumerate(grid):
         p, d, t = coords[rank]
         assert out["coords"] == (p, d, t) == tuple(topo.coords(rank))
         for name in NAMES:
@@ -118,20 +126,31 @@ def test_groups_on_8_ranks_match_the_grid():
             total, entries = out["sums"][name]
             assert total == sum(ranks)
             assert entries == [(name, "all_reduce", 4)]
+
+
+@GRID
+def test_mpu_on_8_ranks_matches_the_grid(grid):
+    coords, ref = reference_groups(TP, DP, PP)
+    for rank, out in enumerate(grid):
+        p, d, t = coords[rank]
         m = out["mpu"]
         mp_index = ref["mp"][rank].index(rank)
-        assert m["tp"] == m["slice"] == (t, tp)
-        assert m["dp"] == (d, dp)
-        assert m["pp"] == m["pipe"] == (p, pp)
-        assert m["mp"] == m["mp_torch"] == (mp_index, tp * pp)
-        assert mp_index == p * tp + t  # DeepSpeed's ds_model_rank order
-        assert m["stages"] == (p == 0, p == pp - 1)
+        assert m["tp"] == m["slice"] == (t, TP)
+        assert m["dp"] == (d, DP)
+        assert m["pp"] == m["pipe"] == (p, PP)
+        assert m["mp"] == m["mp_torch"] == (mp_index, TP * PP)
+        assert mp_index == p * TP + t  # DeepSpeed's ds_model_rank order
+        assert m["stages"] == (p == 0, p == PP - 1)
         assert m["src"] == (ref["tp"][rank][0], ref["dp"][rank][0])
         other_stage = ref["pp"][rank][1 - p]
         assert m["next_prev"] == (other_stage, other_stage)
         assert all(m["same_pg"])
-    # DESIGN.md's worked example.
-    by_rank = {r: out["groups"] for r, out in enumerate(results)}
+
+
+@GRID
+def test_design_worked_example(grid):
+    """DESIGN.md's worked example."""
+    by_rank = {r: out["groups"] for r, out in enumerate(grid)}
     assert sorted({tuple(by_rank[r]["dp"][0]) for r in range(4)}) == [(0, 2), (1, 3)]
     assert sorted({tuple(by_rank[r]["tp"][0]) for r in range(4)}) == [(0, 1), (2, 3)]
 
@@ -208,11 +227,29 @@ def _layouts_rank(rank):
     return out
 
 
-def test_layouts_on_4_ranks():
-    results = run_ranks(_layouts_rank, 4)
-    for rank, out in enumerate(results):
+LAYOUTS = pytest.mark.xdist_group("state_layouts")  # one spawn for the tests that read it
+
+
+@pytest.fixture(scope="module")
+def layouts() -> list[dict]:
+    return run_ranks(_layouts_rank, 4)
+
+
+@LAYOUTS
+def test_default_layout_on_4_ranks(layouts):
+    for rank, out in enumerate(layouts):
         assert out["default"] == (False, 4, rank, True, 1, 1, None)
+
+
+@LAYOUTS
+def test_indivisible_layout_is_refused(layouts):
+    for out in layouts:
         assert "world size 4" in out["indivisible"] and "size 3" in out["indivisible"]
+
+
+@LAYOUTS
+def test_pp4_stages_neighbours_and_embedding_group(layouts):
+    for rank, out in enumerate(layouts):
         pp4 = out["pp4"]
         end = rank in (0, 3)
         assert pp4["stage"] == (rank, rank == 0, rank == 3)
@@ -224,9 +261,19 @@ def test_layouts_on_4_ranks():
             assert pp4["embedding_sum"].startswith("refused: all_reduce on the embedding group")
             assert pp4["mpu_embedding"] == "refused"
         assert pp4["self_reduce"] == rank  # a one-rank reduction, not a sum over the world
+
+
+@LAYOUTS
+def test_reinitialize_same_other_and_after_destroy(layouts):
+    for out in layouts:
         assert out["same_again"] is True
         assert "already exist" in out["reinit"]
         assert out["after_destroy"] == (False, 4)
+
+
+@LAYOUTS
+def test_virtual_pipeline_stages(layouts):
+    for rank, out in enumerate(layouts):
         assert "needs pipeline-parallel size > 1" in out["virtual_without_pp"]
         last = rank >= 2  # tp2 pp2: ranks 2, 3 are stage 1
         assert out["virtual"] == (
@@ -310,6 +357,7 @@ def _one_rank_stalls(rank):
     comm.all_reduce(torch.ones(1), state().world)
 
 
+@pytest.mark.timing  # bounds the wall-clock time to the failure
 def test_a_raising_rank_fails_the_run_with_its_traceback():
     start = time.monotonic()
     with pytest.raises(RankError) as info:
@@ -326,6 +374,7 @@ def test_a_dying_rank_is_named():
     assert info.value.rank == 1 and "exited with code 3" in str(info.value)
 
 
+@pytest.mark.timing  # bounds the wall-clock time to the kill
 def test_hung_ranks_are_killed_at_the_timeout():
     start = time.monotonic()
     with pytest.raises(RankTimeout, match=r"ranks \[0, 1\] did not finish within 2 s"):

@@ -270,6 +270,9 @@ def reference():
     return {"sd": sd, "loss": loss.detach(), "grads": grads, "logits": logits}
 
 
+TP_RUN = pytest.mark.xdist_group("tensor_parallel")  # one spawn for the tests that read it
+
+
 @pytest.fixture(scope="module")
 def results(reference):
     return run_ranks(_rank, TP, reference["sd"], timeout=120)
@@ -291,6 +294,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 # Tests
 
 
+@TP_RUN
 def test_mappings_forward_and_backward_exact(results):
     xs = [ints((2, 4, 6), 100 + r) for r in range(TP)]
     half_h = [ints((2, 4, 3), 200 + r) for r in range(TP)]
@@ -356,6 +360,7 @@ def test_mappings_are_free_at_tp1():
     assert cap.entries == []
 
 
+@TP_RUN
 def test_column_gather_output_and_row_with_full_input(results):
     torch.manual_seed(5)
     col = ColumnParallelLinear(6, 8, gather_output=True)
@@ -380,6 +385,7 @@ def test_column_gather_output_and_row_with_full_input(results):
     torch.testing.assert_close(rb[0], row.bias.grad)
 
 
+@TP_RUN
 def test_vocab_parallel_cross_entropy_matches_torch_without_padding(results):
     for case, (logits, target, weights) in enumerate(ce_case()):
         real = int(torch.isfinite(logits[0, 0]).sum())
@@ -397,6 +403,7 @@ def test_vocab_parallel_cross_entropy_matches_torch_without_padding(results):
         assert torch.equal(full.grad[..., real:], torch.zeros_like(full.grad[..., real:]))
 
 
+@TP_RUN
 def test_gpt_init_is_independent_of_tp(results):
     for sp in (False, True):
         torch.manual_seed(SEED)
@@ -407,6 +414,7 @@ def test_gpt_init_is_independent_of_tp(results):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+@TP_RUN
 def test_gpt_loss_and_grads_match_one_process(results, reference, sp):
     ref = GPT(model_config(1))  # parameter attributes only
     for r in range(TP):
@@ -424,6 +432,7 @@ def test_gpt_loss_and_grads_match_one_process(results, reference, sp):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+@TP_RUN
 def test_gpt_logits_exclude_padding(results, reference, sp):
     want = reference["logits"]  # [b, s, 1008], -inf from 1000 on
     for r in range(TP):
@@ -439,6 +448,7 @@ def test_gpt_logits_exclude_padding(results, reference, sp):
             torch.testing.assert_close(cached, got, rtol=1e-5, atol=1e-5)
 
 
+@TP_RUN
 def test_sequence_parallel_marks_the_replicated_params(results):
     ln = [
         f"layers.{i}.{m}.{p}"
@@ -491,6 +501,7 @@ def expected_sp_ledger() -> dict:
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+@TP_RUN
 def test_comm_ledger_matches_the_closed_form(results, sp):
     want = expected_sp_ledger() if sp else expected_tp_ledger()
     for r in range(TP):
@@ -503,6 +514,7 @@ def test_comm_ledger_matches_the_closed_form(results, sp):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+@TP_RUN
 def test_dropout_streams_under_tp(results, sp):
     d = [results[r]["dropout"] for r in range(TP)]
     # the default stream (residual dropout without SP) stays in step across TP ranks

@@ -45,6 +45,9 @@ from .spawn import run_ranks
 DP = 2
 THRESHOLD = 100
 STEPS = 2
+# The tests reading one spawn share an xdist group (--dist loadgroup): each spawn runs once.
+LIFECYCLE = pytest.mark.xdist_group("zero3_lifecycle")
+INIT = pytest.mark.xdist_group("zero3_init")
 
 
 def gpt(recompute: str | None = None, dtype: torch.dtype = torch.float32) -> GPT:
@@ -282,16 +285,14 @@ def _update(model: nn.Module, ref: nn.Module, dp: Group) -> None:
         p.grad = None
 
 
-def test_stage3_step_lifecycle():
-    """One spawn for all configurations (the checks below read its results)."""
-    lifecycle = run_ranks(_lifecycle, DP, timeout=120)
-    check_forward_and_grads_equal_whole_model(lifecycle)
-    check_each_parameter_gathered_twice_per_step(lifecycle)
-    check_only_shards_held_between_steps(lifecycle)
-    check_prefetch_follows_recorded_order_within_budgets(lifecycle)
+@pytest.fixture(scope="module")
+def lifecycle() -> list:
+    """One spawn for all configurations (the tests below read its results)."""
+    return run_ranks(_lifecycle, DP, timeout=120)
 
 
-def check_forward_and_grads_equal_whole_model(lifecycle):
+@LIFECYCLE
+def test_forward_and_grads_equal_whole_model(lifecycle):
     for rank_results in lifecycle:
         for res in rank_results:
             for step in res["steps"]:
@@ -301,7 +302,8 @@ def check_forward_and_grads_equal_whole_model(lifecycle):
     assert lifecycle[0][0]["steps"][0]["loss"] != lifecycle[1][0]["steps"][0]["loss"]
 
 
-def check_each_parameter_gathered_twice_per_step(lifecycle):
+@LIFECYCLE
+def test_each_parameter_gathered_twice_per_step(lifecycle):
     for rank_results in lifecycle:
         for res in rank_results:
             padding = DP * res["chunks"] - res["partitioned_numel"]
@@ -319,7 +321,8 @@ def check_each_parameter_gathered_twice_per_step(lifecycle):
                 assert all(step["used_chunks"] == res["chunks"] for step in res["steps"])
 
 
-def check_only_shards_held_between_steps(lifecycle):
+@LIFECYCLE
+def test_only_shards_held_between_steps(lifecycle):
     for rank_results in lifecycle:
         for res in rank_results:
             want = (res["chunks"] + res["persistent_numel"]) * res["elt"]
@@ -332,7 +335,8 @@ def check_only_shards_held_between_steps(lifecycle):
             assert abs(res["chunks"] - psi / DP) < res["n_partitioned"]
 
 
-def check_prefetch_follows_recorded_order_within_budgets(lifecycle):
+@LIFECYCLE
+def test_prefetch_follows_recorded_order_within_budgets(lifecycle):
     for res in lifecycle[0]:
         kind, _, prefetch, max_live = res["config"]
         for step in res["steps"]:
@@ -531,23 +535,22 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
     return res
 
 
-def test_init_gathered_parameters_state_dicts_offload(tmp_path):
+@pytest.fixture(scope="module")
+def init_and_gathered(tmp_path_factory) -> list:
     """One spawn for zero.Init, GatheredParameters, state dicts and offload_param."""
-    results = run_ranks(_init_and_gathered, DP, str(tmp_path), timeout=120)
-    check_init_builds_the_eager_model_partitioned(results)
-    check_init_memory_is_bounded_while_building(results)
-    check_gathered_parameters_and_modifier_rank(results)
-    check_offload_param_cpu_and_nvme(results)
+    return run_ranks(_init_and_gathered, DP, str(tmp_path_factory.mktemp("zero3")), timeout=120)
 
 
-def check_init_builds_the_eager_model_partitioned(init_and_gathered):
+@INIT
+def test_init_builds_the_eager_model_partitioned(init_and_gathered):
     for res in init_and_gathered:
         assert res["init_shards_equal"]
         assert res["init_state_dict_equal"]  # rank 0: every tensor; rank 1: None
         assert res["init_forward_equal"]
 
 
-def check_init_memory_is_bounded_while_building(init_and_gathered):
+@INIT
+def test_init_memory_is_bounded_while_building(init_and_gathered):
     for res in init_and_gathered:
         total, layer = res["wide_total_bytes"], res["layer_bytes"]
         eager_peak, eager_largest = res["peaks"]["eager"]
@@ -562,7 +565,8 @@ def check_init_memory_is_bounded_while_building(init_and_gathered):
         assert 2 * psi / DP <= res["bf16_bytes"] < 2 * psi / DP + 2 * 6  # 6 tensors' padding
 
 
-def check_gathered_parameters_and_modifier_rank(init_and_gathered):
+@INIT
+def test_gathered_parameters_and_modifier_rank(init_and_gathered):
     for res in init_and_gathered:
         assert res["gathered_shape"] == (48, 64)
         assert res["gathered_value_ok"]
@@ -577,7 +581,8 @@ def check_gathered_parameters_and_modifier_rank(init_and_gathered):
         assert res["fwd_module"] == [(True, True, True, True)] * 2
 
 
-def check_offload_param_cpu_and_nvme(init_and_gathered):
+@INIT
+def test_offload_param_cpu_and_nvme(init_and_gathered):
     for res in init_and_gathered:
         for device in ("cpu", "nvme"):
             assert res[f"offload_{device}_equal"] == [True, True]

@@ -52,7 +52,14 @@ class TensorBoardMonitor:
     """Scalars into TensorBoard event files under ``<output_path>/<job_name>``."""
 
     def __init__(self, output_path: str, job_name: str):
-        from torch.utils.tensorboard import SummaryWriter
+        try:  # tensorboard is an extra: the core runs without it
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ConfigError(
+                f"tensorboard is enabled but cannot be imported ({e})",
+                where="tensorboard.enabled",
+                fix="pip install 'zerotron[tensorboard]', or set tensorboard.enabled to false",
+            ) from e
 
         self.log_dir = _log_dir(output_path, job_name)
         self.log_dir.mkdir(parents=True, exist_ok=True)

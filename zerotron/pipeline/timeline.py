@@ -25,6 +25,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from zerotron.errors import ConfigError
 from zerotron.fileio import atomic_write_bytes
 from zerotron.pipeline.schedules import (
     SCHEDULES,
@@ -117,8 +118,15 @@ def draw(
     chunk as a subscript with virtual stages; later chunks are drawn lighter). Grey is idle.
     Time is in units of one full-stage forward, so schedules with different v compare directly.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: keeps the CLI fast
-    from matplotlib.figure import Figure
+    try:  # lazy: keeps the CLI fast; matplotlib is an extra
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ConfigError(
+            f"drawing the timeline needs matplotlib, which cannot be imported ({e})",
+            where="--out",
+            fix="pip install 'zerotron[plot]', or leave out --out",
+        ) from e
 
     timeline = simulate(schedule, fwd_cost, bwd_cost)
     p, m, v = timeline.num_stages, timeline.num_microbatches, timeline.virtual_stages

@@ -23,6 +23,7 @@ from zerotron.checkpoint import tag_for_iteration
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_rank
 from zerotron.engine.timers import Timers
+from zerotron.errors import ConfigError
 from zerotron.training import log
 from zerotron.training.build import Run
 from zerotron.training.throughput import model_flops_per_token, tflops_per_second
@@ -136,7 +137,14 @@ def save(run: Run, state: TrainState) -> Path:
 def _tensorboard(run: Run):
     if not run.cfg.training.tensorboard_dir or get_rank() != 0:
         return None
-    from torch.utils.tensorboard import SummaryWriter
+    try:  # tensorboard is an extra: the core runs without it
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError(
+            f"TensorBoard logging is asked for but cannot be imported ({e})",
+            where="--tensorboard-dir",
+            fix="pip install 'zerotron[tensorboard]', or leave out --tensorboard-dir",
+        ) from e
 
     return SummaryWriter(log_dir=run.cfg.training.tensorboard_dir, max_queue=1000)
 

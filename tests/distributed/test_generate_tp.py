@@ -22,7 +22,7 @@ from zerotron.checkpoint import read_metadata
 from zerotron.checkpoint.model import save_gpt
 from zerotron.models.gpt import GPT, GPTConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy"]
 SAMPLE = ["--max-new-tokens", "12", "--temperature", "0.9", "--top-k", "40", "--seed", "7"]
 

@@ -1,4 +1,5 @@
-"""Worker for tests/test_launch.py: one gloo all-reduce, then report what this rank saw."""
+"""Worker for tests/distributed/test_launch.py: one gloo all-reduce, then report what this rank
+saw."""
 
 import argparse
 import os

@@ -1,4 +1,5 @@
-"""Worker for tests/test_launch.py: rank --fail-rank breaks at step 2 while the others wait.
+"""Worker for tests/distributed/test_launch.py: rank --fail-rank breaks at step 2 while the
+others wait.
 
 --mode raise: the failing rank raises (Python exits with 1) and its peers are blocked in a gloo
 all-reduce that it never joins. --mode exit3: the failing rank dies with os._exit(3) and its
