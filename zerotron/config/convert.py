@@ -121,6 +121,15 @@ def BETAS(path: str, value: Any) -> tuple[float, float]:
     return FLOAT(f"{path}[0]", value[0]), FLOAT(f"{path}[1]", value[1])
 
 
+def parse_at(parse: Parse, path: str, value: Any) -> Any:
+    """``parse(path, value)``, its error naming ``path`` in ``where`` rather than in the
+    message: for callers whose errors are matched on their key path (the offload options)."""
+    try:
+        return parse(path, value)
+    except ConfigError as e:
+        raise ConfigError(e.what.removeprefix(f"{path}: "), where=path, fix=e.fix) from None
+
+
 _BASE: dict[Any, Parse] = {int: INT, float: FLOAT, bool: BOOL, str: STR}
 
 

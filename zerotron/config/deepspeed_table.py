@@ -6,6 +6,8 @@ A dict in :data:`SPEC` is a section of DeepSpeed's JSON; a :class:`Leaf` sets a 
 feature zerotron does not implement. ``optimizer`` and ``scheduler`` have a table per type
 (:data:`OPTIMIZER_PARAMS`, :data:`SCHEDULER_PARAMS`). The walker that reads a config against
 these tables is :mod:`zerotron.config.deepspeed`; docs/deepspeed.md lists the keys.
+:func:`read_offload` reads one offload section against its table for offload options built
+without a config, so the offload values have one set of rules wherever they come from.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from zerotron.config.convert import (
     Parse,
     bad_value,
     from_field,
+    parse_at,
 )
 from zerotron.config.sections import ZeroConfig
+from zerotron.errors import ConfigError, UnsupportedError
 
 AUTO = "auto"
 
@@ -161,6 +165,36 @@ _ZERO: dict[str, Any] = {
     "mics_hierarchical_params_gather": Refused("MiCS is not implemented"),
     "offload_states": Refused("offloading states between steps is not implemented"),
 }
+
+
+def read_offload(kind: str, section: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """One offload section (``zero_optimization.offload_<kind>``, at key path ``where``) read
+    against its table above: the values of its keys that set a field, parsed; ignored keys
+    dropped; null left out (the default).
+
+    For offload options built outside a config (:class:`~zerotron.zero.options.OffloadOptions`:
+    ``zero.Init``'s dict, direct Python use), so they obey the rules a DeepSpeed JSON does.
+    With no config to collect warnings into, an unknown key raises; each error names
+    ``<where>.<key>`` (``where`` itself for an unknown key) in ``where``.
+    """
+    node = _ZERO[f"offload_{kind}"]
+    unknown = sorted(set(section) - set(node))
+    if unknown:
+        ignored = sorted(k for k, v in node.items() if isinstance(v, Ignored))
+        fix = f"use {sorted(k for k, v in node.items() if isinstance(v, Leaf))}"
+        raise ConfigError(
+            f"unknown key(s) {unknown}",
+            where=where,
+            fix=fix + (f" (DeepSpeed's {ignored} are ignored)" if ignored else ""),
+        )
+    out: dict[str, Any] = {}
+    for key, value in section.items():
+        spec, path = node[key], f"{where}.{key}"
+        if isinstance(spec, Refused) and not spec.harmless(value):
+            raise UnsupportedError(spec.why, where=path, fix=f"remove {key!r}")
+        if isinstance(spec, Leaf) and value is not None:
+            out[key] = parse_at(spec.parse, path, value)
+    return out
 
 
 def _comm_dtype(path: str, value: Any) -> str:

@@ -20,17 +20,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from zerotron.config.deepspeed_table import read_offload
 from zerotron.errors import ConfigError
 
 if TYPE_CHECKING:
     from zerotron.config import ZeroConfig
 
 Device = Literal["none", "cpu", "nvme"]
-
-# DeepSpeed keys of the offload sections that only tune its async-I/O library: accepted, unused.
-_DS_TUNING_KEYS = frozenset(
-    {"buffer_size", "max_in_cpu", "pipeline", "pipeline_read", "pipeline_write", "fast_init"}
-)
 
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 """``communication_data_type`` names in the config -> torch dtypes."""
@@ -66,57 +62,48 @@ class OffloadOptions:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, where: str) -> OffloadOptions:
-        """Options from a DeepSpeed JSON section, validated; ``where`` is its key path."""
+        """Options from a DeepSpeed JSON section, validated; ``where`` is its key path, whose
+        last key (``offload_param`` or else ``offload_optimizer``) picks the section's table.
+
+        The values are read by the config's DeepSpeed table
+        (:func:`~zerotron.config.deepspeed_table.read_offload`), as a DeepSpeed JSON's are;
+        keys without an option here (``buffer_size``, ``max_in_cpu``) are checked, unused.
+        """
         if d is None:
             return cls()
-        known = {"device", "nvme_path", "pin_memory", "buffer_count", "ratio"}
-        unknown = sorted(set(d) - known - _DS_TUNING_KEYS)
-        if unknown:
-            raise ConfigError(
-                f"unknown key(s) {unknown}",
-                where=where,
-                fix=f"use {sorted(known)} (DeepSpeed's {sorted(_DS_TUNING_KEYS)} are ignored)",
-            )
-        ratio = d.get("ratio", 1.0)
-        if ratio != 1.0:
-            raise ConfigError(
-                f"partial offload (ratio {ratio}) is not supported",
-                where=f"{where}.ratio",
-                fix="remove ratio (everything is offloaded)",
-            )
-        kw = {k: d[k] for k in known - {"ratio"} if k in d}
-        if kw.get("nvme_path") is not None:
-            kw["nvme_path"] = str(kw["nvme_path"])
-        opts = cls(**kw)
+        if isinstance(d.get("nvme_path"), os.PathLike):  # a Python dict may hold a Path
+            d = {**d, "nvme_path": os.fspath(d["nvme_path"])}
+        values = read_offload(_kind(where), d, where)
+        fields = ("device", "nvme_path", "pin_memory", "buffer_count")
+        opts = cls(**{k: values[k] for k in fields if k in values})
         opts.validate(where)
         return opts
 
     def validate(self, where: str) -> None:
-        """Raise :class:`ConfigError` naming ``<where>.<key>`` if a value cannot work."""
-        if self.device not in ("none", "cpu", "nvme"):
-            raise ConfigError(
-                f"device must be none, cpu or nvme, got {self.device!r}",
-                where=f"{where}.device",
-                fix='set "device": "cpu" (host memory) or "nvme" (files under nvme_path)',
-            )
-        if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int):
-            raise ConfigError(
-                f"buffer_count must be an integer, got {self.buffer_count!r}",
-                where=f"{where}.buffer_count",
-            )
-        if self.buffer_count < 1:
-            raise ConfigError(
-                f"buffer_count must be at least 1, got {self.buffer_count}",
-                where=f"{where}.buffer_count",
-                fix="use 2 or more so reads and writes overlap the step (default 4)",
-            )
-        if not isinstance(self.pin_memory, bool):
-            raise ConfigError(
-                f"pin_memory must be true or false, got {self.pin_memory!r}",
-                where=f"{where}.pin_memory",
-            )
+        """Raise :class:`ConfigError` naming ``<where>.<key>`` if a value cannot work.
+
+        The values are checked by the config's definitions
+        (:func:`~zerotron.config.deepspeed_table.read_offload`) and must already be in the
+        form those give (``"cpu"``, not ``"CPU"``; 3, not 3.0): options are used as given.
+        The one check of its own is whether the NVMe directory is usable now.
+        """
+        given = {
+            "device": self.device,
+            "pin_memory": self.pin_memory,
+            "buffer_count": self.buffer_count,
+        }
+        parsed = read_offload(_kind(where), given, where)  # leaves out None (JSON's default)
+        for key, value in given.items():
+            if key not in parsed or type(parsed[key]) is not type(value) or parsed[key] != value:
+                want = f"{parsed[key]!r}" if key in parsed else "set"
+                raise ConfigError(f"must be {want}, not {value!r}", where=f"{where}.{key}")
         if self.device == "nvme":
             _check_nvme_path(self.nvme_path, f"{where}.nvme_path")
+
+
+def _kind(where: str) -> str:
+    """The offload section a key path names: ``param`` or, for anything else, ``optimizer``."""
+    return "param" if where.rpartition(".")[2] == "offload_param" else "optimizer"
 
 
 def _check_nvme_path(path: str | None, where: str) -> None:

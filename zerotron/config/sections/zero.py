@@ -3,8 +3,10 @@ zero_optimization and its top-level gradient keys, with DeepSpeed's defaults).
 
 The offload fields are the one definition of the offload keys (``offload_optimizer`` /
 ``offload_param``: device, nvme_path, pin_memory, buffer_count, buffer_size, max_in_cpu): the
-DeepSpeed loader derives its converters for them from these fields, and the rules between them
-(a stage to offload from, a path for NVMe) are in :mod:`zerotron.config.derive`.
+DeepSpeed loader derives its converters for them from these fields (``zero.Init``'s and
+Python-built :class:`~zerotron.zero.options.OffloadOptions` are checked by the same converters),
+and the rules between them (a stage to offload from, a path for NVMe) are in
+:mod:`zerotron.config.derive`.
 """
 
 from __future__ import annotations
