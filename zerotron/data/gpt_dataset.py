@@ -305,13 +305,16 @@ def build_train_valid_test_datasets(
     is_builder: bool = True,
     barrier: Callable[[], None] | None = None,
     cache_dir: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
     """Train, valid and test datasets (None where 0 samples are requested).
 
     ``data_path`` is Megatron's ``--data-path`` (one prefix or a weighted blend), ``split`` its
     ``--split`` over documents, applied to each prefix of a blend. Each dataset serves exactly
     the requested number of samples. Index files are built by the process with
-    ``is_builder=True`` and loaded by the others after ``barrier()``.
+    ``is_builder=True`` and loaded by the others after ``barrier()``. With ``vocab_size``, every
+    token id of each dataset is checked to lie below it (a DataError naming the ``.bin`` and the
+    offset otherwise); every rank checks, so all stop with the same error instead of waiting.
     """
     from zerotron.data.blended_dataset import BlendedDataset
 
@@ -319,6 +322,9 @@ def build_train_valid_test_datasets(
         raise ConfigError("need three sample counts: train, valid, test")
     path = parse_data_path(data_path)
     indexed = [MMapIndexedDataset(p) for p in path.prefixes]
+    if vocab_size is not None:
+        for ds in indexed:
+            ds.check_token_ids(vocab_size)
     doc_sizes = [document_sizes(ds) for ds in indexed]
     ranges = [ib.split_ranges(split, ds.num_documents) for ds in indexed]
     requested = [int(n) > 0 for n in train_valid_test_num_samples]

@@ -44,6 +44,8 @@ DTYPE_CODES: dict[int, type[np.generic]] = {
 }
 CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
+FIX_REBUILD = "re-run the `zerotron preprocess` (or merge-datasets) that wrote it"
+CHECK_CHUNK = 1 << 24  # entries (or tokens) per vectorized step of the checks: bounds memory
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
@@ -75,6 +77,96 @@ def encode_index(dtype: np.dtype, sizes: np.ndarray, doc_idx: np.ndarray) -> byt
     doc_idx = np.asarray(doc_idx, dtype=np.int64)
     head = HEADER.pack(MAGIC, VERSION, CODE_OF[dtype], len(sizes), len(doc_idx))
     return head + sizes.tobytes() + pointers.tobytes() + doc_idx.tobytes()
+
+
+def check_sequences(
+    idx_path: Path, sizes: np.ndarray, pointers: np.ndarray, itemsize: int, nbytes: int
+) -> None:
+    """Raise a DataError at the first sequence whose size or pointer cannot be right.
+
+    Megatron writes sequences back to back from byte 0, so each pointer must be where the
+    previous sequence ends and no size may be negative. A damaged entry in the middle would
+    otherwise pass: ``dataset-info`` would report negative or impossible token counts and
+    training would read garbage. Vectorized, in pieces. ``nbytes`` (the ``.bin`` length) only
+    helps tell a damaged size from a damaged pointer; the caller compares it with the end.
+    """
+    start = 0  # where the next sequence must begin
+    for lo in range(0, len(sizes), CHECK_CHUNK):
+        s = sizes[lo : lo + CHECK_CHUNK].astype(np.int64)
+        p = pointers[lo : lo + CHECK_CHUNK]
+        ends = start + np.cumsum(s * itemsize)
+        bad = s < 0
+        bad[0] |= p[0] != start
+        bad[1:] |= p[1:] != ends[:-1]
+        if bad.any():
+            raise _sequence_error(
+                idx_path, sizes, pointers, lo + int(np.argmax(bad)), itemsize, nbytes
+            )
+        start = int(ends[-1])
+
+
+def _sequence_error(
+    idx_path: Path, sizes: np.ndarray, pointers: np.ndarray, i: int, itemsize: int, nbytes: int
+) -> DataError:
+    """Say what is wrong with entry ``i``, the first bad one: its size, or the size before it, or
+    its pointer (a pointer that agrees with the sequence after it is taken as right)."""
+    n = len(sizes)
+    size, pointer = int(sizes[i]), int(pointers[i])
+    prev_end = int(pointers[i - 1]) + int(sizes[i - 1]) * itemsize if i else 0
+    next_start = int(pointers[i + 1]) if i + 1 < n else nbytes
+    if size < 0:
+        at, what = i, f"negative size {size:,} tokens"
+    elif i and next_start - pointer == size * itemsize:
+        gap = pointer - int(pointers[i - 1])
+        at = i - 1
+        what = (
+            f"size {int(sizes[i - 1]):,} tokens, but the next sequence starts {gap:,} bytes "
+            f"after it ({gap / itemsize:,.0f} tokens)"
+        )
+    else:
+        at, what = (
+            i,
+            f"pointer {pointer:,} should be {prev_end:,} (where the sequence before it ends)",
+        )
+    return DataError(
+        f"sequence {at:,} of {n:,}: {what}",
+        where=str(idx_path),
+        fix="the index is damaged: " + FIX_REBUILD,
+    )
+
+
+def check_doc_idx(idx_path: Path, doc_idx: np.ndarray, num_sequences: int) -> None:
+    """Raise a DataError at the first document-index entry that is out of range or out of order.
+
+    ``doc_idx`` runs from 0 to the sequence count without going back; an entry outside that
+    range would make a document start in another dataset's memory or end before it begins.
+    """
+    n = len(doc_idx)
+    if n < 1 or doc_idx[0] != 0 or doc_idx[-1] != num_sequences:
+        first, last = (int(doc_idx[0]), int(doc_idx[-1])) if n else (None, None)
+        raise DataError(
+            f"corrupt document index: {n:,} entries from {first} to {last}, "
+            f"must run from 0 to {num_sequences:,}",
+            where=str(idx_path),
+            fix="the index is damaged: " + FIX_REBUILD,
+        )
+    for lo in range(0, n, CHECK_CHUNK):
+        d = doc_idx[lo : lo + CHECK_CHUNK + 1]  # one more: the step to the next piece
+        out = (d < 0) | (d > num_sequences)
+        back = np.concatenate((np.diff(d) < 0, [False]))
+        bad = out | np.roll(back, 1)
+        if bad.any():
+            i = int(np.argmax(bad))
+            what = (
+                f"is {int(d[i]):,}, outside [0, {num_sequences:,}]"
+                if out[i]
+                else f"is {int(d[i]):,}, less than the entry before it ({int(d[i - 1]):,})"
+            )
+            raise DataError(
+                f"corrupt document index: entry {lo + i:,} of {n:,} {what}",
+                where=str(idx_path),
+                fix="the index is damaged: " + FIX_REBUILD,
+            )
 
 
 class MMapIndexedDatasetBuilder:
@@ -216,13 +308,25 @@ class MMapIndexedDataset:
                     fix="pass the prefix without .bin/.idx, e.g. my-corpus_text_document; "
                     "make it with `zerotron preprocess`",
                 )
+        nbytes = os.path.getsize(bin_path)
+        self._open_index(idx_path)
+        check_sequences(idx_path, self.sizes, self.pointers, self.dtype.itemsize, nbytes)
+        check_doc_idx(idx_path, self.doc_idx, len(self.sizes))
+        self._check_data_end(idx_path, bin_path, nbytes)
+        # np.memmap refuses empty files; an empty dataset is still a valid dataset.
+        self._bin = (
+            np.memmap(bin_path, dtype=np.uint8, mode="r") if nbytes else np.zeros(0, np.uint8)
+        )
+
+    def _open_index(self, idx_path: Path) -> None:
+        """Map the ``.idx`` and check its header and length (sizes, pointers and doc_idx views)."""
+        have = os.path.getsize(idx_path)
         # np.memmap refuses empty files, so look at the size first.
-        if os.path.getsize(idx_path) < HEADER.size:
+        if have < HEADER.size:
             raise DataError(
-                f"index file is truncated ({os.path.getsize(idx_path)} bytes, header alone "
-                f"is {HEADER.size})",
+                f"index file is truncated ({have} bytes, header alone is {HEADER.size})",
                 where=str(idx_path),
-                fix="re-run the preprocessing that wrote it",
+                fix=FIX_REBUILD,
             )
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         magic, version, code, n_seq, n_doc = HEADER.unpack(self._index[: HEADER.size].tobytes())
@@ -233,39 +337,87 @@ class MMapIndexedDataset:
                 fix="re-run `zerotron preprocess` (legacy 'cached'/'lazy' formats are not read)",
             )
         if version != VERSION:
-            raise DataError(f"unsupported index version {version}", where=str(idx_path))
+            raise DataError(
+                f"unsupported index version {version} (only version {VERSION} exists)",
+                where=str(idx_path),
+                fix=FIX_REBUILD,
+            )
         if code not in DTYPE_CODES:
-            raise DataError(f"unknown dtype code {code}", where=str(idx_path))
+            raise DataError(
+                f"unknown dtype code {code} (known: {sorted(DTYPE_CODES)})",
+                where=str(idx_path),
+                fix=FIX_REBUILD,
+            )
         self.dtype = np.dtype(DTYPE_CODES[code])
         off = HEADER.size
         expect = off + n_seq * 4 + n_seq * 8 + n_doc * 8
-        if len(self._index) < expect:
+        if have < expect:
             raise DataError(
-                f"index file is truncated ({len(self._index)} of {expect} bytes)",
+                f"index file is truncated ({have} of {expect} bytes): its header announces "
+                f"{n_seq:,} sequences and {n_doc:,} document-index entries",
                 where=str(idx_path),
-                fix="re-run the preprocessing that wrote it",
+                fix=FIX_REBUILD,
             )
         buf = self._index
         self.sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=off)
         self.pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=off + 4 * n_seq)
         self.doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_doc, offset=off + 12 * n_seq)
-        if n_doc < 1 or self.doc_idx[0] != 0 or self.doc_idx[-1] != n_seq:
+
+    def _check_data_end(self, idx_path: Path, bin_path: Path, nbytes: int) -> None:
+        """The index must describe exactly the bytes of the ``.bin``: neither more nor fewer."""
+        need = self._data_end()
+        if nbytes == need:
+            return
+        last = int(self.sizes[-1]) * self.dtype.itemsize if len(self.sizes) else 0
+        # The last sequence starts inside the .bin but is longer than all of it: a bad size.
+        if last > nbytes and int(self.pointers[-1]) < nbytes:
             raise DataError(
-                f"corrupt document index: {n_doc} entries, must run from 0 to {n_seq}",
+                f"sequence {len(self.sizes) - 1:,} of {len(self.sizes):,}: size "
+                f"{int(self.sizes[-1]):,} tokens ({last:,} bytes) is more than the .bin holds "
+                f"({nbytes:,} bytes)",
                 where=str(idx_path),
-                fix="re-run the preprocessing that wrote it",
+                fix="the index is damaged: " + FIX_REBUILD,
             )
-        nbytes = os.path.getsize(bin_path)
-        need = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n_seq else 0
-        if nbytes < need:
-            raise DataError(
-                f"data file is truncated ({nbytes} of {need} bytes)",
-                where=str(bin_path),
-                fix="re-run the preprocessing that wrote it",
-            )
-        # np.memmap refuses empty files; an empty dataset is still a valid dataset.
-        self._bin = (
-            np.memmap(bin_path, dtype=np.uint8, mode="r") if nbytes else np.zeros(0, np.uint8)
+        raise DataError(
+            f"data file is truncated ({nbytes:,} of {need:,} bytes)"
+            if nbytes < need
+            else f"data file has {nbytes:,} bytes but its index describes only {need:,}",
+            where=str(bin_path),
+            fix="the .bin and .idx must be written together: " + FIX_REBUILD,
+        )
+
+    def _data_end(self) -> int:
+        """Bytes of ``.bin`` the index describes (valid once :func:`check_sequences` passed)."""
+        if not len(self.sizes):
+            return 0
+        return int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise a DataError naming the first token id outside ``[0, vocab_size)``.
+
+        Such an id (a ``.bin`` made with another vocabulary, or damaged) would otherwise surface
+        as an IndexError deep in the embedding, with no file or offset. One vectorized pass over
+        the ``.bin`` in pieces of 16 Mi tokens: about a second per few GB from the page cache.
+        """
+        tokens = self._bin.view(self.dtype)
+        for lo in range(0, len(tokens), CHECK_CHUNK):
+            part = tokens[lo : lo + CHECK_CHUNK]
+            if part.max() < vocab_size and part.min() >= 0:
+                continue
+            at = lo + int(np.argmax((part >= vocab_size) | (part < 0)))
+            raise self._bad_token(at, int(tokens[at]), vocab_size)
+
+    def _bad_token(self, at: int, value: int, vocab_size: int) -> DataError:
+        offset = at * self.dtype.itemsize
+        seq = int(np.searchsorted(self.pointers, offset, side="right")) - 1
+        doc = int(np.searchsorted(self.doc_idx, seq, side="right")) - 1
+        return DataError(
+            f"token id {value} at byte offset {offset:,} (token {at:,}, sequence {seq:,}, "
+            f"document {doc:,}) is outside the vocabulary of {vocab_size:,} ids",
+            where=str(data_file(self.prefix)),
+            fix="tokenize the corpus with the tokenizer this model uses (`zerotron preprocess` "
+            "with the same --vocab-file/--merge-file or --tokenizer-json); if it was, the .bin "
+            "is damaged: " + FIX_REBUILD,
         )
 
     def __len__(self) -> int:

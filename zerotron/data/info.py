@@ -48,6 +48,12 @@ def split_stats(ds: MMapIndexedDataset, doc_sizes: np.ndarray, split: str, seq_l
     return rows
 
 
+def _split_hint(num_documents: int) -> str:
+    """Where a split comes out empty: a --split that gives every split a document, if any."""
+    suggestion = ib.suggest_split(num_documents, [True, True, True])
+    return f"; --split {suggestion} gives each split a document" if suggestion else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.seq_length < 1:
@@ -119,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 of = f" of {ds.prefix.name}" if path.is_blend else ""
                 warnings.append(
                     f"{name} split{of} is empty (asking for {name} samples is an error)"
+                    + _split_hint(ds.num_documents)
                 )
     console.print(splits)
     if args.train_samples:

@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -91,7 +92,7 @@ def read_chunks(paths: Sequence[Path]) -> Iterator[Chunk]:
             lines: list[bytes] = []
             size = 0
             first_line, offset = 1, 0
-            for n, line in enumerate(stream, 1):
+            for n, line in _numbered_lines(path, stream):
                 if n == 1 and line.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
                     line, offset = line[3:], 3
                 lines.append(line)
@@ -103,6 +104,32 @@ def read_chunks(paths: Sequence[Path]) -> Iterator[Chunk]:
             if lines:
                 yield Chunk(str(path), first_line, offset, lines, done + raw.tell())
             done += raw.tell()
+
+
+def _numbered_lines(path: Path, stream) -> Iterator[tuple[int, bytes]]:
+    """``(line number, line)`` of ``stream``; a damaged ``.gz`` becomes a DataError at its line.
+
+    gzip reports damage as EOFError, zlib.error or BadGzipFile from deep inside the read, with
+    no file name; the user needs the file, the line it got to, and how to check the file.
+    """
+    n = 0
+    try:
+        for n, line in enumerate(stream, 1):
+            yield n, line
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise _gzip_error(path, n + 1, e) from None
+
+
+def _gzip_error(path: Path, line: int, e: Exception) -> DataError:
+    fix = f"check the file with `gzip -t {path}`; re-create or re-download it"
+    if isinstance(e, EOFError):
+        what = "the gzip file is truncated (it ends inside the compressed data)"
+    elif isinstance(e, gzip.BadGzipFile) and line == 1:
+        what = "not a gzip file, though its name ends in .gz"
+        fix = "a plain JSON lines file must not end in .gz: rename it to .jsonl, or gzip it"
+    else:
+        what = f"corrupt gzip data ({e})"
+    return DataError(what, where=f"{path}:{line}", fix=fix)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -185,6 +212,10 @@ class Encoder:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             return f"malformed JSON: {e.msg} at column {e.colno}"
+        except RecursionError:
+            return "JSON nested too deeply to decode (arrays or objects inside each other)"
+        except ValueError as e:  # e.g. an integer of more than 4300 digits
+            return f"malformed JSON: {e}"
         if not isinstance(obj, dict):
             kind = type(obj).__name__
             hint = " (a JSON array must be written one object per line)" if kind == "list" else ""

@@ -156,6 +156,7 @@ def _data_iterators(run: Run, state: TrainState, ps: ParallelState):
         reset_position_ids=d.reset_position_ids,
         reset_attention_mask=d.reset_attention_mask,
         cache_dir=d.data_cache_path,
+        vocab_size=run.tokenizer.vocab_size,  # an id past it would fail in the embedding
         is_builder=ps.rank == 0,
         barrier=comm.barrier if ps.world_size > 1 else None,
     )
