@@ -28,11 +28,13 @@ import torch
 
 import zerotron
 from zerotron.checkpoint import layout
-from zerotron.errors import CheckpointError
+from zerotron.errors import CheckpointError, DiskFullError, ZerotronError
 from zerotron.fileio import (
     atomic_write_text,
+    check_free_space,
     commit_dir,
     disk_full_is_clear,
+    disk_write_error,
     fsync_dir,
     recover_dir,
 )
@@ -176,6 +178,120 @@ def _write_file(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())  # by the rank that wrote it: on a shared filesystem that matters
 
 
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of tensor data ``obj`` holds (each storage once): what torch.save will write."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set)):
+            stack.extend(value)
+    return total
+
+
+# Room for what is not tensor data (pickled structure, zip headers, metadata.json).
+_SPACE_MARGIN = 1024 * 1024
+
+
+def _space_problem(save_dir: Path, files: Mapping[str, Any]) -> DiskFullError | None:
+    """This rank's files do not fit in the free space under ``save_dir`` (None: they do)."""
+    if not files:
+        return None
+    needed = sum(tensor_bytes(obj) for obj in files.values()) + _SPACE_MARGIN
+    try:
+        check_free_space(save_dir, needed, f"checkpoint files {', '.join(sorted(files))}")
+    except DiskFullError as e:
+        e.fix = "free space or save elsewhere (--save); nothing was written and the previous "
+        e.fix += "checkpoint is kept"
+        return e
+    return None
+
+
+def _discard(tmp: Path, files: Mapping[str, Any], is_writer: bool) -> None:
+    """Remove what a failed save wrote: the writer the whole temp dir, others their files."""
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    for relpath in files:
+        (tmp / relpath).unlink(missing_ok=True)
+
+
+def _cleanup(tmp: Path, files: Mapping[str, Any], is_writer: bool) -> Callable[[], None]:
+    return lambda: _discard(tmp, files, is_writer)
+
+
+def _write_failure(e: BaseException, tmp: Path) -> ZerotronError:
+    """A clean error for a failed write; other errors stay as they are (bugs keep tracebacks)."""
+    if isinstance(e, ZerotronError):
+        return e
+    err = disk_write_error(tmp, e)
+    if err is None:
+        raise e
+    err.fix = "free space or save elsewhere (--save); nothing partial was kept and the "
+    err.fix += "previous checkpoint is still there"
+    return err
+
+
+def _agree(
+    any_rank: Callable[[bool], bool] | None,
+    error: ZerotronError | None,
+    happened: str,
+    cleanup: Callable[[], None] | None = None,
+) -> None:
+    """Raise ``error`` here, or (with ``any_rank``) an error on every rank if any rank has one."""
+    failed = any_rank(error is not None) if any_rank is not None else error is not None
+    if not failed:
+        return
+    if cleanup is not None:
+        cleanup()
+    if error is not None:
+        raise error
+    raise CheckpointError(
+        f"another rank {happened}; this rank stopped with it",
+        fix="see that rank's error; nothing partial was kept and the previous checkpoint is "
+        "still there",
+    )
+
+
+def _finish(
+    save_dir: Path,
+    tag: str,
+    tmp: Path,
+    final: Path,
+    metadata: Mapping[str, Any] | None,
+    iteration: int | None,
+    save_latest: bool,
+) -> None:
+    """The writer's part: metadata.json, the rename into place, then the trackers."""
+    meta = dict(metadata or {})
+    meta.update(
+        format_version=FORMAT_VERSION,
+        tag=tag,
+        iteration=iteration,
+        files=_list_files(tmp),
+        versions={
+            "zerotron": zerotron.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    with disk_full_is_clear(tmp):
+        (tmp / layout.METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        commit_dir(tmp, final)  # fsyncs every file, then renames
+        if save_latest:
+            write_trackers(save_dir, tag)
+
+
 def _list_files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
@@ -207,6 +323,7 @@ def save_checkpoint(
     save_latest: bool = True,
     is_writer: bool = True,
     barrier: Callable[[], None] | None = None,
+    any_rank: Callable[[bool], bool] | None = None,
 ) -> Path:
     """Save ``files`` (path relative to the tag directory -> object) as ``<save_dir>/<tag>/``.
 
@@ -216,6 +333,11 @@ def save_checkpoint(
     older one of the same tag) and, if ``save_latest``, updates the trackers last. ``barrier``
     synchronizes the ranks (e.g. ``torch.distributed.barrier``); a single process passes none.
     ``iteration`` defaults to the one in a Megatron tag. Returns the tag directory.
+
+    ``any_rank(flag)`` (a collective: whether ``flag`` holds on any rank) lets every rank stop
+    together when one has no room or fails to write; each rank first checks that its files fit
+    in the free space. A failed save removes its temporary directory and leaves the previous
+    checkpoint and the trackers as they were.
     """
     if not is_writer and barrier is None:
         raise ValueError("a non-writer rank needs a barrier to wait for the writer")
@@ -235,35 +357,40 @@ def save_checkpoint(
                 f"metadata is not JSON-serializable: {e}", where=str(final)
             ) from e
 
+    _agree(any_rank, _space_problem(save_dir, files), "had no room for its checkpoint files")
     if is_writer:
         save_dir.mkdir(parents=True, exist_ok=True)
         _clean_stale(save_dir)
         tmp.mkdir()
     sync()  # nobody writes into tmp before the writer has emptied it
 
-    for relpath, obj in files.items():
-        _write_file(tmp / _check_relpath(relpath), obj)
-    sync()
+    failure: ZerotronError | None = None
+    try:
+        for relpath, obj in files.items():
+            _write_file(tmp / _check_relpath(relpath), obj)
+    except (OSError, RuntimeError, ZerotronError) as e:
+        failure = _write_failure(e, tmp)
+        _discard(tmp, files, is_writer)
+    if any_rank is None:
+        if failure is not None:
+            raise failure  # before the barrier: the writer must not commit without these files
+        sync()
+    else:
+        _agree(
+            any_rank,
+            failure,
+            "could not write its checkpoint files",
+            _cleanup(tmp, files, is_writer),
+        )
 
     if is_writer:
-        meta = dict(metadata or {})
-        meta.update(
-            format_version=FORMAT_VERSION,
-            tag=tag,
-            iteration=iteration,
-            files=_list_files(tmp),
-            versions={
-                "zerotron": zerotron.__version__,
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-            },
-            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        )
-        with disk_full_is_clear(tmp):
-            (tmp / layout.METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-            commit_dir(tmp, final)  # fsyncs every file, then renames
-            if save_latest:
-                write_trackers(save_dir, tag)
+        try:
+            _finish(save_dir, tag, tmp, final, metadata, iteration, save_latest)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, (OSError, RuntimeError)):
+                raise _write_failure(e, tmp) from e
+            raise
     sync()  # nobody goes on (e.g. to load it, or to exit) before the checkpoint is complete
     return final
 

@@ -119,7 +119,18 @@ def save_engine_checkpoint(
         save_latest=save_latest,
         is_writer=ps.rank == 0,
         barrier=comm.barrier if ps.world_size > 1 else None,
+        any_rank=_any_rank(ps, engine.device) if ps.world_size > 1 else None,
     )
+
+
+def _any_rank(ps: ParallelState, device: torch.device) -> Callable[[bool], bool]:
+    """Whether a flag holds on any rank (a collective): ranks stop a failed save together."""
+
+    def any_rank(flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        return bool(comm.all_reduce(t, ps.world, op="max").item())
+
+    return any_rank
 
 
 def save_16bit_model(engine: Engine, save_dir: str | Path, save_filename: str) -> Path:

@@ -1,0 +1,132 @@
+"""Checkpoint faults (issue 19): a full or read-only disk, corrupt weights, bad paths and files.
+
+Each test is the regression test of one finding: F2 (a full disk gives the clean DiskFullError,
+no temp files, the previous checkpoint kept), F4 (a non-finite loss or weight is refused) and the
+checkpoint part of F5 (bad paths found at start, bad tracker/metadata/HF files refused cleanly).
+The full-disk tests mount a small tmpfs (the suite runs as root) and unmount it afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerotron.cli
+from zerotron.checkpoint import save_load
+from zerotron.checkpoint.save_load import read_latest_tag, save_checkpoint
+from zerotron.errors import DiskFullError
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--lr", "1e-3", "--split", "80,10,10", "--log-interval", "1", "--eval-interval", "100",
+    "--eval-iters", "1", "--seed", "1234",
+]  # fmt: skip
+
+CKPT_MB = 40  # one checkpoint of the tiny model with its Adam state: 39.9 MB
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` for the block; skipped where mounting is refused."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def leftovers(save: Path) -> list[str]:
+    """Temporary names a save left behind (dot files: .iter_N.tmp, .latest.tmp-..., ...)."""
+    return sorted(n for n in os.listdir(save) if n.startswith("."))
+
+
+def pretrain_cli(data: str, save: Path, *extra: object) -> int:
+    argv = ["pretrain", *TINY, "--data-path", data, "--save", str(save), *map(str, extra)]
+    return zerotron.cli.main(argv)
+
+
+# ---- F2: a full disk ------------------------------------------------------------------------
+
+
+def test_full_disk_is_refused_before_writing_with_sizes(data_prefix, tmp_path, capsys):
+    """pretrain --save on a tmpfs with room for one checkpoint: the second save is refused
+    up front (needed and free sizes named), exit 2, no temp dir, the first checkpoint kept."""
+    with tmpfs(tmp_path / "disk", f"{CKPT_MB + 20}m") as disk:
+        save = disk / "ckpt"
+        rc = pretrain_cli(data_prefix, save, "--train-iters", 2, "--save-interval", 1)
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        assert "Traceback" not in err
+        assert "not enough space for checkpoint files" in err
+        assert "it needs 3" in err and "MiB is free" in err  # ~39 MiB needed, ~20 MiB free
+        assert leftovers(save) == []
+        assert read_latest_tag(save) == "iter_0000001"
+        assert sorted(os.listdir(save)) == [
+            "iter_0000001",
+            "latest",
+            "latest_checkpointed_iteration.txt",
+        ]
+
+
+def test_disk_filling_inside_torch_save_is_disk_full(tmp_path, monkeypatch):
+    """The disk fills inside torch.save (the free-space check fooled, as by another writer):
+    torch's inline_container RuntimeError becomes DiskFullError; nothing partial remains."""
+    monkeypatch.setattr(save_load, "_space_problem", lambda save_dir, files: None)
+    with tmpfs(tmp_path / "disk", "2m") as disk:
+        save = disk / "ckpt"
+        save_checkpoint(save, "iter_0000001", {"small.pt": {"w": torch.zeros(10)}})
+        big = {"model.pt": {"w": torch.ones(1024 * 1024)}}  # 4 MiB on a 2 MiB disk
+        with pytest.raises(DiskFullError, match="no space left on device") as e:
+            save_checkpoint(save, "iter_0000002", big)
+        assert "nothing partial was kept" in e.value.fix
+        assert leftovers(save) == []
+        assert read_latest_tag(save) == "iter_0000001"
+        assert sorted(os.listdir(save / "iter_0000001")) == ["metadata.json", "small.pt"]
+
+
+def _fail_on(monkeypatch, name: str, code: int) -> None:
+    """Make writing a file called ``name`` (through pathlib or open) fail with ``code``."""
+    real_open = open
+
+    def failing_open(file, mode="r", *args, **kwargs):
+        if "w" in mode and Path(os.fspath(file)).name.startswith((name, f".{name}")):
+            raise OSError(code, os.strerror(code), os.fspath(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", failing_open)
+    monkeypatch.setattr("io.open", failing_open)  # what pathlib calls
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
+@pytest.mark.parametrize("name", ["model.pt", "metadata.json", "latest"])
+def test_each_write_path_maps_disk_errors(tmp_path, monkeypatch, name, code):
+    """ENOSPC/EDQUOT/EROFS writing a model file, metadata.json or a tracker: DiskFullError, no
+    temp files, the previous checkpoint and trackers kept."""
+    save = tmp_path / "ckpt"
+    save_checkpoint(save, "iter_0000001", {"model.pt": {"w": torch.zeros(4)}})
+    _fail_on(monkeypatch, name, code)
+    with pytest.raises(DiskFullError) as e:
+        save_checkpoint(save, "iter_0000002", {"model.pt": {"w": torch.ones(4)}})
+    monkeypatch.undo()
+    assert "nothing partial was kept" in e.value.fix
+    assert leftovers(save) == []
+    if name != "latest":  # a failed tracker write leaves the new checkpoint, unnamed
+        assert not (save / "iter_0000002").exists()
+    assert read_latest_tag(save) == "iter_0000001"
+    assert json.loads((save / "iter_0000001" / "metadata.json").read_text())["iteration"] == 1
