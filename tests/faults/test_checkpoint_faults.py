@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import zerotron.cli
-from zerotron.checkpoint import save_load
+from zerotron.checkpoint import model_file, save_load
 from zerotron.checkpoint.save_load import read_latest_tag, save_checkpoint
 from zerotron.errors import DiskFullError
 
@@ -130,3 +131,88 @@ def test_each_write_path_maps_disk_errors(tmp_path, monkeypatch, name, code):
         assert not (save / "iter_0000002").exists()
     assert read_latest_tag(save) == "iter_0000001"
     assert json.loads((save / "iter_0000001" / "metadata.json").read_text())["iteration"] == 1
+
+
+# ---- F4: silent corruption --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_step_ckpt(data_prefix, tmp_path_factory) -> Path:
+    """A checkpoint of the tiny model after one iteration."""
+    save = tmp_path_factory.mktemp("f4") / "ckpt"
+    argv = [
+        "pretrain",
+        *TINY,
+        "--data-path",
+        data_prefix,
+        "--save",
+        str(save),
+        "--save-interval",
+        "1",
+    ]
+    assert (
+        zerotron.cli.main(
+            [*argv, "--train-iters", "3", "--exit-interval", "1", "--eval-iters", "0"]
+        )
+        == 0
+    )
+    return save
+
+
+def flip_bit(save: Path, copy: Path, tensor: str, element: int = 0, bit: int = 30) -> Path:
+    """``save`` copied to ``copy`` with one bit of one float of ``tensor`` flipped in its bytes."""
+    shutil.copytree(save, copy)
+    path = copy / "iter_0000001" / model_file()
+    weights = torch.load(path, weights_only=True)["model"][tensor]
+    if element < 0:  # the first value in [1, 2): its exponent is 0x7f, one flip from NaN/Inf
+        element = int(((weights >= 1) & (weights < 2)).nonzero()[0, 0])
+    raw = path.read_bytes()
+    at = raw.find(weights.contiguous().numpy().tobytes())
+    assert at >= 0 and raw.count(weights.numpy().tobytes()) == 1
+    pos = at + 4 * element + bit // 8  # little-endian float32
+    data = bytearray(raw)
+    data[pos] ^= 1 << (bit % 8)
+    path.write_bytes(bytes(data))
+    return copy
+
+
+def test_flipped_bit_to_inf_is_refused_at_load(data_prefix, one_step_ckpt, tmp_path, capsys):
+    """A LayerNorm weight in [1, 2) with its top exponent bit flipped is NaN/Inf: refused,
+    naming the file and the tensor (it used to load and train on NaN losses, exit 0)."""
+    load = flip_bit(one_step_ckpt, tmp_path / "ckpt", "final_layernorm.weight", -1)
+    argv = ["pretrain", *TINY, "--data-path", data_prefix, "--load", str(load)]
+    rc = zerotron.cli.main([*argv, "--train-iters", "3", "--eval-iters", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert f"iter_0000001/{model_file()}" in err
+    assert "tensor model.final_layernorm.weight holds 1 NaN/Inf value" in err
+
+
+def test_flipped_bit_to_huge_weight_stops_at_the_nan_loss(
+    data_prefix, one_step_ckpt, tmp_path, capsys
+):
+    """A position embedding with a flipped exponent bit is finite but huge: the first resumed
+    iteration's loss is NaN and the run stops there with exit 2, naming the iteration."""
+    load = flip_bit(one_step_ckpt, tmp_path / "ckpt", "embedding.position_embeddings.weight")
+    argv = ["pretrain", *TINY, "--data-path", data_prefix, "--load", str(load)]
+    rc = zerotron.cli.main([*argv, "--train-iters", "3", "--eval-iters", "0"])
+    captured = capsys.readouterr()
+    assert rc == 2, captured.err
+    assert "Traceback" not in captured.err
+    assert "at iteration 2: training diverged or the weights are corrupt" in captured.err
+    assert "lm loss: 0.000000E+00" not in captured.out
+
+
+def test_nan_check_off_counts_and_never_logs_a_zero_loss(
+    data_prefix, one_step_ckpt, tmp_path, capsys
+):
+    """--no-check-for-nan-in-loss-and-grad goes on; the log line says nan, counted, not 0."""
+    load = flip_bit(one_step_ckpt, tmp_path / "ckpt", "embedding.position_embeddings.weight")
+    argv = ["pretrain", *TINY, "--data-path", data_prefix, "--load", str(load)]
+    argv += ["--train-iters", "3", "--eval-iters", "0", "--no-check-for-nan-in-loss-and-grad"]
+    rc = zerotron.cli.main(argv)
+    out = capsys.readouterr().out
+    assert rc == 0
+    line = next(x for x in out.splitlines() if x.startswith(" iteration        2/"))
+    assert "lm loss: NAN |" in line and "number of nan iterations:   1 |" in line

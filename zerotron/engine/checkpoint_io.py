@@ -42,6 +42,7 @@ from zerotron.checkpoint.layout import (
 )
 from zerotron.checkpoint.layout import tag_dir as layout_tag_dir
 from zerotron.checkpoint.reshard import checkpoint_layout, load_shared_entries
+from zerotron.checkpoint.state import refuse_non_finite
 from zerotron.checkpoint.zero_repartition import repartition_zero_state
 from zerotron.checkpoint.zero_to_fp32 import SHARED_PARAMS_KEY
 from zerotron.distributed import comm
@@ -255,11 +256,13 @@ def load_engine_checkpoint(
     saved = _read_model_file(engine, load_dir, tag, meta, ps, weights_only, where)
     if "model" not in saved:
         raise CheckpointError("no 'model' entry in the checkpoint", where=where)
+    refuse_non_finite(saved["model"], f"{where}/{_model_file(ps)}", "model")
     opt_state = None
     if load_optimizer_states and not load_module_only:
         opt_state = part.read_optimizer_state(
             load_dir, tag, saved, meta, where, engine.repartition_zero_checkpoints
         )
+        refuse_non_finite(opt_state, where, "optimizer")
     model_config = engine.checkpoint_metadata.get("model")
     refitted = part.load_module_state(
         engine.module,
