@@ -22,8 +22,8 @@ import torch
 
 import zerotron.cli
 from zerotron.checkpoint import model_file, save_load
-from zerotron.checkpoint.save_load import read_latest_tag, save_checkpoint
-from zerotron.errors import DiskFullError
+from zerotron.checkpoint.save_load import read_latest_tag, read_metadata, save_checkpoint
+from zerotron.errors import CheckpointError, DiskFullError
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -216,3 +216,195 @@ def test_nan_check_off_counts_and_never_logs_a_zero_loss(
     assert rc == 0
     line = next(x for x in out.splitlines() if x.startswith(" iteration        2/"))
     assert "lm loss: NAN |" in line and "number of nan iterations:   1 |" in line
+
+
+# ---- F5: bad paths found at start -------------------------------------------------------------
+
+
+def test_save_path_that_is_a_file_is_refused_before_training(data_prefix, tmp_path, capsys):
+    """--save naming a file fails at start (exit 2, no traceback), not at the first save."""
+    target = tmp_path / "not-a-dir"
+    target.write_text("x")
+    rc = pretrain_cli(data_prefix, target, "--train-iters", 2, "--save-interval", 2)
+    captured = capsys.readouterr()
+    assert rc == 2, captured.err
+    assert "Traceback" not in captured.err
+    assert "--save: " in captured.err and "exists and is not a directory" in captured.err
+    assert "training ..." not in captured.out
+
+
+@pytest.mark.parametrize("flag", ["--save", "--tensorboard-dir"])
+def test_unwritable_output_dir_is_refused_before_training(data_prefix, tmp_path, capsys, flag):
+    """--save or --tensorboard-dir on a read-only filesystem fails at start with exit 2."""
+    with tmpfs(tmp_path / "ro", "1m,ro") as ro:
+        save = tmp_path / "ckpt" if flag != "--save" else ro / "ckpt"
+        extra = [flag, ro / "tb"] if flag != "--save" else []
+        rc = pretrain_cli(data_prefix, save, "--train-iters", 2, "--save-interval", 2, *extra)
+        captured = capsys.readouterr()
+    assert rc == 2, captured.err
+    assert "Traceback" not in captured.err
+    assert f"{flag}: cannot write into {ro}" in captured.err
+    assert "training ..." not in captured.out
+
+
+@pytest.mark.parametrize("monitor", ["TensorBoardMonitor", "CsvMonitor"])
+def test_unwritable_monitor_dir_is_a_config_error(tmp_path, monitor):
+    """A DeepSpeed tensorboard/csv_monitor output_path that cannot be written: ConfigError."""
+    from zerotron.engine import monitors
+    from zerotron.errors import ConfigError
+
+    with tmpfs(tmp_path / "ro", "1m,ro") as ro, pytest.raises(ConfigError) as e:
+        getattr(monitors, monitor)(str(ro), "job")
+    assert "output_path" in e.value.where and "cannot write into" in e.value.what
+
+
+# ---- F5: bad trackers and metadata.json -------------------------------------------------------
+
+
+def small_ckpt(save: Path) -> Path:
+    save_checkpoint(save, "iter_0000001", {"model.pt": {"w": torch.zeros(2)}})
+    return save
+
+
+@pytest.mark.parametrize("tracker", ["latest", "latest_checkpointed_iteration.txt"])
+def test_tracker_with_non_utf8_bytes_is_a_checkpoint_error(tmp_path, tracker):
+    save = small_ckpt(tmp_path / "ckpt")
+    (save / "latest").unlink()
+    (save / tracker).write_bytes(b"iter_\xff\xfe0001\n")
+    with pytest.raises(CheckpointError, match="the tracker file is not text") as e:
+        read_latest_tag(save)
+    assert e.value.where == str(save / tracker)
+
+
+def test_tracker_with_non_utf8_bytes_exits_2(tmp_path, capsys):
+    save = small_ckpt(tmp_path / "ckpt")
+    (save / "latest").write_bytes(b"\x80\x81")
+    rc = zerotron.cli.main(["convert", "--load", str(save), "--to-hf", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and "the tracker file is not text" in err
+
+
+BAD_METADATA = {
+    "top level list": ([1, 2], "the top level is a list"),
+    "layout list": ({"layout": [1]}, "layout is a list"),
+    "tp size string": (
+        {"layout": {"tensor_model_parallel_size": "2"}},
+        "layout.tensor_model_parallel_size is a string",
+    ),
+    "tp size zero": (
+        {"layout": {"tensor_model_parallel_size": 0}},
+        "layout.tensor_model_parallel_size is an integer (0), expected a positive integer",
+    ),
+    "model list": ({"model": ["num_layers", 2]}, "model is a list"),
+    "vocab size float": ({"vocab": {"size": 1.5}}, "vocab.size is a number"),
+    "iteration string": ({"iteration": "5"}, "iteration is a string"),
+    "files object": ({"files": {"a": 1}}, "files is an object"),
+    "files of numbers": ({"files": [1]}, "files is a list"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_METADATA, ids=list(BAD_METADATA))
+def test_metadata_with_wrong_types_is_refused(tmp_path, case):
+    save = small_ckpt(tmp_path / "ckpt")
+    bad, said = BAD_METADATA[case]
+    (save / "iter_0000001" / "metadata.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError) as e:
+        read_metadata(save, "iter_0000001")
+    assert said in e.value.what
+
+
+def test_metadata_with_wrong_types_exits_2(tmp_path, capsys):
+    save = small_ckpt(tmp_path / "ckpt")
+    (save / "iter_0000001" / "metadata.json").write_text('{"model": "gpt2", "layout": []}')
+    rc = zerotron.cli.main(["convert", "--load", str(save), "--to-hf", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and "metadata.json: " in err
+
+
+# ---- F5: bad HuggingFace directories ----------------------------------------------------------
+
+HF_CONFIG = {"model_type": "gpt2", "vocab_size": 16, "n_positions": 8, "n_embd": 8}
+HF_CONFIG |= {"n_layer": 1, "n_head": 2}
+
+
+def hf_dir(root: Path, config: object = HF_CONFIG, index: object = None) -> Path:
+    """An HF GPT-2 directory: config.json and (with ``index``) a sharded safetensors index."""
+    root.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        text = config if isinstance(config, str) else json.dumps(config)
+        (root / "config.json").write_text(text)
+    if index is not None:
+        text = index if isinstance(index, str) else json.dumps(index)
+        (root / "model.safetensors.index.json").write_text(text)
+    return root
+
+
+def one_shard(path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"transformer.wte.weight": torch.zeros(16, 8)}, str(path))
+
+
+def _outside(tmp: Path) -> dict:
+    one_shard(tmp / "elsewhere" / "secret.safetensors")
+    return {"weight_map": {"transformer.wte.weight": "../elsewhere/secret.safetensors"}}
+
+
+def _absolute(tmp: Path) -> dict:
+    one_shard(tmp / "elsewhere" / "abs.safetensors")
+    return {"weight_map": {"x": str(tmp / "elsewhere" / "abs.safetensors")}}
+
+
+def _inside(tmp: Path) -> dict:
+    one_shard(tmp / "hf" / "model-1.safetensors")
+    return {"weight_map": {"transformer.wte.weight": "model-1.safetensors"}}
+
+
+def _symlink_out(tmp: Path) -> dict:
+    one_shard(tmp / "elsewhere" / "linked.safetensors")
+    (tmp / "hf").mkdir()
+    (tmp / "hf" / "shard.safetensors").symlink_to(tmp / "elsewhere" / "linked.safetensors")
+    return {"weight_map": {"x": "shard.safetensors"}}
+
+
+HF_CASES = {
+    "no directory": (None, None, "no such directory"),
+    "no config.json": ("missing", None, "no config.json"),
+    "malformed config.json": ('{"n_layer": 1,', None, "config.json is not valid JSON"),
+    "config.json a list": ("[1, 2]", None, "config.json is not a JSON object"),
+    "no vocab_size": ({"n_layer": 1}, None, "config.json has no integer vocab_size"),
+    "n_layer a string": ({**HF_CONFIG, "n_layer": "one"}, _inside, "value of the wrong type"),
+    "malformed index": (HF_CONFIG, '{"weight_map": ', "index.json is not valid JSON"),
+    "index without weight_map": (HF_CONFIG, {"metadata": {}}, "weight_map is missing"),
+    "missing shard": (
+        HF_CONFIG,
+        {"weight_map": {"x": "model-00002-of-00002.safetensors"}},
+        "weights file is missing",
+    ),
+    "shard outside (..)": (HF_CONFIG, _outside, "lies outside the model directory"),
+    "shard outside (absolute)": (HF_CONFIG, _absolute, "lies outside the model directory"),
+    "shard outside (symlink)": (HF_CONFIG, _symlink_out, "lies outside the model directory"),
+    "corrupt shard": (HF_CONFIG, "corrupt", "cannot read the weights file"),
+}
+
+
+@pytest.mark.parametrize("case", HF_CASES, ids=list(HF_CASES))
+def test_bad_hf_directory_exits_2(tmp_path, capsys, case):
+    """zerotron convert --from-hf on a broken HF directory: exit 2, the reason, no traceback."""
+    config, index, said = HF_CASES[case]
+    src = tmp_path / "hf"
+    if callable(index):
+        index = index(tmp_path)
+    if index == "corrupt":
+        index = {"weight_map": {"x": "model-1.safetensors"}}
+        src.mkdir()
+        (src / "model-1.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json")
+    if config is not None:
+        hf_dir(src, None if config == "missing" else config, index)
+    rc = zerotron.cli.main(["convert", "--from-hf", str(src), "--save", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert said in err
+    assert not (tmp_path / "out").exists()
