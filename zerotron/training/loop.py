@@ -281,14 +281,16 @@ def train(
 
 
 def check_finite(loss: float, step: Any, iteration: int) -> None:
-    """Megatron's --check-for-nan-in-loss-and-grad: a NaN/Inf loss, or a NaN/Inf gradient norm
-    of a step that was applied (not one skipped on an fp16 overflow), stops the run.
+    """Megatron's --check-for-nan-in-loss-and-grad: a NaN/Inf loss or gradient norm of a step
+    that was applied stops the run (a step skipped on an fp16 overflow is the scaler's business:
+    counted as skipped, not an error).
 
     Every rank sees the same (data-parallel averaged) loss and global norm, so all stop here.
     """
+    if step is not None and not step.update_successful:
+        return  # an fp16 overflow: the loss scaler skipped the step, as it should
     norm = getattr(step, "grad_norm", None)
-    applied = step is None or step.update_successful
-    if math.isfinite(loss) and (not applied or norm is None or math.isfinite(norm)):
+    if math.isfinite(loss) and (norm is None or math.isfinite(norm)):
         return
     what = f"lm loss {loss}" if not math.isfinite(loss) else f"grad norm {norm}"
     raise TrainingError(
