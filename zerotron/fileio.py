@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -73,10 +74,14 @@ def free_bytes(path: str | os.PathLike) -> int | None:
 def disk_write_error(path: str | os.PathLike, e: BaseException) -> DiskFullError | None:
     """The :class:`DiskFullError` for a failed write of ``path``, or None if ``e`` is no such.
 
-    ENOSPC/EDQUOT/EROFS, and torch.save's zip-writer RuntimeError (which hides the errno: it is
+    ENOSPC/EDQUOT/EROFS (an OSError, or safetensors' error naming ``os error 28``), and
+    torch.save's zip-writer RuntimeError (which hides the errno: it is
     taken for a full disk when the filesystem has less than 1 MiB left, or ENOSPC is its cause).
     """
     code = getattr(e, "errno", None)
+    rust = re.search(r"\(os error (\d+)\)", str(e))  # safetensors' SafetensorError
+    if code is None and rust:
+        code = int(rust.group(1))
     if isinstance(e, RuntimeError) and any(m in str(e) for m in _TORCH_WRITE_FAILURES):
         cause = e.__cause__ or e.__context__
         free = free_bytes(path)
@@ -103,7 +108,7 @@ def disk_full_is_clear(path: str | os.PathLike) -> Iterator[None]:
     :class:`DiskFullError` naming ``path``. The caller removes what it wrote."""
     try:
         yield
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # OSError, torch's RuntimeError, safetensors' SafetensorError
         err = disk_write_error(path, e)
         if err is None:
             raise

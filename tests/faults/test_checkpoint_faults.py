@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import json
 import os
 import shutil
@@ -408,3 +409,47 @@ def test_bad_hf_directory_exits_2(tmp_path, capsys, case):
     assert "Traceback" not in err
     assert said in err
     assert not (tmp_path / "out").exists()
+
+
+# ---- F2: the other writers (HF export, zero-to-fp32's streaming safetensors) -------------------
+
+
+def test_hf_export_on_a_full_disk_is_refused_up_front(tmp_path):
+    from zerotron.checkpoint.hf import save_hf_dir
+
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        with pytest.raises(DiskFullError, match=r"needs 4\.0 MiB, 1\.0 MiB is free"):
+            save_hf_dir(disk / "hf", {"w": torch.zeros(1024 * 1024)}, {"model_type": "gpt2"})
+        assert os.listdir(disk / "hf") == []
+
+
+def test_hf_export_filling_the_disk_leaves_nothing(tmp_path, monkeypatch):
+    from zerotron.checkpoint import hf
+
+    monkeypatch.setattr(hf, "check_free_space", lambda *a: None)
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        with pytest.raises(DiskFullError, match="no space left on device"):
+            hf.save_hf_dir(disk / "hf", {"w": torch.zeros(1024 * 1024)}, {"model_type": "gpt2"})
+        assert os.listdir(disk / "hf") == []
+
+
+@pytest.mark.parametrize("precheck", [True, False])
+def test_zero_to_fp32_writer_on_a_full_disk(tmp_path, monkeypatch, precheck):
+    """The streaming safetensors writer of zero-to-fp32: refused up front with sizes, or (the
+    check bypassed) DiskFullError at the write that fills the disk; no temp file either way."""
+    zero_to_fp32 = importlib.import_module("zerotron.checkpoint.zero_to_fp32")
+    if not precheck:
+        monkeypatch.setattr(zero_to_fp32, "check_free_space", lambda *a: None)
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        with pytest.raises(DiskFullError) as e:
+            w = zero_to_fp32.SafetensorsWriter(
+                disk / "w.safetensors", [("w", torch.float32, (1 << 20,))]
+            )
+            try:
+                w.write("w", 0, torch.ones(1 << 20))
+            except BaseException:
+                w.abort()
+                raise
+        said = "not enough space for w.safetensors" if precheck else "no space left on device"
+        assert said in e.value.what
+        assert os.listdir(disk) == []

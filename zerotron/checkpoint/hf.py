@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
-from zerotron.fileio import atomic_write_text, commit, disk_full_is_clear, temp_path
+from zerotron.fileio import (
+    atomic_write_text,
+    check_free_space,
+    commit,
+    disk_full_is_clear,
+    temp_path,
+)
 from zerotron.models.gpt import GPTConfig
 
 # Per-layer modules: ours -> HF (under h.{i}.), and whether the weight is a Conv1D.
@@ -349,6 +355,8 @@ def save_hf_dir(
     path.mkdir(parents=True, exist_ok=True)
     weights = path / "model.safetensors"
     tmp = temp_path(weights)
+    needed = sum(v.numel() * v.element_size() for v in hf_sd.values())
+    check_free_space(path, needed, "model.safetensors")
     try:
         with disk_full_is_clear(weights):
             tensors = {k: v.detach().contiguous() for k, v in hf_sd.items()}
