@@ -12,6 +12,7 @@ import contextlib
 import errno
 import importlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -369,6 +370,16 @@ def _symlink_out(tmp: Path) -> dict:
     return {"weight_map": {"x": "shard.safetensors"}}
 
 
+def _nan_weight(tmp: Path) -> dict:
+    from safetensors.torch import save_file
+
+    (tmp / "hf").mkdir()
+    w = torch.zeros(16, 8)
+    w[3, 5] = math.nan
+    save_file({"transformer.wte.weight": w}, str(tmp / "hf" / "model-1.safetensors"))
+    return {"weight_map": {"transformer.wte.weight": "model-1.safetensors"}}
+
+
 HF_CASES = {
     "no directory": (None, None, "no such directory"),
     "no config.json": ("missing", None, "no config.json"),
@@ -387,6 +398,7 @@ HF_CASES = {
     "shard outside (absolute)": (HF_CONFIG, _absolute, "lies outside the model directory"),
     "shard outside (symlink)": (HF_CONFIG, _symlink_out, "lies outside the model directory"),
     "corrupt shard": (HF_CONFIG, "corrupt", "cannot read the weights file"),
+    "NaN weight": (HF_CONFIG, _nan_weight, "tensor transformer.wte.weight holds 1 NaN/Inf"),
 }
 
 

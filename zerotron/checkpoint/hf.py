@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from zerotron.checkpoint.state import refuse_non_finite
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.fileio import (
     atomic_write_text,
@@ -323,8 +324,9 @@ def _load_weights(file: Path) -> StateDict:
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file
 
-            return load_file(file, device="cpu")
-        return torch.load(file, map_location="cpu", weights_only=True)
+            sd = load_file(file, device="cpu")
+        else:
+            sd = torch.load(file, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise CheckpointError(
@@ -340,6 +342,12 @@ def _load_weights(file: Path) -> StateDict:
             where=str(file),
             fix="the file is truncated or corrupt: download it again",
         ) from None
+    if not isinstance(sd, dict):
+        raise CheckpointError(
+            f"the weights file holds a {type(sd).__name__}, not a state dict", where=str(file)
+        )
+    refuse_non_finite(sd, str(file))
+    return sd
 
 
 def save_hf_dir(
