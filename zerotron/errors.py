@@ -66,3 +66,7 @@ class LaunchError(ZerotronError):
 
 class DiskFullError(ZerotronError):
     """A write ran out of space; nothing partial was left behind."""
+
+
+class TrainingError(ZerotronError):
+    """Training went wrong in a way that makes going on pointless (a NaN/Inf loss or grad norm)."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from zerotron.errors import DiskFullError
+from zerotron.errors import ConfigError, DiskFullError
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -43,19 +44,114 @@ def commit(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     fsync_dir(Path(final).parent)
 
 
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+"""Write failures that are the disk's fault, not a bug: reported as :class:`DiskFullError`."""
+
+# torch.save reports a failed write as a RuntimeError from its zip writer, without the errno.
+_TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed")
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``: sizes in messages a user reads."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free space (for this user) on the filesystem holding ``path`` or its nearest parent."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def disk_write_error(path: str | os.PathLike, e: BaseException) -> DiskFullError | None:
+    """The :class:`DiskFullError` for a failed write of ``path``, or None if ``e`` is no such.
+
+    ENOSPC/EDQUOT/EROFS (an OSError, or safetensors' error naming ``os error 28``), and
+    torch.save's zip-writer RuntimeError (which hides the errno: it is
+    taken for a full disk when the filesystem has less than 1 MiB left, or ENOSPC is its cause).
+    """
+    code = getattr(e, "errno", None)
+    rust = re.search(r"\(os error (\d+)\)", str(e))  # safetensors' SafetensorError
+    if code is None and rust:
+        code = int(rust.group(1))
+    if isinstance(e, RuntimeError) and any(m in str(e) for m in _TORCH_WRITE_FAILURES):
+        cause = e.__cause__ or e.__context__
+        free = free_bytes(path)
+        if getattr(cause, "errno", None) in WRITE_ERRNOS:
+            code = cause.errno  # type: ignore[union-attr]
+        elif free is not None and free < 1024 * 1024:
+            code = errno.ENOSPC
+    if code not in WRITE_ERRNOS:
+        return None
+    free = free_bytes(path)
+    left = f" ({human_bytes(free)} free there)" if free is not None else ""
+    if code == errno.EROFS:
+        what, fix = "the file system is read-only", "write elsewhere"
+    elif code == errno.EDQUOT:
+        what, fix = "disk quota exceeded while writing", "free space or write elsewhere"
+    else:
+        what, fix = f"no space left on device while writing{left}", "free space or write elsewhere"
+    return DiskFullError(what, where=str(path), fix=f"{fix}; nothing partial was kept")
+
+
 @contextlib.contextmanager
 def disk_full_is_clear(path: str | os.PathLike) -> Iterator[None]:
-    """Turn ENOSPC into a :class:`DiskFullError` naming ``path``."""
+    """Turn a write failure that is the disk's fault (see :func:`disk_write_error`) into a
+    :class:`DiskFullError` naming ``path``. The caller removes what it wrote."""
     try:
         yield
+    except Exception as e:  # OSError, torch's RuntimeError, safetensors' SafetensorError
+        err = disk_write_error(path, e)
+        if err is None:
+            raise
+        raise err from e
+
+
+def check_free_space(path: str | os.PathLike, needed: int, what: str = "the write") -> None:
+    """Refuse a write of ``needed`` bytes under ``path`` before starting it, if it cannot fit.
+
+    Saying so up front beats filling the disk (which may break other jobs) and then failing.
+    """
+    free = free_bytes(path)
+    if free is None or needed <= free:
+        return
+    raise DiskFullError(
+        f"not enough space for {what}: it needs {human_bytes(needed)}, {human_bytes(free)} is free",
+        where=str(path),
+        fix="free space or write elsewhere; nothing was written",
+    )
+
+
+def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
+    """Check at start that ``path`` is (or can be made) a directory this process can write into.
+
+    A bad output path is otherwise found only at the first write, after hours of work. Creates
+    the directory (as the later write would) and a probe file it removes.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(
+            f"{p} exists and is not a directory", where=flag, fix="pass a directory path"
+        )
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".zerotron-write-test-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(
-                "no space left on device while writing",
-                where=str(path),
-                fix="free space or write elsewhere; nothing partial was kept",
-            ) from e
-        raise
+        raise ConfigError(
+            f"cannot write into {p}: {e.strerror or e}",
+            where=flag,
+            fix="pass a directory you can write to (check its permissions and the disk)",
+        ) from None
 
 
 @contextlib.contextmanager

@@ -21,13 +21,21 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from zerotron.checkpoint.state import refuse_non_finite
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
-from zerotron.fileio import atomic_write_text, commit, disk_full_is_clear, temp_path
+from zerotron.fileio import (
+    atomic_write_text,
+    check_free_space,
+    commit,
+    disk_full_is_clear,
+    temp_path,
+)
 from zerotron.models.gpt import GPTConfig
 
 # Per-layer modules: ours -> HF (under h.{i}.), and whether the weight is a Conv1D.
@@ -89,6 +97,12 @@ def gpt_config_from_hf(hf_config: Mapping, padded_vocab_size: int | None = None)
         raise CheckpointError(
             f"HF config lacks {e.args[0]!r}", where="config.json", fix="is this a GPT-2 config?"
         ) from e
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"HF config has a value of the wrong type: {e}",
+            where="config.json",
+            fix="correct config.json (n_layer, n_embd, n_head... are integers)",
+        ) from None
     except ConfigError as e:
         raise CheckpointError(f"HF config does not describe a usable model: {e}") from e
 
@@ -223,25 +237,27 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[StateDict, dict]:
     their sharded ``*.index.json`` forms. Returns ``(state_dict, config_dict)``.
     """
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
+    if not path.is_dir():
         raise CheckpointError(
-            "no config.json", where=str(path), fix="point to a HuggingFace model directory"
+            "not a directory" if path.exists() else "no such directory",
+            where=str(path),
+            fix="point --from-hf to a HuggingFace model directory (config.json and weights)",
         )
-    try:
-        hf_config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"config.json is not valid JSON: {e}", where=str(config_file)) from e
-
+    hf_config = _read_json(path / "config.json", "config.json")
+    if not isinstance(hf_config.get("vocab_size"), int):
+        raise CheckpointError(
+            f"config.json has no integer vocab_size (got {hf_config.get('vocab_size')!r})",
+            where=str(path / "config.json"),
+            fix="is this a GPT-2 config.json?",
+        )
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (path / name).is_file():
             return _load_weights(path / name), hf_config
         index = path / f"{name}.index.json"
         if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
             sd: StateDict = {}
-            for shard in shards:
-                sd.update(_load_weights(path / shard))
+            for shard in _shards(path, index):
+                sd.update(_load_weights(shard))
             return sd, hf_config
     raise CheckpointError(
         "no weights found",
@@ -250,14 +266,88 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[StateDict, dict]:
     )
 
 
+def _read_json(file: Path, name: str) -> dict:
+    """A JSON object from ``file``, or a CheckpointError saying what is wrong with it."""
+    if not file.is_file():
+        raise CheckpointError(
+            f"no {name}", where=str(file.parent), fix="point to a HuggingFace model directory"
+        )
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(
+            f"{name} is not valid JSON: {str(e)[:200]}",
+            where=str(file),
+            fix="restore the file (download it again)",
+        ) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{name} is not a JSON object", where=str(file))
+    return data
+
+
+def _shards(path: Path, index: Path) -> list[Path]:
+    """The shard files an ``*.index.json`` names: inside ``path``, each present.
+
+    A shard path leading outside the model directory (``../x``, ``/etc/x``, a symlink out) is
+    refused: a downloaded index must not make the loader read arbitrary files.
+    """
+    weight_map = _read_json(index, index.name).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(
+            "weight_map is missing or not an object of tensor -> shard file names",
+            where=str(index),
+            fix="restore the index file (download it again)",
+        )
+    root = path.resolve()
+    shards = []
+    for name in sorted(set(weight_map.values())):
+        shard = (path / name).resolve()
+        if not shard.is_relative_to(root) or shard == root:
+            raise CheckpointError(
+                f"shard {name!r} lies outside the model directory",
+                where=str(index),
+                fix="a shard must be a file inside the model directory; this index is broken "
+                "or malicious",
+            )
+        shards.append(path / name)
+    return shards
+
+
 def _load_weights(file: Path) -> StateDict:
     if not file.is_file():
-        raise CheckpointError("weights file is missing", where=str(file))
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
+        raise CheckpointError(
+            "weights file is missing",
+            where=str(file),
+            fix="download the missing shard, or the whole model again",
+        )
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        return load_file(file, device="cpu")
-    return torch.load(file, map_location="cpu", weights_only=True)
+            sd = load_file(file, device="cpu")
+        else:
+            sd = torch.load(file, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise CheckpointError(
+            f"cannot read the weights file ({type(e).__name__}: {first})",
+            where=str(file),
+            fix="the file is truncated, corrupt or not of its kind: download it again",
+        ) from None
+    except Exception as e:  # safetensors raises its own SafetensorError
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise CheckpointError(
+            f"cannot read the weights file (safetensors: {str(e)[:200]})",
+            where=str(file),
+            fix="the file is truncated or corrupt: download it again",
+        ) from None
+    if not isinstance(sd, dict):
+        raise CheckpointError(
+            f"the weights file holds a {type(sd).__name__}, not a state dict", where=str(file)
+        )
+    refuse_non_finite(sd, str(file))
+    return sd
 
 
 def save_hf_dir(
@@ -273,6 +363,8 @@ def save_hf_dir(
     path.mkdir(parents=True, exist_ok=True)
     weights = path / "model.safetensors"
     tmp = temp_path(weights)
+    needed = sum(v.numel() * v.element_size() for v in hf_sd.values())
+    check_free_space(path, needed, "model.safetensors")
     try:
         with disk_full_is_clear(weights):
             tensors = {k: v.detach().contiguous() for k, v in hf_sd.items()}

@@ -25,7 +25,7 @@ from zerotron.checkpoint.save_load import (
     resolve_tag,
     save_checkpoint,
 )
-from zerotron.checkpoint.state import load_model_state
+from zerotron.checkpoint.state import load_model_state, refuse_non_finite
 from zerotron.distributed.comm import Group
 from zerotron.distributed.state import state
 from zerotron.errors import CheckpointError
@@ -63,6 +63,7 @@ def load_gpt(
     weights, _ = load_model_state_for(
         load_dir, tag, group.rank, group.size, 0, 1, padded_vocab_size=rows
     )
+    refuse_non_finite(weights, where, "model")
     model = GPT(config, tp_group=group)
     load_model_state(
         model,

@@ -28,11 +28,13 @@ import torch
 
 import zerotron
 from zerotron.checkpoint import layout
-from zerotron.errors import CheckpointError
+from zerotron.errors import CheckpointError, DiskFullError, ZerotronError
 from zerotron.fileio import (
     atomic_write_text,
+    check_free_space,
     commit_dir,
     disk_full_is_clear,
+    disk_write_error,
     fsync_dir,
     recover_dir,
 )
@@ -176,6 +178,120 @@ def _write_file(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())  # by the rank that wrote it: on a shared filesystem that matters
 
 
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of tensor data ``obj`` holds (each storage once): what torch.save will write."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set)):
+            stack.extend(value)
+    return total
+
+
+# Room for what is not tensor data (pickled structure, zip headers, metadata.json).
+_SPACE_MARGIN = 1024 * 1024
+
+
+def _space_problem(save_dir: Path, files: Mapping[str, Any]) -> DiskFullError | None:
+    """This rank's files do not fit in the free space under ``save_dir`` (None: they do)."""
+    if not files:
+        return None
+    needed = sum(tensor_bytes(obj) for obj in files.values()) + _SPACE_MARGIN
+    try:
+        check_free_space(save_dir, needed, f"checkpoint files {', '.join(sorted(files))}")
+    except DiskFullError as e:
+        e.fix = "free space or save elsewhere (--save); nothing was written and the previous "
+        e.fix += "checkpoint is kept"
+        return e
+    return None
+
+
+def _discard(tmp: Path, files: Mapping[str, Any], is_writer: bool) -> None:
+    """Remove what a failed save wrote: the writer the whole temp dir, others their files."""
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    for relpath in files:
+        (tmp / relpath).unlink(missing_ok=True)
+
+
+def _cleanup(tmp: Path, files: Mapping[str, Any], is_writer: bool) -> Callable[[], None]:
+    return lambda: _discard(tmp, files, is_writer)
+
+
+def _write_failure(e: BaseException, tmp: Path) -> ZerotronError:
+    """A clean error for a failed write; other errors stay as they are (bugs keep tracebacks)."""
+    if isinstance(e, ZerotronError):
+        return e
+    err = disk_write_error(tmp, e)
+    if err is None:
+        raise e
+    err.fix = "free space or save elsewhere (--save); nothing partial was kept and the "
+    err.fix += "previous checkpoint is still there"
+    return err
+
+
+def _agree(
+    any_rank: Callable[[bool], bool] | None,
+    error: ZerotronError | None,
+    happened: str,
+    cleanup: Callable[[], None] | None = None,
+) -> None:
+    """Raise ``error`` here, or (with ``any_rank``) an error on every rank if any rank has one."""
+    failed = any_rank(error is not None) if any_rank is not None else error is not None
+    if not failed:
+        return
+    if cleanup is not None:
+        cleanup()
+    if error is not None:
+        raise error
+    raise CheckpointError(
+        f"another rank {happened}; this rank stopped with it",
+        fix="see that rank's error; nothing partial was kept and the previous checkpoint is "
+        "still there",
+    )
+
+
+def _finish(
+    save_dir: Path,
+    tag: str,
+    tmp: Path,
+    final: Path,
+    metadata: Mapping[str, Any] | None,
+    iteration: int | None,
+    save_latest: bool,
+) -> None:
+    """The writer's part: metadata.json, the rename into place, then the trackers."""
+    meta = dict(metadata or {})
+    meta.update(
+        format_version=FORMAT_VERSION,
+        tag=tag,
+        iteration=iteration,
+        files=_list_files(tmp),
+        versions={
+            "zerotron": zerotron.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    with disk_full_is_clear(tmp):
+        (tmp / layout.METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        commit_dir(tmp, final)  # fsyncs every file, then renames
+        if save_latest:
+            write_trackers(save_dir, tag)
+
+
 def _list_files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
@@ -207,6 +323,7 @@ def save_checkpoint(
     save_latest: bool = True,
     is_writer: bool = True,
     barrier: Callable[[], None] | None = None,
+    any_rank: Callable[[bool], bool] | None = None,
 ) -> Path:
     """Save ``files`` (path relative to the tag directory -> object) as ``<save_dir>/<tag>/``.
 
@@ -216,6 +333,11 @@ def save_checkpoint(
     older one of the same tag) and, if ``save_latest``, updates the trackers last. ``barrier``
     synchronizes the ranks (e.g. ``torch.distributed.barrier``); a single process passes none.
     ``iteration`` defaults to the one in a Megatron tag. Returns the tag directory.
+
+    ``any_rank(flag)`` (a collective: whether ``flag`` holds on any rank) lets every rank stop
+    together when one has no room or fails to write; each rank first checks that its files fit
+    in the free space. A failed save removes its temporary directory and leaves the previous
+    checkpoint and the trackers as they were.
     """
     if not is_writer and barrier is None:
         raise ValueError("a non-writer rank needs a barrier to wait for the writer")
@@ -235,35 +357,40 @@ def save_checkpoint(
                 f"metadata is not JSON-serializable: {e}", where=str(final)
             ) from e
 
+    _agree(any_rank, _space_problem(save_dir, files), "had no room for its checkpoint files")
     if is_writer:
         save_dir.mkdir(parents=True, exist_ok=True)
         _clean_stale(save_dir)
         tmp.mkdir()
     sync()  # nobody writes into tmp before the writer has emptied it
 
-    for relpath, obj in files.items():
-        _write_file(tmp / _check_relpath(relpath), obj)
-    sync()
+    failure: ZerotronError | None = None
+    try:
+        for relpath, obj in files.items():
+            _write_file(tmp / _check_relpath(relpath), obj)
+    except (OSError, RuntimeError, ZerotronError) as e:
+        failure = _write_failure(e, tmp)
+        _discard(tmp, files, is_writer)
+    if any_rank is None:
+        if failure is not None:
+            raise failure  # before the barrier: the writer must not commit without these files
+        sync()
+    else:
+        _agree(
+            any_rank,
+            failure,
+            "could not write its checkpoint files",
+            _cleanup(tmp, files, is_writer),
+        )
 
     if is_writer:
-        meta = dict(metadata or {})
-        meta.update(
-            format_version=FORMAT_VERSION,
-            tag=tag,
-            iteration=iteration,
-            files=_list_files(tmp),
-            versions={
-                "zerotron": zerotron.__version__,
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-            },
-            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        )
-        with disk_full_is_clear(tmp):
-            (tmp / layout.METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-            commit_dir(tmp, final)  # fsyncs every file, then renames
-            if save_latest:
-                write_trackers(save_dir, tag)
+        try:
+            _finish(save_dir, tag, tmp, final, metadata, iteration, save_latest)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, (OSError, RuntimeError)):
+                raise _write_failure(e, tmp) from e
+            raise
     sync()  # nobody goes on (e.g. to load it, or to exit) before the checkpoint is complete
     return final
 
@@ -280,7 +407,7 @@ def read_latest_tag(load_dir: str | os.PathLike) -> str | None:
     load_dir = Path(load_dir)
     latest = layout.deepspeed_tracker(load_dir)
     if latest.is_file():
-        tag = latest.read_text().strip()
+        tag = _read_tracker(latest)
         if not tag:
             raise CheckpointError(
                 "the tracker file is empty", where=str(latest), fix="write the tag to load into it"
@@ -288,7 +415,7 @@ def read_latest_tag(load_dir: str | os.PathLike) -> str | None:
         return layout.validate_tag(tag)
     tracker = layout.megatron_tracker(load_dir)
     if tracker.is_file():
-        text = tracker.read_text().strip()
+        text = _read_tracker(tracker)
         if text == layout.RELEASE_TAG:
             return text
         try:
@@ -300,6 +427,23 @@ def read_latest_tag(load_dir: str | os.PathLike) -> str | None:
                 fix="write the iteration to load (e.g. 600) into it",
             ) from None
     return None
+
+
+def _read_tracker(path: Path) -> str:
+    """A tracker file's text: one line of UTF-8, the tag or the iteration."""
+    try:
+        return path.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"the tracker file is not text (byte {e.start} is {e.object[e.start : e.start + 1]!r})",
+            where=str(path),
+            fix="write the tag (e.g. iter_0000600) or the iteration to load into it, or delete "
+            "it and name the tag explicitly",
+        ) from None
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot read the tracker file: {e.strerror or e}", where=str(path)
+        ) from None
 
 
 def _available_tags(load_dir: Path) -> list[str]:
@@ -390,7 +534,7 @@ def read_metadata(load_dir: str | os.PathLike, tag: str) -> dict[str, Any]:
     """The metadata.json of a checkpoint."""
     path = layout.tag_dir(load_dir, tag) / layout.METADATA_FILE
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(
             "the checkpoint has no metadata.json (was it written by another tool?)",
@@ -399,9 +543,78 @@ def read_metadata(load_dir: str | os.PathLike, tag: str) -> dict[str, Any]:
             "by zerotron (HuggingFace weights: `zerotron convert --from-hf DIR --save CKPT`), or "
             "write metadata.json as docs/checkpoints.md describes",
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(
-            f"metadata.json is not valid JSON: {e}",
+            f"metadata.json is not valid JSON: {str(e)[:200]}",
             where=str(path),
             fix="restore it from a backup or re-create the checkpoint",
-        ) from e
+        ) from None
+    check_metadata(meta, str(path))
+    return meta
+
+
+# Each known metadata.json entry: the JSON type it must have (None allowed where listed).
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "layout": (dict,),
+    "model": (dict,),
+    "vocab": (dict,),
+    "tokenizer": (dict,),
+    "files": (list,),
+    "versions": (dict,),
+    "tag": (str,),
+    "iteration": (int, type(None)),
+    "format_version": (int,),
+}
+_META_INTS = {
+    "layout": (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "data_parallel_size",
+        "zero_stage",
+    ),
+    "vocab": ("size", "padded_size"),
+}
+
+
+def _json_type(value: Any) -> str:
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+    }
+    return names.get(type(value), "null" if value is None else f"a {type(value).__name__}")
+
+
+def check_metadata(meta: Any, where: str) -> None:
+    """Refuse a metadata.json whose entries have the wrong JSON types (a string where a number
+    is expected, a list where an object is), naming the key: tools read them without checking.
+    """
+
+    def bad(key: str, value: Any, want: str) -> CheckpointError:
+        return CheckpointError(
+            f"metadata.json: {key} is {_json_type(value)} ({str(value)[:60]}), expected {want}",
+            where=where,
+            fix="correct that entry (docs/checkpoints.md describes metadata.json), or restore "
+            "the file from a backup",
+        )
+
+    if not isinstance(meta, dict):
+        raise bad("the top level", meta, "an object")
+    for key, types in _META_TYPES.items():
+        value = meta.get(key)
+        if key in meta and not (isinstance(value, types) and not isinstance(value, bool)):
+            want = " or ".join(_json_type(t()) if t is not type(None) else "null" for t in types)
+            raise bad(key, value, want)
+    for section, keys in _META_INTS.items():
+        for key in keys:
+            value = (meta.get(section) or {}).get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad(f"{section}.{key}", value, "an integer")
+            if value is not None and value < (0 if key == "zero_stage" else 1):
+                raise bad(f"{section}.{key}", value, "a positive integer")
+    files = meta.get("files") or []
+    if not all(isinstance(f, str) for f in files):
+        raise bad("files", files, "a list of file names")

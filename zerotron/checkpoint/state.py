@@ -144,3 +144,29 @@ def load_model_state(
         )
     model.load_state_dict(fitted, strict=True)
     return repadded
+
+
+def refuse_non_finite(tree: Any, where: str, name: str = "") -> None:
+    """Refuse a loaded state that holds NaN or Inf, naming the file (``where``) and the tensor.
+
+    A flipped bit in an exponent turns a weight into Inf/NaN; loading it silently makes every
+    later loss NaN. No trained weight or optimizer state is legitimately non-finite.
+    """
+    stack: list[tuple[str, Any]] = [(name, tree)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                bad = int((~torch.isfinite(value)).sum())
+                raise CheckpointError(
+                    f"tensor {path or '(top level)'} holds {bad} NaN/Inf value"
+                    f"{'s' if bad != 1 else ''} (shape {list(value.shape)})",
+                    where=where,
+                    fix="the file is corrupt (a flipped bit) or was saved after training "
+                    "diverged: load an earlier checkpoint (pass its tag, or point the "
+                    "'latest' tracker at it)",
+                )
+        elif isinstance(value, Mapping):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))

@@ -47,7 +47,7 @@ import torch
 from zerotron.checkpoint import layout
 from zerotron.checkpoint.save_load import load_file, read_metadata, resolve_tag, save_checkpoint
 from zerotron.errors import CheckpointError, ConfigError
-from zerotron.fileio import commit, disk_full_is_clear, temp_path
+from zerotron.fileio import check_free_space, commit, disk_full_is_clear, temp_path
 
 ZERO_FILE = re.compile(r"zero_dp_rank_(\d+)_mp_rank_(\d{2})_(\d{3})_optim_states\.pt")
 SHARED_PARAMS_KEY = "shared_params"
@@ -428,7 +428,9 @@ class SafetensorsWriter:
         self._size = self._base + pos
         self._written = 0
         self._tmp = temp_path(self.path)
+        self._fd = -1
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_free_space(self.path.parent, self._size, f"{self.path.name}")
         with disk_full_is_clear(self.path):
             self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:

@@ -25,9 +25,13 @@ meaning and defaults. This module is the walker that reads a config against that
 hidden size) and otherwise takes DeepSpeed's default; the resolved dict comes back for printing.
 
 A value of the wrong type names its key path (``zero_optimization.offload_optimizer.device:
-'gpu' is not one of none, cpu, nvme``); an unknown key is a warning (``Config.warnings``) with
-the closest known key; a DeepSpeed feature zerotron does not implement (OneBitAdam, curriculum
-learning, compression, ...) raises :class:`~zerotron.errors.UnsupportedError` saying so.
+'gpu' is not one of none, cpu, nvme``); an unknown key inside a known section
+(``zero_optimization.stag``) is an error with the closest known key, since the feature it was
+meant to set would silently stay off (``unknown_keys="warn"``, ``zerotron pretrain
+--deepspeed-unknown-keys warn`` or ``ZEROTRON_DEEPSPEED_UNKNOWN_KEYS=warn`` make it a warning);
+an unknown top-level key is a warning (``Config.warnings``) with the closest known key; a
+DeepSpeed feature zerotron does not implement (OneBitAdam, curriculum learning, compression,
+...) raises :class:`~zerotron.errors.UnsupportedError` saying so.
 """
 
 from __future__ import annotations
@@ -104,6 +108,22 @@ def read_deepspeed_config(
     return data, locate
 
 
+UNKNOWN_KEYS_ENV = "ZEROTRON_DEEPSPEED_UNKNOWN_KEYS"
+"""Environment variable: ``warn`` relaxes unknown keys inside known sections to warnings."""
+
+
+def unknown_keys_mode(mode: str | None = None) -> str:
+    """``error`` or ``warn``: ``mode`` if given, else :data:`UNKNOWN_KEYS_ENV`, else error."""
+    mode = mode or os.environ.get(UNKNOWN_KEYS_ENV) or "error"
+    if mode not in ("error", "warn"):
+        raise ConfigError(
+            f"unknown-keys mode {mode!r}",
+            where=f"--deepspeed-unknown-keys / {UNKNOWN_KEYS_ENV}",
+            fix="use 'error' or 'warn'",
+        )
+    return mode
+
+
 def deepspeed_keys(
     source: str | os.PathLike | Mapping[str, Any],
     *,
@@ -112,11 +132,13 @@ def deepspeed_keys(
     pipeline_model_parallel_size: int = 1,
     auto: AutoValues | None = None,
     require_batch: bool = True,
+    unknown_keys: str | None = None,
 ) -> DeepSpeedKeys:
     """Validate a DeepSpeed config and sort it onto schema fields.
 
     ``require_batch``: a config without any batch size is an error (DeepSpeed's rule); False
-    where flags may give them (``zerotron pretrain``).
+    where flags may give them (``zerotron pretrain``). ``unknown_keys``: ``error`` (default, or
+    :data:`UNKNOWN_KEYS_ENV`) or ``warn`` for an unknown key inside a known section.
 
     Raises :class:`ConfigError` naming the key path of a bad value (and ``file:line`` for a
     file), :class:`UnsupportedError` for a feature zerotron does not implement.
@@ -126,7 +148,7 @@ def deepspeed_keys(
         raise ConfigError("a DeepSpeed config must be a JSON object", where=_label(source))
     auto = auto or AutoValues()
     out = DeepSpeedKeys(resolved=copy.deepcopy(dict(data)))
-    walker = _Walker(out, locate, auto)
+    walker = _Walker(out, locate, auto, strict=unknown_keys_mode(unknown_keys) == "error")
     for key, value in data.items():
         if key in ("optimizer", "scheduler"):
             continue
@@ -154,6 +176,7 @@ def load_deepspeed_config(
     pipeline_model_parallel_size: int = 1,
     auto: AutoValues | None = None,
     overrides: Mapping[str, Any] | None = None,
+    unknown_keys: str | None = None,
 ) -> tuple[Config, dict[str, Any]]:
     """A validated Config from a DeepSpeed config; returns ``(config, resolved_dict)``.
 
@@ -167,6 +190,7 @@ def load_deepspeed_config(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         auto=auto,
+        unknown_keys=unknown_keys,
     )
     nested = apply_deepspeed_defaults(keys.nested)
     for name, value in (overrides or {}).items():
@@ -188,8 +212,9 @@ def _label(source: Any) -> str | None:
 class _Walker:
     """Walks a DeepSpeed dict against :data:`SPEC`, filling a :class:`DeepSpeedKeys`."""
 
-    def __init__(self, out: DeepSpeedKeys, locate: Callable, auto: AutoValues):
+    def __init__(self, out: DeepSpeedKeys, locate: Callable, auto: AutoValues, strict: bool):
         self.out = out
+        self.strict = strict
         self.locate = locate
         self.auto = auto
         self.batch: dict[str, int] = {}
@@ -223,6 +248,17 @@ class _Walker:
         close = suggest(path[-1], choices)
         hint = f" (did you mean {'.'.join((*path[:-1], close))!r}?)" if close else ""
         where = self.where(path)
+        if self.strict and len(path) > 1:
+            # Inside a known section a typo silently leaves a feature off (zero_optimization.stag
+            # trains without ZeRO): DeepSpeed's own pydantic sections refuse it too.
+            known = ", ".join(sorted(k for k in choices if not k.startswith("_")))
+            fix = "correct the spelling" if close else f"{'.'.join(path[:-1])} takes: {known}"
+            raise ConfigError(
+                f"unknown DeepSpeed key {'.'.join(path)!r}{hint}",
+                where=where,
+                fix=f"{fix}; --deepspeed-unknown-keys warn (or {UNKNOWN_KEYS_ENV}=warn) "
+                "warns and ignores it instead",
+            )
         self.out.notes.append(
             f"{where + ': ' if where else ''}unknown DeepSpeed key {'.'.join(path)!r} ignored{hint}"
         )

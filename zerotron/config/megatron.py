@@ -175,6 +175,14 @@ def build_parser() -> ArgumentParser:
         help="DeepSpeed JSON config (ZeRO, fp16/bf16, optimizer, scheduler, batch sizes); it "
         "overrides --config, flags override it",
     )
+    ds.add_argument(
+        "--deepspeed-unknown-keys",
+        "--deepspeed_unknown_keys",
+        dest="deepspeed_unknown_keys",
+        choices=("error", "warn"),
+        help="an unknown key inside a known section of --deepspeed_config "
+        "(zero_optimization.stag): error (default) or warn and ignore it",
+    )
     parser.add_argument(
         "--local-rank",
         "--local_rank",
@@ -206,7 +214,16 @@ def parse_megatron_args(argv: Sequence[str], world_size: int = 1) -> Config:
     given.pop("deepspeed", None)
     config_path = given.pop("config", None)
     ds_path = given.pop("deepspeed_config", None)
-    return _build(given, config_path, world_size, notes, require=True, deepspeed_config=ds_path)
+    ds_unknown = given.pop("deepspeed_unknown_keys", None)
+    return _build(
+        given,
+        config_path,
+        world_size,
+        notes,
+        require=True,
+        deepspeed_config=ds_path,
+        deepspeed_unknown_keys=ds_unknown,
+    )
 
 
 def load_config(path: str | os.PathLike, world_size: int = 1) -> Config:
@@ -221,6 +238,7 @@ def _build(
     notes: list,
     require: bool,
     deepspeed_config: str | None = None,
+    deepspeed_unknown_keys: str | None = None,
 ) -> Config:
     nested: dict[str, dict[str, Any]] = {}
     origin: dict[tuple[str, str], str] = {}
@@ -236,7 +254,9 @@ def _build(
             )
         nested, origin = keys.nested, keys.origin
     if deepspeed_config is not None:
-        _merge_deepspeed(deepspeed_config, given, nested, origin, notes, world_size)
+        _merge_deepspeed(
+            deepspeed_config, given, nested, origin, notes, world_size, deepspeed_unknown_keys
+        )
     for name, value in given.items():  # the command line wins over the file
         section = FIELD_SECTION[name]
         nested.setdefault(section, {})[name] = value
@@ -257,6 +277,7 @@ def _merge_deepspeed(
     origin: dict[tuple[str, str], str],
     notes: list,
     world_size: int,
+    unknown_keys: str | None = None,
 ) -> None:
     """A DeepSpeed JSON over the --config file's values (its DeepSpeed defaults only where
     neither file set the field); flags are applied after, so they win."""
@@ -271,6 +292,7 @@ def _merge_deepspeed(
         tensor_model_parallel_size=size("tensor_model_parallel_size"),
         pipeline_model_parallel_size=size("pipeline_model_parallel_size"),
         require_batch=False,  # the flags may give the batch sizes
+        unknown_keys=unknown_keys,
     )
     for section, values in keys.nested.items():
         nested.setdefault(section, {}).update(values)

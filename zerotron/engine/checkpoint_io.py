@@ -42,6 +42,7 @@ from zerotron.checkpoint.layout import (
 )
 from zerotron.checkpoint.layout import tag_dir as layout_tag_dir
 from zerotron.checkpoint.reshard import checkpoint_layout, load_shared_entries
+from zerotron.checkpoint.state import refuse_non_finite
 from zerotron.checkpoint.zero_repartition import repartition_zero_state
 from zerotron.checkpoint.zero_to_fp32 import SHARED_PARAMS_KEY
 from zerotron.distributed import comm
@@ -119,7 +120,18 @@ def save_engine_checkpoint(
         save_latest=save_latest,
         is_writer=ps.rank == 0,
         barrier=comm.barrier if ps.world_size > 1 else None,
+        any_rank=_any_rank(ps, engine.device) if ps.world_size > 1 else None,
     )
+
+
+def _any_rank(ps: ParallelState, device: torch.device) -> Callable[[bool], bool]:
+    """Whether a flag holds on any rank (a collective): ranks stop a failed save together."""
+
+    def any_rank(flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        return bool(comm.all_reduce(t, ps.world, op="max").item())
+
+    return any_rank
 
 
 def save_16bit_model(engine: Engine, save_dir: str | Path, save_filename: str) -> Path:
@@ -244,11 +256,13 @@ def load_engine_checkpoint(
     saved = _read_model_file(engine, load_dir, tag, meta, ps, weights_only, where)
     if "model" not in saved:
         raise CheckpointError("no 'model' entry in the checkpoint", where=where)
+    refuse_non_finite(saved["model"], f"{where}/{_model_file(ps)}", "model")
     opt_state = None
     if load_optimizer_states and not load_module_only:
         opt_state = part.read_optimizer_state(
             load_dir, tag, saved, meta, where, engine.repartition_zero_checkpoints
         )
+        refuse_non_finite(opt_state, where, "optimizer")
     model_config = engine.checkpoint_metadata.get("model")
     refitted = part.load_module_state(
         engine.module,

@@ -4,8 +4,8 @@ writer.
 
 They live in ``engine/`` because the :class:`~zerotron.engine.Engine` writes them at each
 optimizer step, and DeepSpeed scripts get theirs from the config handed to ``initialize``; the
-module imports nothing from zerotron but ``errors``. :func:`training_events` is what the
-Engine writes at each step.
+module imports nothing from zerotron but ``errors`` and ``fileio``. :func:`training_events` is
+what the Engine writes at each step.
 
 What each writer does (only global rank 0 writes; other ranks build a disabled master):
 
@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from zerotron.errors import ConfigError
+from zerotron.fileio import check_writable_dir
 
 Event = tuple[str, float, int]
 """``(name, value, step)``; DeepSpeed keys training events by samples seen."""
@@ -62,7 +63,7 @@ class TensorBoardMonitor:
             ) from e
 
         self.log_dir = _log_dir(output_path, job_name)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        check_writable_dir(self.log_dir, "tensorboard.output_path")
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
 
     def write_events(self, events: Sequence[Event]) -> None:
@@ -79,7 +80,7 @@ class CsvMonitor:
 
     def __init__(self, output_path: str, job_name: str):
         self.log_dir = _log_dir(output_path, job_name)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        check_writable_dir(self.log_dir, "csv_monitor.output_path")
         self._files: dict[str, Any] = {}
 
     @staticmethod

@@ -23,7 +23,7 @@ from zerotron.checkpoint import tag_for_iteration
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_rank
 from zerotron.engine.timers import Timers
-from zerotron.errors import ConfigError
+from zerotron.errors import ConfigError, TrainingError
 from zerotron.training import log
 from zerotron.training.build import Run
 from zerotron.training.throughput import model_flops_per_token, tflops_per_second
@@ -181,6 +181,8 @@ def train(
             state.consumed_train_samples += gbs
             step = engine.last_step
             summary.losses[state.iteration] = loss
+            if t.check_for_nan_in_loss_and_grad:
+                check_finite(loss, step, state.iteration)
             interval.iterations += 1
             if step is not None and not step.update_successful:
                 interval.skipped += 1
@@ -194,7 +196,8 @@ def train(
             if state.iteration % t.log_interval == 0:
                 elapsed = time.perf_counter() - interval.start
                 per_iter = elapsed / interval.iterations
-                lm = interval.loss_sum / max(interval.counted, 1)
+                # No finite loss in the interval is not a loss of 0: say nan, as the step did.
+                lm = interval.loss_sum / interval.counted if interval.counted else math.nan
                 tokens = interval.iterations * gbs * m.seq_length
                 line = log.iteration_line(
                     iteration=state.iteration,
@@ -275,6 +278,28 @@ def train(
         with contextlib.suppress(Exception):
             writer.close()
     return summary
+
+
+def check_finite(loss: float, step: Any, iteration: int) -> None:
+    """Megatron's --check-for-nan-in-loss-and-grad: a NaN/Inf loss or gradient norm of a step
+    that was applied stops the run (a step skipped on an fp16 overflow is the scaler's business:
+    counted as skipped, not an error).
+
+    Every rank sees the same (data-parallel averaged) loss and global norm, so all stop here.
+    """
+    if step is not None and not step.update_successful:
+        return  # an fp16 overflow: the loss scaler skipped the step, as it should
+    norm = getattr(step, "grad_norm", None)
+    if math.isfinite(loss) and (norm is None or math.isfinite(norm)):
+        return
+    what = f"lm loss {loss}" if not math.isfinite(loss) else f"grad norm {norm}"
+    raise TrainingError(
+        f"{what} at iteration {iteration}: training diverged or the weights are corrupt",
+        where=f"iteration {iteration}",
+        fix="resume from an earlier checkpoint (a corrupt one is refused at load), lower --lr "
+        "or use --clip-grad; --no-check-for-nan-in-loss-and-grad goes on and counts such "
+        "iterations instead",
+    )
 
 
 def _any_rank(flag: bool) -> bool:

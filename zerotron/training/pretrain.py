@@ -41,6 +41,7 @@ from zerotron.distributed.init import get_world_size, init_distributed
 from zerotron.distributed.state import ParallelState, initialize_model_parallel, state
 from zerotron.engine.timers import Timers
 from zerotron.errors import CheckpointError, ConfigError, DistributedError, UnsupportedError
+from zerotron.fileio import check_writable_dir
 from zerotron.models.gpt import print_num_parameters
 from zerotron.training.build import Run, build_run
 from zerotron.training.loop import TrainState, TrainSummary, print_rank_0, train
@@ -71,6 +72,15 @@ def _check_supported(cfg: Config) -> None:
             where="--compile",
             fix="drop --compile, or use --pipeline-model-parallel-size 1",
         )
+
+
+def _check_output_dirs(cfg: Config) -> None:
+    """--save and --tensorboard-dir must be writable directories: found now, not at the first
+    save after hours of training."""
+    if cfg.checkpoint.save:
+        check_writable_dir(cfg.checkpoint.save, "--save")
+    if cfg.training.tensorboard_dir:
+        check_writable_dir(cfg.training.tensorboard_dir, "--tensorboard-dir")
 
 
 def _init_parallel(cfg: Config) -> ParallelState:
@@ -191,6 +201,7 @@ _SPLIT_FIX = {
 def pretrain(cfg: Config) -> TrainSummary:
     """Run ``cfg`` to the end (or exit interval); return the losses and where things went."""
     _check_supported(cfg)
+    _check_output_dirs(cfg)
     ps = _init_parallel(cfg)
     for w in cfg.warnings:
         print_rank_0(f" WARNING: {w}")

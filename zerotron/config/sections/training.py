@@ -46,6 +46,12 @@ class TrainingConfig(Section):
     eval_iters: Int = Field(100, ge=0, description="Iterations per evaluation (0: none).")
     log_interval: Int = Field(100, gt=0, description="Iterations between log lines.")
     tensorboard_dir: str | None = Field(None, description="Write TensorBoard events here.")
+    check_for_nan_in_loss_and_grad: bool = Field(
+        True,
+        description="Stop with an error naming the iteration when the loss or the gradient "
+        "norm is NaN/Inf (Megatron's check); off: go on, counting such iterations as nan "
+        "iterations.",
+    )
 
 
 class OptimizerConfig(Section):
