@@ -79,6 +79,37 @@ def test_three_ranks_name_the_one_that_is_stuck():
     assert "rank 1 is stuck (running, but it has not reached this call, number 2" in err.details
 
 
+def _stuck_in(rank: int, op: str) -> None:
+    """Rank 1 sleeps instead of joining ``op``: a pairwise all-gather on the dp group (gloo's
+    exchange of point-to-point messages), or a recv from rank 1 on the default group."""
+    st = initialize_model_parallel()
+    try:
+        if rank == 1:
+            time.sleep(DEADLINE_S)
+        if op == "all_gather":
+            comm.all_gather(torch.ones(4), st.dp)
+        else:
+            comm.recv(torch.empty(4), 1)
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.mark.parametrize(
+    "op, what",
+    [
+        ("all_gather", "all_gather on the dp group [0, 1] did not finish within 3 s"),
+        ("recv", "recv with rank 1 did not finish within 3 s"),
+    ],
+)
+def test_a_rank_stuck_in_a_pairwise_exchange_or_recv_is_named(op, what):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(_stuck_in, 2, op, timeout=DEADLINE_S, collective_timeout=TIMEOUT_S)
+    assert info.value.rank == 0
+    assert f"DistributedError: rank 0: comm.{op}: {what}: rank 1 is stuck" in info.value.details
+    assert time.monotonic() - start < DEADLINE_S / 2
+
+
 # -- under zerotron launch -------------------------------------------------------------------------
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
