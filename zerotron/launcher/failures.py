@@ -14,6 +14,12 @@ A rank's failure moment is taken as
   handled, and is not the reason the rank ended.
 - otherwise the moment its process ended (``os._exit``, a crash, the OOM killer: nothing was
   printed), seen by :class:`Watchdog` within microseconds.
+
+Last words are a traceback or zerotron's clean one-line error (``zerotron pretrain: error:
+...``). Time alone is not enough: a rank that fails cleanly closes its connections before its
+process ends, and its peers' "Connection closed by peer" can arrive first. So a rank whose
+last words say a peer left or got stuck (see :data:`_PEER_PHRASES`) ranks after the ranks that
+failed on their own, and a rank the launcher stopped after both.
 """
 
 from __future__ import annotations
