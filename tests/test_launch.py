@@ -176,6 +176,7 @@ def test_summary_names_the_rank_that_failed_first_not_the_lowest_or_first_to_exi
     assert text.splitlines() == [
         "rank 2 failed first: raised an exception, then was killed by signal 15 (SIGTERM) "
         "while exiting",
+        "cause: ValueError: v",
         "rank 2's traceback:",
         "  Traceback (most recent call last):",
         '    File "x"',

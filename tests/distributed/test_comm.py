@@ -88,7 +88,7 @@ def _fallbacks(g):
     comm._REDUCE_SCATTER_SINGLE = _fail  # a real failure is not mistaken for a refusal
     try:
         comm.reduce_scatter(big, g)
-    except RuntimeError as e:
+    except DistributedError as e:  # the torch error, named: op, group and that a peer left
         out["failure"] = str(e)
     comm._ALL_GATHER_SINGLE, comm._REDUCE_SCATTER_SINGLE = saved
     comm.pairwise_on_gloo = True
@@ -226,7 +226,10 @@ def test_fallbacks_give_the_same_results_and_bytes(results):
                 value, entries = fb[how][case]
                 assert torch.equal(value, ref[case]), (rank, how, case)
                 assert entries == expected_ledger("world", case)
-        assert fb["failure"] == "Connection closed by peer"
+        assert (
+            f"rank {rank}: comm.reduce_scatter: reduce_scatter on the world group [0, 1, 2, 3] "
+            "failed: a peer left (Connection closed by peer)"
+        ) in fb["failure"]
 
 
 @COMM

@@ -141,8 +141,9 @@ def test_rank_raising_at_step_2_takes_the_job_down_and_is_named(tmp_path):
         r"\(SIGTERM\) while exiting)",
         summary[1],
     )
-    assert summary[2] == "rank 1's traceback:"
-    assert summary[3] == "  Traceback (most recent call last):"
+    assert summary[2] == "cause: RuntimeError: rank 1 gives up at step 2"
+    assert summary[3] == "rank 1's traceback:"
+    assert summary[4] == "  Traceback (most recent call last):"
     assert summary[-3] == "  RuntimeError: rank 1 gives up at step 2"
     assert summary[-2].startswith("then: rank 0 ")
     assert summary[-1] == f"rank 1's full output: {tmp_path / 'rank1.log'}"

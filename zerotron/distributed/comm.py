@@ -38,6 +38,11 @@ is torch's own add: gloo's fused reduce-scatter and all-gather took 3-4x as long
 bytes (2 ranks, 46 MB of bf16, quiet machine: 75 and 53 ms against 19 and 18 ms; see
 ``bench/README.md``, zero section). Each rank sends and receives (n-1)/n of the tensor, what a
 ring moves; the ledger records the same logical operation.
+
+Every call is bounded by the job's timeout (the groups carry it) and is counted per group for
+:mod:`~zerotron.distributed.liveness`; a torch error in its start or wait becomes a
+:class:`DistributedError` naming the op, the group and the stuck rank or the peer that left
+(:mod:`~zerotron.distributed.failures`).
 """
 
 from __future__ import annotations
@@ -45,13 +50,15 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from zerotron.distributed import liveness
+from zerotron.distributed.failures import Call, key
 from zerotron.errors import DistributedError
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -207,6 +214,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _record(group: Group, op: str, nbytes: int) -> Call:
+    """Record a collective in the ledger and count it on the group (for naming a stuck rank)."""
+    ledger.record(group.name, op, nbytes)
+    return Call(group, op, liveness.count(key(group)))
+
+
 # --------------------------------------------------------------------------------------------
 # Pending results
 
@@ -214,22 +227,27 @@ def _nbytes(t: torch.Tensor) -> int:
 class Pending:
     """A collective in flight; :meth:`wait` blocks until it is done and returns its result."""
 
-    def __init__(self, work: Any, finish: Callable[[], torch.Tensor]):
+    def __init__(
+        self, work: Any, finish: Callable[[], torch.Tensor], call: Call | None = None
+    ) -> None:
         self._work = work
         self._finish: Callable[[], torch.Tensor] | None = finish
         self._result: torch.Tensor | None = None
+        self._call = call
 
     @classmethod
     def done(cls, result: torch.Tensor) -> Pending:
         return cls(None, lambda: result)
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._finish is not None:
-            self._result = self._finish()
-            self._finish = None
+        guard = self._call.guard() if self._call is not None else nullcontext()
+        with guard:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            if self._finish is not None:
+                self._result = self._finish()
+                self._finish = None
         assert self._result is not None
         return self._result
 
@@ -330,9 +348,10 @@ def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
     torch_op = _torch_op(op)
     if not _active(group, "all_reduce"):
         return Pending.done(t)
-    ledger.record(group.name, "all_reduce", _nbytes(t))
+    call = _record(group, "all_reduce", _nbytes(t))
     buf = t if t.is_contiguous() else t.contiguous()
-    work = dist.all_reduce(buf, op=torch_op, group=group.pg, async_op=True)
+    with call.guard():
+        work = dist.all_reduce(buf, op=torch_op, group=group.pg, async_op=True)
 
     def finish() -> torch.Tensor:
         if op == "avg":
@@ -341,7 +360,7 @@ def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
             t.copy_(buf)
         return t
 
-    return Pending(work, finish)
+    return Pending(work, finish, call)
 
 
 def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
@@ -355,13 +374,26 @@ def all_gather_async(t: torch.Tensor, group: Group, dim: int = 0) -> Pending:
         return Pending.done(t if t.dim() else t.reshape(1))
     shard = t.contiguous() if t.dim() else t.reshape(1)  # scalars gather into a vector
     dim = _check_dim(shard, dim, "all_gather")
-    ledger.record(group.name, "all_gather", _nbytes(t))
+    call = _record(group, "all_gather", _nbytes(t))
     n = group.size
     # Shards land one after another along dim 0 (the layout every backend's fused op takes).
     gathered = torch.empty(
         (n * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device
     )
     parts = list(gathered.chunk(n))
+    with call.guard():
+        work = _start_all_gather(group, shard, gathered, parts)
+
+    def finish() -> torch.Tensor:
+        return gathered if dim == 0 else torch.cat(gathered.chunk(n), dim=dim)
+
+    return Pending(work, finish, call)
+
+
+def _start_all_gather(
+    group: Group, shard: torch.Tensor, gathered: torch.Tensor, parts: list[torch.Tensor]
+) -> Any:
+    n = group.size
     if _pairwise(shard, group):
         me = group.rank
         parts[me].copy_(shard)
@@ -371,11 +403,7 @@ def all_gather_async(t: torch.Tensor, group: Group, dim: int = 0) -> Pending:
         work = _fused(_ALL_GATHER_SINGLE, gathered, shard, group=group.pg)
     if work is None:  # the backend has no fused all-gather: gather into a list of views
         work = dist.all_gather(parts, shard, group=group.pg, async_op=True)
-
-    def finish() -> torch.Tensor:
-        return gathered if dim == 0 else torch.cat(gathered.chunk(n), dim=dim)
-
-    return Pending(work, finish)
+    return work
 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -400,34 +428,37 @@ def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0, op: str = 
             where="comm.reduce_scatter",
             fix=f"pad dim {dim} to a multiple of {n}",
         )
-    ledger.record(group.name, "reduce_scatter", _nbytes(t))
+    call = _record(group, "reduce_scatter", _nbytes(t))
     # The fused op scatters chunks of dim 0: bring the chunks of ``dim`` there first.
     full = t.contiguous() if dim == 0 else torch.cat(t.chunk(n, dim=dim))
     if _pairwise(full, group) and op in ("sum", "avg"):
-        return _pairwise_reduce_scatter(full, group, op)
+        with call.guard():
+            return _pairwise_reduce_scatter(full, group, op, call)
     out = torch.empty((full.shape[0] // n, *full.shape[1:]), dtype=t.dtype, device=t.device)
-    work = _fused(_REDUCE_SCATTER_SINGLE, out, full, op=torch_op, group=group.pg)
+    with call.guard():
+        work = _fused(_REDUCE_SCATTER_SINGLE, out, full, op=torch_op, group=group.pg)
     result = out
     if work is None:
         # No fused reduce-scatter in this backend: everyone reduces everything and keeps its
         # chunk (twice the traffic; the ledger still records the logical reduce_scatter).
         reduced = full.clone()
-        work = dist.all_reduce(reduced, op=torch_op, group=group.pg, async_op=True)
+        with call.guard():
+            work = dist.all_reduce(reduced, op=torch_op, group=group.pg, async_op=True)
         result = reduced.chunk(n)[group.rank]
 
     def finish() -> torch.Tensor:
         return result.div_(n) if op == "avg" else result
 
-    return Pending(work, finish)
+    return Pending(work, finish, call)
 
 
-def _pairwise_reduce_scatter(full: torch.Tensor, group: Group, op: str) -> Pending:
+def _pairwise_reduce_scatter(full: torch.Tensor, group: Group, op: str, call: Call) -> Pending:
     """Two members: each sends the other's chunk of ``full`` and adds what it receives to its
     own (``a + b``: the same bits either way round). More: a ring (:func:`_ring_steps`)."""
     n, me = group.size, group.rank
     chunks = full.chunk(n)
     if n > 2:
-        return _ring_steps(chunks, group, op)
+        return _ring_steps(chunks, group, op, call)
     received = torch.empty_like(chunks[0])
     work = _exchange(group, {1 - me: chunks[1 - me]}, {1 - me: received})
 
@@ -435,10 +466,10 @@ def _pairwise_reduce_scatter(full: torch.Tensor, group: Group, op: str) -> Pendi
         out = received.add_(chunks[me])
         return out.div_(n) if op == "avg" else out
 
-    return Pending(work, finish)
+    return Pending(work, finish, call)
 
 
-def _ring_steps(chunks: tuple[torch.Tensor, ...], group: Group, op: str) -> Pending:
+def _ring_steps(chunks: tuple[torch.Tensor, ...], group: Group, op: str, call: Call) -> Pending:
     """Reduce-scatter over n > 2 members in n - 1 ring steps, two chunks of memory (posting
     every pairwise message at once would need n - 1). Step k receives from the previous member
     the partial sum of chunk ``me - k - 2`` (mod n), adds this member's own part of it and
@@ -459,7 +490,7 @@ def _ring_steps(chunks: tuple[torch.Tensor, ...], group: Group, op: str) -> Pend
                 work = _exchange(group, {nxt: acc}, {prv: bufs[(k + 1) % 2]}, tags + k + 1)
         return acc.div_(n) if op == "avg" else acc
 
-    return Pending(None, finish)
+    return Pending(None, finish, call)
 
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, op: str = "sum") -> torch.Tensor:
@@ -480,9 +511,10 @@ def broadcast(t: torch.Tensor, group: Group, src_rank_in_group: int = 0) -> torc
             f"{group.size}",
             where="comm.broadcast",
         )
-    ledger.record(group.name, "broadcast", _nbytes(t))
+    call = _record(group, "broadcast", _nbytes(t))
     buf = t if t.is_contiguous() else t.contiguous()
-    dist.broadcast(buf, src=group.ranks[src_rank_in_group], group=group.pg)
+    with call.guard():
+        dist.broadcast(buf, src=group.ranks[src_rank_in_group], group=group.pg)
     if buf is not t:
         t.copy_(buf)
     return t
@@ -496,8 +528,8 @@ def barrier(group: Group | None = None) -> None:
         group = world_group()
     if not _active(group, "barrier"):
         return
-    ledger.record(group.name, "barrier", 0)
-    dist.barrier(group=group.pg)
+    with _record(group, "barrier", 0).guard():
+        dist.barrier(group=group.pg)
 
 
 def world_group() -> Group:
@@ -540,14 +572,16 @@ def send(t: torch.Tensor, dst_global_rank: int, group_name: str = "pp") -> None:
     """Send ``t`` to global rank ``dst_global_rank`` (blocking); recorded under ``group_name``."""
     _check_peer(t, dst_global_rank, "send")
     ledger.record(group_name, "send", _nbytes(t))
-    dist.send(t, dst_global_rank)
+    with _p2p_call("send", [dst_global_rank]).guard():
+        dist.send(t, dst_global_rank)
 
 
 def recv(t: torch.Tensor, src_global_rank: int, group_name: str = "pp") -> torch.Tensor:
     """Receive into ``t`` from global rank ``src_global_rank`` (blocking); return ``t``."""
     _check_peer(t, src_global_rank, "recv")
     ledger.record(group_name, "recv", _nbytes(t))
-    dist.recv(t, src_global_rank)
+    with _p2p_call("recv", [src_global_rank]).guard():
+        dist.recv(t, src_global_rank)
     return t
 
 
@@ -569,8 +603,15 @@ def batch_isend_irecv(
         p2p_ops.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, peer))
     if not p2p_ops:
         return
-    for work in dist.batch_isend_irecv(p2p_ops):
-        work.wait()
+    peers = sorted({item[2] for item in ops})
+    with _p2p_call("batch_isend_irecv", peers).guard():
+        for work in dist.batch_isend_irecv(p2p_ops):
+            work.wait()
+
+
+def _p2p_call(op: str, peers: list[int]) -> Call:
+    """A point-to-point call on the default group: a stuck or departed peer is one of ``peers``."""
+    return Call(world_group(), op, 0, tuple(peers))
 
 
 def _check_dim(t: torch.Tensor, dim: int, op: str) -> int:

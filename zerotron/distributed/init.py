@@ -8,8 +8,10 @@ so single-process code pays nothing and every collective in :mod:`zerotron.distr
 is a no-op.
 
 Backend: nccl when the device is CUDA, gloo otherwise. The timeout
-(``--distributed-timeout-minutes``) bounds every collective: when a rank dies or raises, the
-others fail with a timeout or connection error instead of waiting forever.
+(``--distributed-timeout-minutes``) bounds every collective and point-to-point wait, on the
+default group and on every group made with :func:`new_group` (torch's own ``new_group`` would
+give a group its 30-minute default): when a rank dies, raises or stops, the others fail with a
+:class:`DistributedError` naming it (:mod:`zerotron.distributed.liveness`) instead of waiting.
 
 A process group created here is destroyed again at interpreter exit (``atexit``), also when the
 program ends on an exception: without that, a gloo worker's shutdown sometimes aborts the
@@ -26,11 +28,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zerotron.distributed import liveness
 from zerotron.errors import DistributedError
 
 BACKENDS = ("gloo", "nccl")
 _LAUNCH_FIX = "start the job with `zerotron launch` or `torchrun`, which set these variables"
 _teardown_registered = False  # atexit holds _destroy_at_exit (registered once per process)
+_timeout: timedelta | None = None  # the job's timeout, given to every group made here
 
 
 def is_initialized() -> bool:
@@ -60,7 +64,8 @@ def init_distributed(
 
     ``device`` is ``"cuda"`` or ``"cpu"`` (default: cuda when available). ``backend`` defaults
     to nccl for cuda and gloo for cpu. On cuda the current device becomes ``LOCAL_RANK``.
-    Calling it again returns the existing (rank, world size).
+    ``timeout_minutes`` may be a fraction (tests use seconds). Calling it again returns the
+    existing (rank, world size).
     """
     if is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -97,17 +102,43 @@ def init_distributed(
             raise DistributedError(
                 f"{var} is not set (WORLD_SIZE={world})", where="environment", fix=_LAUNCH_FIX
             )
+    global _timeout
+    _timeout = timedelta(minutes=timeout_minutes)
     dist.init_process_group(
         backend=backend,
         init_method="env://",
         world_size=world,
         rank=rank,
-        timeout=timedelta(minutes=timeout_minutes),
+        timeout=_timeout,
         # nccl: bind the communicator to this rank's GPU now, not at the first collective.
         device_id=torch.device("cuda", local_rank()) if backend == "nccl" else None,
     )
     _register_teardown()
+    liveness.start(_default_store(), rank, _timeout.total_seconds())
     return rank, world
+
+
+def timeout() -> timedelta:
+    """The bound on every collective: the job's ``--distributed-timeout-minutes``.
+
+    For a process group someone else created, torch's default for its backend.
+    """
+    if _timeout is not None:
+        return _timeout
+    backend = dist.get_backend() if is_initialized() else "gloo"
+    return dist.distributed_c10d._get_default_timeout(backend)
+
+
+def new_group(ranks: list[int]) -> object:
+    """``dist.new_group`` with the job's timeout (collective: every rank calls it, in order)."""
+    return dist.new_group(ranks, timeout=timeout())
+
+
+def _default_store() -> object | None:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):  # no store to publish in: no heartbeat
+        return None
 
 
 def _register_teardown() -> None:
@@ -137,9 +168,12 @@ def destroy() -> None:
     # Imported here: state builds on this module, not the other way round.
     from zerotron.distributed.state import destroy_model_parallel
 
+    global _timeout
     destroy_model_parallel()
+    liveness.stop()
     if is_initialized():
         dist.destroy_process_group()
+    _timeout = None
 
 
 def _pick_device(device: str | None) -> str:

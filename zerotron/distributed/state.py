@@ -209,7 +209,7 @@ def _build_group(name: str, topo: ProcessTopology, rank: int) -> Group:
     for ranks in topo.groups(name):
         # One-rank groups need no process group: comm never calls torch for them. Every rank
         # makes the same choice from the same topology, so new_group calls stay in step.
-        pg = dist.new_group(ranks) if len(ranks) > 1 else None
+        pg = init.new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             mine = Group(name, tuple(ranks), ranks.index(rank), pg)
     return mine
@@ -220,7 +220,7 @@ def _build_self_pg(world: int, rank: int) -> Any:
         return None
     mine = None
     for r in range(world):
-        pg = dist.new_group([r])
+        pg = init.new_group([r])
         if r == rank:
             mine = pg
     return mine

@@ -40,6 +40,7 @@ RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same i
 # subcommand, so a --local_rank in front of it would not parse.
 ZEROTRON_CLI_MODULES = ("zerotron", "zerotron.cli", "zerotron.__main__")
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+RESOLVE_LIMIT_S = 10.0  # a --master_addr that takes longer to resolve is refused
 
 
 @dataclass
@@ -214,6 +215,7 @@ def plan_from_args(argv: list[str]) -> LaunchPlan:
         port = args.master_port
     if not 1 <= port <= 65535:
         raise ConfigError(f"--master_port must be in 1 .. 65535, got {port}")
+    _check_resolves(args.master_addr, port)
     if args.max_restarts < 0:
         raise ConfigError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.shutdown_timeout < 0 or args.rdzv_timeout < 1:
@@ -280,6 +282,30 @@ def _check_program(script: str, module: bool) -> None:
         )
 
 
+def _check_resolves(addr: str, port: int, limit_s: float = RESOLVE_LIMIT_S) -> None:
+    """Refuse a --master_addr that does not resolve, at once: torch would retry it for the whole
+    --rdzv_timeout (15 minutes by default). A resolver that hangs is given ``limit_s``."""
+    outcome: list[BaseException | None] = []
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+            outcome.append(None)
+        except (OSError, UnicodeError) as e:
+            outcome.append(e)
+
+    worker = threading.Thread(target=resolve, name="zerotron-resolve", daemon=True)
+    worker.start()
+    worker.join(limit_s)
+    fix = "give node 0's host name or IP address, as every node can reach it"
+    if not outcome:
+        raise ConfigError(f"--master_addr {addr!r} did not resolve within {limit_s:g} s", fix=fix)
+    err = outcome[0]
+    if err is not None:
+        reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+        raise ConfigError(f"--master_addr {addr!r} does not resolve: {reason}", fix=fix)
+
+
 def _in_cwd(top: str) -> bool:
     return os.path.isdir(top) or os.path.isfile(f"{top}.py")
 
@@ -322,6 +348,7 @@ def run(plan: LaunchPlan) -> int:
         run_id=RUN_ID,
         timeout_s=plan.rdzv_timeout,
     )
+    rdzv.say = _say  # progress while waiting for the other nodes
     spec = WorkerSpec(
         role="worker",
         local_world_size=plan.nproc_per_node,
@@ -350,7 +377,9 @@ def run(plan: LaunchPlan) -> int:
             ) from e
     if result is None or not result.is_failed():  # None: the rendezvous closed gracefully
         return 0
-    code, report = summarize_failures(result.failures, watchdog.exit_times, streams)
+    code, report = summarize_failures(
+        result.failures, watchdog.exit_times, streams, watchdog.finished
+    )
     _say(report)
     return code
 

@@ -6,11 +6,19 @@ keeps one store for the whole job; workers started again after a failure then re
 attempt's keys (addresses of processes that are gone) and cannot connect. Here attempt ``k``
 opens a new store on its own port, which every node derives without talking to the others:
 ``master_port + k`` (or, on one node with a port the launcher picked, any free port).
+
+Nothing waits silently: a node whose rendezvous host is not listening yet, and node 0 waiting
+for the others, say every ``progress_every`` seconds who they wait for ("waiting for node 1 of
+2 at host:port, 30 s of 900"), and the timeout ends in a :class:`LaunchError` naming the nodes
+that never came. The other nodes probe node 0's port with a plain socket before torch's store
+client connects, so torch's retry loop (warnings with C++ stack frames) never runs.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
+import time
 from collections.abc import Callable
 
 from torch.distributed import PrefixStore, TCPStore
@@ -19,6 +27,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
+
+from zerotron.errors import LaunchError
 
 
 class StaticRendezvous(RendezvousHandler):
@@ -41,6 +51,8 @@ class StaticRendezvous(RendezvousHandler):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.attempt = -1
         self._store: TCPStore | None = None
+        self.say: Callable[[str], None] = lambda text: None
+        self.progress_every = min(30.0, max(1.0, timeout_s / 10))
 
     def get_backend(self) -> str:
         return "static"
@@ -53,22 +65,53 @@ class StaticRendezvous(RendezvousHandler):
         self.attempt += 1
         port = self.port_of_attempt(self.attempt)
         self._store = None  # the previous attempt's server closes with its last reference
-        # Node 0 serves and waits until every node's launcher has connected; the others retry
-        # connecting until the timeout.
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        if self.node_rank != 0:
+            self._wait_for_host(port, deadline)
+        # Node 0 serves; every node then counts itself in and waits for the others.
         self._store = TCPStore(
             self.master_addr,
             port,
             self.nnodes,
             self.node_rank == 0,
             self.timeout,
+            wait_for_workers=False,
             multi_tenant=True,
         )
+        self._store.set(f"{_NODE_KEY}{self.node_rank}", "1")
+        self._store.add(_JOINED_KEY, 1)
+        self._wait_for_nodes(self._store, port, deadline)
         return RendezvousInfo(
             PrefixStore(self.run_id, self._store),
             self.node_rank,
             self.nnodes,
             RendezvousStoreInfo(self.master_addr, port),
         )
+
+    def _wait_for_host(self, port: int, deadline: float) -> None:
+        """Until node 0 listens at the rendezvous port (a plain socket: no torch retry noise)."""
+        progress = _Progress(self.say, self.progress_every, self.timeout.total_seconds())
+        where = f"{self.master_addr}:{port}"
+        while not _probe(self.master_addr, port):
+            if time.monotonic() >= deadline:
+                raise _timed_out(self, [0], port)
+            progress.tick(lambda: f"node 0 of {self.nnodes} at {where} (not listening yet)")
+            time.sleep(0.25)
+
+    def _wait_for_nodes(self, store: TCPStore, port: int, deadline: float) -> None:
+        """Until every node has counted itself in, saying which ones are missing."""
+        progress = _Progress(self.say, self.progress_every, self.timeout.total_seconds())
+
+        def missing() -> list[int]:
+            return [i for i in range(self.nnodes) if not store.check([f"{_NODE_KEY}{i}"])]
+
+        while store.add(_JOINED_KEY, 0) < self.nnodes:
+            if time.monotonic() >= deadline:
+                raise _timed_out(self, missing(), port)
+            progress.tick(
+                lambda: f"{_nodes(missing())} of {self.nnodes} at {self.master_addr}:{port}"
+            )
+            time.sleep(0.1)
 
     def is_closed(self) -> bool:
         return False
@@ -85,3 +128,52 @@ class StaticRendezvous(RendezvousHandler):
     def shutdown(self) -> bool:
         self._store = None
         return True
+
+
+_NODE_KEY = "zerotron/rdzv/node"
+_JOINED_KEY = "zerotron/rdzv/joined"
+
+
+class _Progress:
+    """Says what a wait is waiting for, every ``every`` seconds."""
+
+    def __init__(self, say: Callable[[str], None], every: float, total: float) -> None:
+        self.say, self.every, self.total = say, every, total
+        self.start = time.monotonic()
+        self.next = self.start + every
+
+    def tick(self, waiting_for: Callable[[], str]) -> None:
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + self.every
+            self.say(f"waiting for {waiting_for()}, {now - self.start:.0f} s of {self.total:g}")
+
+
+def _probe(addr: str, port: int) -> bool:
+    """Whether something accepts connections at addr:port (unresolvable: LaunchError)."""
+    try:
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except socket.gaierror as e:
+        raise LaunchError(
+            f"--master_addr {addr!r} does not resolve: {e.strerror}",
+            fix="give node 0's host name or IP address, as every node can reach it",
+        ) from None
+    except OSError:  # refused, unreachable, timed out: not up yet
+        return False
+
+
+def _nodes(ranks: list[int]) -> str:
+    if not ranks:
+        return "some nodes"
+    return f"node {ranks[0]}" if len(ranks) == 1 else "nodes " + ", ".join(map(str, ranks))
+
+
+def _timed_out(handler: StaticRendezvous, missing: list[int], port: int) -> LaunchError:
+    return LaunchError(
+        f"rendezvous timed out after {handler.timeout.total_seconds():g} s: {_nodes(missing)} "
+        f"of {handler.nnodes} never joined at {handler.master_addr}:{port}",
+        where=f"node {handler.node_rank}",
+        fix="start `zerotron launch` on every node with the same --nnodes, --master_addr and "
+        "--master_port, and a distinct --node_rank; raise --rdzv_timeout if nodes start late",
+    )
