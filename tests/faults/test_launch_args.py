@@ -6,6 +6,7 @@ before the details with C++ frames folded. (Runs with ranks: tests/distributed/t
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -52,6 +53,24 @@ def test_unresolvable_master_addr_is_refused_at_once():
         )
     assert time.monotonic() - start < launch.RESOLVE_LIMIT_S
 
+
+def test_unwritable_log_dir_is_refused_before_any_rank_starts(tmp_path):
+    """--log_dir on a read-only directory is a ConfigError naming the flag (F5), found when the
+    plan is made, not when the first rank writes its log."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK) and os.geteuid() == 0:  # root writes anyway: use a file
+            target = tmp_path / "a-file"
+            target.write_text("x")
+        else:
+            target = ro / "logs"
+        with pytest.raises(ConfigError) as e:
+            launch.plan_from_args(["--nproc_per_node", "1", "--log_dir", str(target), SCRIPT])
+        assert e.value.where == "--log_dir"
+    finally:
+        ro.chmod(0o700)
 
 def test_the_rank_with_a_clean_error_is_named_over_a_peer_that_failed_earlier():
     # Rank 0 saw the connection close (t=1.0) before rank 1's own error line arrived (t=1.1)

@@ -33,6 +33,7 @@ from functools import partial
 
 from zerotron.config.args import ArgumentParser
 from zerotron.errors import ConfigError, LaunchError
+from zerotron.fileio import check_writable_dir
 
 DEFAULT_MASTER_PORT = 29500
 RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
@@ -220,12 +221,8 @@ def plan_from_args(argv: list[str]) -> LaunchPlan:
         raise ConfigError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.shutdown_timeout < 0 or args.rdzv_timeout < 1:
         raise ConfigError("--shutdown_timeout must be >= 0 and --rdzv_timeout >= 1 seconds")
-    if (
-        args.log_dir is not None
-        and os.path.exists(args.log_dir)
-        and not os.path.isdir(args.log_dir)
-    ):
-        raise ConfigError(f"--log_dir {args.log_dir} exists and is not a directory")
+    if args.log_dir is not None:  # found now, not when the first rank writes its log
+        check_writable_dir(args.log_dir, "--log_dir")
     _check_program(args.script, args.module)
     omp = None
     if "OMP_NUM_THREADS" not in os.environ:

@@ -55,11 +55,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
+from zerotron.distributed.init import new_group
 from zerotron.distributed.state import state
 from zerotron.distributed.topology import ProcessTopology
 from zerotron.errors import ConfigError, UnsupportedError
@@ -238,7 +238,7 @@ class PipelineModule(nn.Module):
                 for dp_rank in range(topo.dp):
                     for tp_rank in range(topo.tp):
                         ranks = [topo.rank(pp=s, dp=dp_rank, tp=tp_rank) for s in stages]
-                        made = dist.new_group(ranks)
+                        made = new_group(ranks)  # with the job's timeout
                         if ps.rank in ranks:
                             pg = made
                 if holders:
