@@ -90,10 +90,12 @@ def validate_tag(tag: str) -> str:
         or os.sep in tag
         or "\0" in tag
         or tag != tag.strip()
+        or len(tag.encode("utf-8", "surrogateescape")) > 255  # NAME_MAX: not a directory name
     ):
         raise CheckpointError(
             f"invalid checkpoint tag {tag!r}",
-            fix="a tag is one directory name: no '/', no leading '.', no surrounding spaces "
+            fix="a tag is one directory name (at most 255 bytes): no '/', no leading '.', no "
+            "surrounding spaces "
             "(e.g. 'iter_0000600' or 'global_step100')",
         )
     return tag

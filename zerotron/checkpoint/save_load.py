@@ -419,7 +419,10 @@ def read_latest_tag(load_dir: str | os.PathLike) -> str | None:
         if text == layout.RELEASE_TAG:
             return text
         try:
-            return layout.tag_for_iteration(int(text))
+            iteration = int(text)
+            if not 0 <= iteration < 10**15:  # beyond that the tag is not a usable file name
+                raise ValueError(text)
+            return layout.tag_for_iteration(iteration)
         except ValueError:
             raise CheckpointError(
                 f"the tracker holds {text!r}, expected an iteration number or 'release'",

@@ -65,7 +65,7 @@ from zerotron.config.deepspeed_table import (
     apply_deepspeed_defaults,
 )
 from zerotron.config.derive import BatchNames, batch_geometry, data_parallel_size
-from zerotron.config.files import read_config_file
+from zerotron.config.files import read_config_file, too_deep
 from zerotron.config.keys import suggest
 from zerotron.config.schema import Config
 from zerotron.config.sections import FIELD_SECTION
@@ -96,6 +96,7 @@ def read_deepspeed_config(
     Returns it with ``locate(path) -> "file:line"`` (None for a mapping).
     """
     if isinstance(source, Mapping):
+        _check_depth(source, None)
         return copy.deepcopy(dict(source)), lambda path: None
     text = os.fspath(source)
     if isinstance(source, str) and text.lstrip().startswith("{"):
@@ -103,9 +104,29 @@ def read_deepspeed_config(
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"the DeepSpeed config is not valid JSON: {e}") from None
+        except RecursionError:
+            raise too_deep(None) from None
+        _check_depth(data, None)
         return data, lambda path: None
     data, locate = read_config_file(text)
+    _check_depth(data, text)
     return data, locate
+
+
+MAX_DEPTH = 32
+"""DeepSpeed configs nest four levels; deeper ones would overflow deepcopy's recursion."""
+
+
+def _check_depth(data: Any, where: str | None) -> None:
+    """Refuse a config nested deeper than :data:`MAX_DEPTH` (iteratively: no recursion)."""
+    stack = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise too_deep(where)
+        children = node.values() if isinstance(node, Mapping) else node
+        if isinstance(node, (Mapping, list, tuple)):
+            stack.extend((child, depth + 1) for child in children)
 
 
 UNKNOWN_KEYS_ENV = "ZEROTRON_DEEPSPEED_UNKNOWN_KEYS"
@@ -400,6 +421,14 @@ class _Walker:
             if key not in ("type", "params"):
                 self.unknown((*path, key), {"type": 0, "params": 0})
         kind = block.get("type")
+        if not isinstance(kind, str):
+            raise self.fail(
+                ConfigError(
+                    f"scheduler.type: {kind!r} is not a scheduler name",
+                    fix=f"use one of {', '.join(SCHEDULER_PARAMS)}",
+                ),
+                (*path, "type"),
+            )
         if kind in UNSUPPORTED_SCHEDULERS:
             raise UnsupportedError(
                 f"scheduler.type: {kind} is not supported by zerotron",
@@ -435,9 +464,9 @@ class _Walker:
                 self.unknown(ppath, spec)
                 continue
             parse, default = spec[name]
-            if value == AUTO:
-                value = auto_scheduler_param(".".join(ppath), name, default, lr, self.auto)
             try:
+                if value == AUTO:
+                    value = auto_scheduler_param(".".join(ppath), name, default, lr, self.auto)
                 resolved[name] = parse(".".join(ppath), value)
             except ConfigError as e:
                 raise self.fail(e, ppath) from None

@@ -79,6 +79,17 @@ def _parse_yaml(text: str, path: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise _yaml_error(e, path) from None
+    except RecursionError:
+        raise too_deep(path) from None
+
+
+def too_deep(where: str | None) -> ConfigError:
+    """Python's parsers recurse once per level: a config nested thousands deep is refused."""
+    return ConfigError(
+        "the config is nested too deeply (lists or objects inside each other, level after level)",
+        where=where,
+        fix="a config nests a few levels at most: check that the file is the config you meant",
+    )
 
 
 def _yaml_error(e: yaml.YAMLError, path: str) -> ConfigError:
@@ -107,6 +118,8 @@ def _parse_json(text: str, path: str) -> Any:
             where=f"{path}:{e.lineno}",
             fix="fix the JSON syntax at that line",
         ) from None
+    except RecursionError:
+        raise too_deep(path) from None
 
 
 def _key_lines(text: str, path: str) -> dict[tuple[str, ...], int]:
@@ -117,7 +130,7 @@ def _key_lines(text: str, path: str) -> dict[tuple[str, ...], int]:
     """
     try:
         root = yaml.compose(text)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return {}
     lines: dict[tuple[str, ...], int] = {}
 
