@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import zerotron.kernels.policy as policy_module
 import zerotron.models.gpt as gpt_module
+from tests.test_model import config as model_config
 from zerotron.kernels import KernelPolicy, apply_process_settings, kernel_policy, onednn
 from zerotron.kernels.policy import ENV_SWITCHES
 from zerotron.models import GPT, GPTConfig
@@ -17,17 +18,8 @@ FIELDS = [f.name for f in dataclasses.fields(KernelPolicy)]
 
 
 def config(**kw) -> GPTConfig:
-    base = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        seq_length=32,
-        vocab_size=128,
-        orig_vocab_size=100,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    return GPTConfig(**{**base, **kw})
+    """test_model's tiny GPT, without dropout (paths are compared bit for bit)."""
+    return model_config(**{"hidden_dropout": 0.0, "attention_dropout": 0.0, **kw})
 
 
 def loss_and_grads(model: GPT, tokens, labels):
