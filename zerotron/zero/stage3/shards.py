@@ -13,6 +13,7 @@ this rank's chunk, with no collective.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,8 +28,19 @@ if TYPE_CHECKING:
     from zerotron.zero.stage3.coordinator import ParamCoordinator
     from zerotron.zero.stage3.gather import Fetch
 
-# Status of a partitioned parameter.
-RELEASED, INFLIGHT, AVAILABLE = "released", "inflight", "available"
+
+class ZeroParamStatus(enum.Enum):
+    """Status of a partitioned parameter, with DeepSpeed's names and values (its client code
+    compares ``p.ds_status`` with these)."""
+
+    AVAILABLE = 1  # gathered: p.data is the whole parameter
+    NOT_AVAILABLE = 2  # released: only this rank's shard is held
+    INFLIGHT = 3  # a gather has started and not finished
+
+
+RELEASED = ZeroParamStatus.NOT_AVAILABLE
+INFLIGHT = ZeroParamStatus.INFLIGHT
+AVAILABLE = ZeroParamStatus.AVAILABLE
 
 
 class ShardStore(Protocol):
