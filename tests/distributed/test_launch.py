@@ -152,6 +152,21 @@ def test_rank_raising_at_step_2_takes_the_job_down_and_is_named(tmp_path):
     assert len(pids) == 2 and all(_gone(p) for p in pids)
 
 
+@pytest.mark.parametrize("mode,signum,name", [("kill9", 9, "SIGKILL"), ("segv", 11, "SIGSEGV")])
+def test_rank_killed_by_a_signal_is_named_with_it(mode, signum, name):
+    # Rank 1 dies of a signal at step 2 (no Python error at all) while rank 0 waits in the
+    # all-reduce and then fails because its peer left: rank 1 is the cause, its exit code a
+    # shell's 128 + N.
+    r, seconds = _launch(["--nproc_per_node", "2", FAIL_AT_STEP, "--mode", mode])
+    assert seconds < 30
+    assert r.returncode == 128 + signum
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("zerotron launch: ")]
+    assert lines[1] == f"zerotron launch: rank 1 failed first: killed by signal {signum} ({name})"
+    assert any(ln.startswith("zerotron launch: then: rank 0 ") for ln in lines)
+    pids = [int(p) for p in re.findall(r"pid rank=\d pid=(\d+)", r.stdout)]
+    assert len(pids) == 2 and all(_gone(p) for p in pids)
+
+
 @pytest.mark.timing  # the SIGKILL deadline is told apart from the agent's wait by wall-clock
 def test_rank_dying_with_exit_3_is_named_and_sigterm_ignorers_are_killed():
     # Rank 1 calls os._exit(3); rank 0 ignores SIGTERM and sleeps: the deadline must SIGKILL it

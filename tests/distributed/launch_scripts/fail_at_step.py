@@ -3,13 +3,17 @@ others wait.
 
 --mode raise: the failing rank raises (Python exits with 1) and its peers are blocked in a gloo
 all-reduce that it never joins. --mode exit3: the failing rank dies with os._exit(3) and its
-peers sleep with SIGTERM ignored, so only the launcher's SIGKILL can end them.
+peers sleep with SIGTERM ignored, so only the launcher's SIGKILL can end them. --mode kill9 /
+--mode segv: the failing rank is killed by SIGKILL / dies of a segmentation fault (a read of
+address 0) while its peers wait in the all-reduce.
 --fail-attempts N: fail only in the first N attempts (TORCHELASTIC_RESTART_COUNT < N).
 --step-seconds S: sleep S seconds in each step.
 """
 
 import argparse
 import atexit
+import ctypes
+import faulthandler
 import os
 import signal
 import time
@@ -19,7 +23,7 @@ import torch.distributed as dist
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=None)
-parser.add_argument("--mode", choices=["raise", "exit3"], default="raise")
+parser.add_argument("--mode", choices=["raise", "exit3", "kill9", "segv"], default="raise")
 parser.add_argument("--fail-rank", type=int, default=1)
 parser.add_argument("--fail-attempts", type=int, default=1 << 30)
 parser.add_argument("--step-seconds", type=float, default=0.0)
@@ -37,6 +41,11 @@ for step in range(5):
     if step == 2 and rank == args.fail_rank and fails:
         if args.mode == "exit3":
             os._exit(3)
+        if args.mode == "kill9":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.mode == "segv":
+            faulthandler.disable()  # the test wants the bare signal, not Python's dump
+            ctypes.string_at(0)
         raise RuntimeError(f"rank {rank} gives up at step {step}")
     if step == 2 and args.mode == "exit3" and fails:
         time.sleep(600)
