@@ -46,7 +46,10 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--quick", action="store_true", help="tiny model, one round: checks it runs")
     args = p.parse_args()
+    if args.quick:
+        args.layers, args.hidden, args.vocab, args.rounds = 1, 64, 1000, 1
     torch.set_num_threads(args.threads)
     grads = gpt2_grads(args.layers, args.hidden, args.vocab)
     exact = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt().item()

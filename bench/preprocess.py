@@ -153,7 +153,18 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs per side (best and median)")
     p.add_argument("--json-key", default="text")
     p.add_argument("--no-append-eod", dest="append_eod", action="store_false")
+    p.add_argument("--quick", action="store_true", help="first 50 documents, one run per side")
     args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.quick:
+            head = Path(tmp) / "head.jsonl"
+            with open(args.input, encoding="utf-8") as f:
+                head.write_text("".join(line for _, line in zip(range(50), f)), encoding="utf-8")
+            args.input, args.repeat = head, 1
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
 
     size = args.input.stat().st_size
     print(f"corpus {args.input} ({size / 1e6:.1f} MB), {args.workers} workers, "
