@@ -7,6 +7,9 @@ runs a DeepSpeed script:
 
 - :mod:`~zerotron.compat.checkpointing`: ``deepspeed.checkpointing`` (activation recompute,
   whose machinery is :mod:`zerotron.parallel.recompute`);
+- :mod:`~zerotron.compat.comm`: ``deepspeed.comm`` (torch.distributed's functions with
+  DeepSpeed's signatures and ``ReduceOp``, through :mod:`zerotron.distributed.comm` and its
+  ledger; ``init_distributed``);
 - :mod:`~zerotron.compat.pipe`: ``deepspeed.pipe`` (``PipelineModule``, ``LayerSpec``,
   ``TiedLayerSpec`` on :mod:`zerotron.pipeline`).
 
