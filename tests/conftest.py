@@ -42,6 +42,20 @@ def data_prefix(tmp_path_factory) -> str:
     return str(d / "austen20_text_document")
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """A test that ran DeepSpeed's entry points in this process (``initialize``,
+    ``init_distributed``) leaves a one-process default group behind, as DeepSpeed does; destroy
+    it after the test, so the next test starts, like a fresh program, without one."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+        from zerotron.distributed.init import destroy
+
+        destroy()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """Make ``--dist loadgroup`` keep each ``xdist_group`` on one worker under pytest 9.

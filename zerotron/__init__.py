@@ -2,7 +2,8 @@
 
 DeepSpeed's API is here too, so ``import zerotron as deepspeed`` runs a DeepSpeed script:
 :func:`initialize`, :func:`add_config_arguments`, :func:`init_distributed` (from
-:mod:`zerotron.compat.api`), ``zerotron.zero``, and DeepSpeed's modules in :mod:`zerotron.compat`
+:mod:`zerotron.compat.api`), :func:`get_accelerator` (:mod:`zerotron.compat.accelerator`),
+``zerotron.zero``, and DeepSpeed's modules in :mod:`zerotron.compat`
 under their DeepSpeed names (``zerotron.checkpointing``, ``zerotron.pipe``: see
 :data:`COMPAT_MODULES`). Everything is imported on first use, so ``import zerotron`` stays cheap.
 """
@@ -22,17 +23,20 @@ __version__ = "0.1.0"
 # DeepSpeed module names served from zerotron/compat/: `zerotron.<name>` (and any
 # `zerotron.<name>.<sub>`) is the module object `zerotron.compat.<name>[.<sub>]`. To add one,
 # put the module in compat/ and its name here.
-COMPAT_MODULES = ("pipe", "checkpointing")
+COMPAT_MODULES = ("pipe", "checkpointing", "comm", "accelerator")
 
 _API = ("initialize", "add_config_arguments", "init_distributed")
+_ACCELERATOR_API = ("get_accelerator",)
 _MODULES = ("zero", "config", "distributed", "engine", "compat", *COMPAT_MODULES)
 
-__all__ = [*_API, "__version__"]
+__all__ = [*_API, *_ACCELERATOR_API, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _API:
         return getattr(importlib.import_module("zerotron.compat.api"), name)
+    if name in _ACCELERATOR_API:
+        return getattr(importlib.import_module("zerotron.compat.accelerator"), name)
     if name in _MODULES:
         return importlib.import_module(f"zerotron.{name}")
     raise AttributeError(f"module 'zerotron' has no attribute {name!r}")

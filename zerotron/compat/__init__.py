@@ -5,8 +5,13 @@ Each module here is one DeepSpeed module, reachable under its DeepSpeed name at 
 included) for every name in :data:`zerotron.COMPAT_MODULES`, so ``import zerotron as deepspeed``
 runs a DeepSpeed script:
 
+- :mod:`~zerotron.compat.accelerator`: ``deepspeed.accelerator`` (``get_accelerator()``: the
+  CPU or CUDA device as DeepSpeed's accelerator interface describes it);
 - :mod:`~zerotron.compat.checkpointing`: ``deepspeed.checkpointing`` (activation recompute,
   whose machinery is :mod:`zerotron.parallel.recompute`);
+- :mod:`~zerotron.compat.comm`: ``deepspeed.comm`` (torch.distributed's functions with
+  DeepSpeed's signatures and ``ReduceOp``, through :mod:`zerotron.distributed.comm` and its
+  ledger; ``init_distributed``);
 - :mod:`~zerotron.compat.pipe`: ``deepspeed.pipe`` (``PipelineModule``, ``LayerSpec``,
   ``TiedLayerSpec`` on :mod:`zerotron.pipeline`).
 

@@ -1,4 +1,5 @@
-"""DeepSpeed's entry points: ``initialize``, ``add_config_arguments``, ``init_distributed``.
+"""DeepSpeed's entry points: ``initialize``, ``add_config_arguments``, ``init_distributed``
+(from :mod:`zerotron.compat.comm`).
 
 A DeepSpeed training script runs on zerotron by changing its import::
 
@@ -21,7 +22,8 @@ A DeepSpeed training script runs on zerotron by changing its import::
    :mod:`zerotron.config.deepspeed` with ``"auto"`` values resolved from ``args``, the passed
    optimizer and the model; the resolved config is printed once, by rank 0;
 2. processes: the default process group from the launcher's environment (a plain
-   ``python train.py`` is one process, no group), and the tensor/pipeline/data-parallel groups:
+   ``python train.py`` is rank 0 of a group of one: :func:`init_distributed`, which is
+   ``deepspeed.comm.init_distributed``), and the tensor/pipeline/data-parallel groups:
    from a passed ``mpu`` (its sizes, checked against zerotron's rank layout) or zerotron's state;
 3. the model: moved to the device and cast to fp16/bf16 when the config says so (with
    ``fp16.auto_cast`` its floating-point inputs are cast to fp16 too);
@@ -47,7 +49,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerotron.compat.comm.comm import init_distributed
 from zerotron.errors import ConfigError, DistributedError
+
+__all__ = ["add_config_arguments", "build_data_loader", "init_distributed", "initialize"]
 
 CONFIG_ARGS = ("deepspeed_config", "zerotron_config")
 
@@ -84,25 +89,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
             help="local rank passed by launchers (zerotron reads LOCAL_RANK from the environment)",
         )
     return parser
-
-
-def init_distributed(
-    dist_backend: str | None = None,
-    timeout: Any = None,
-    dist_init_required: bool | None = None,
-    **_: Any,
-) -> None:
-    """DeepSpeed's ``init_distributed``: the default process group from the launcher's
-    environment (none for a plain single-process run). Other DeepSpeed arguments (MPI
-    discovery, ports) are accepted and not needed."""
-    from zerotron.distributed.init import init_distributed as _init
-
-    if dist_init_required is False:
-        return
-    minutes = 10.0
-    if timeout is not None:
-        minutes = timeout.total_seconds() / 60 if hasattr(timeout, "total_seconds") else timeout
-    _init(backend=dist_backend, timeout_minutes=minutes)
 
 
 def initialize(

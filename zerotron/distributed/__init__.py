@@ -5,8 +5,9 @@
 - :mod:`~zerotron.distributed.init`: :func:`init_distributed` (env:// rendezvous, backend,
   device, timeout).
 - :mod:`~zerotron.distributed.state`: :func:`initialize_model_parallel` and :func:`state`, the
-  one :class:`ParallelState` with this rank's groups.
-- :mod:`~zerotron.distributed.comm`: every collective and p2p call, with the byte ``ledger``.
+  one :class:`ParallelState` with this rank's groups (``group_of``: the Group of a torch group).
+- :mod:`~zerotron.distributed.comm`: every collective and p2p call, recorded in the byte
+  ``ledger`` (:mod:`~zerotron.distributed.ledger`).
 - :mod:`~zerotron.distributed.mpu`: Megatron/DeepSpeed names over the state.
 - :mod:`~zerotron.distributed.rng`: the tensor-parallel RNG tracker.
 

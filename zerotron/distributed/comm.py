@@ -15,8 +15,10 @@ op                  group                 bytes recorded (per call, on this rank
 ``all_gather``      the group's name      this rank's input shard (output = size × that)
 ``reduce_scatter``  the group's name      the full input (output = that / size)
 ``broadcast``       the group's name      the tensor broadcast (same on every rank)
+``all_to_all``      the group's name      this rank's input (what it scatters)
 ``barrier``         the group's name      0
 ``send``/``recv``   ``group_name`` arg    the tensor sent / received; default ``"pp"``
+                    (or ``group``'s)      (``isend``/``irecv`` too)
 ==================  ====================  ==============================================
 
 The ledger records the *logical* operation, not how a backend carried it out: ``avg`` is a sum
@@ -47,10 +49,9 @@ Every call is bounded by the job's timeout (the groups carry it) and is counted 
 
 from __future__ import annotations
 
-import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -59,9 +60,11 @@ import torch.distributed as dist
 
 from zerotron.distributed import liveness
 from zerotron.distributed.failures import Call, key
+from zerotron.distributed.ledger import Ledger as Ledger  # re-exported: comm.Ledger
+from zerotron.distributed.ledger import ledger
 from zerotron.errors import DistributedError
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
+REDUCE_OPS = ("sum", "avg", "max", "min", "product", "band", "bor", "bxor")
 
 # torch >= 2.13 names the fused single-tensor collectives *_single; older ones *_tensor.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or getattr(
@@ -131,85 +134,6 @@ def _active(group: Group, op: str) -> bool:
     return True
 
 
-# --------------------------------------------------------------------------------------------
-# Ledger
-
-
-class Ledger:
-    """Collective calls recorded as ``(group, op, bytes)``.
-
-    ``total()``/``count()`` are exact for the whole life of the ledger. ``entries`` keeps the
-    calls themselves; the module-level ledger keeps only the most recent ``max_entries`` of
-    them (a long run makes millions of calls), ledgers from :meth:`capture` keep all.
-    """
-
-    def __init__(self, max_entries: int | None = None):
-        self.max_entries = max_entries
-        self.entries: list[tuple[str, str, int]] = []
-        self._totals: dict[tuple[str, str], list[int]] = {}
-        self._captures: list[Ledger] = []
-        # Gradient hooks may run on autograd's device threads.
-        self._lock = threading.Lock()
-
-    def record(self, group: str, op: str, nbytes: int) -> None:
-        """Add one call; active captures see it too."""
-        with self._lock:
-            self._add(group, op, nbytes)
-            for sub in self._captures:
-                sub._add(group, op, nbytes)
-
-    def _add(self, group: str, op: str, nbytes: int) -> None:
-        self.entries.append((group, op, nbytes))
-        if self.max_entries is not None and len(self.entries) > self.max_entries:
-            del self.entries[: len(self.entries) - self.max_entries // 2]
-        slot = self._totals.setdefault((group, op), [0, 0])
-        slot[0] += nbytes
-        slot[1] += 1
-
-    def reset(self) -> None:
-        """Forget everything recorded so far (active captures keep theirs)."""
-        with self._lock:
-            self.entries.clear()
-            self._totals.clear()
-
-    def total(self, group: str | None = None, op: str | None = None) -> int:
-        """Bytes recorded, optionally only for one group name and/or one op."""
-        return sum(v[0] for k, v in self._select(group, op))
-
-    def count(self, group: str | None = None, op: str | None = None) -> int:
-        """Number of calls recorded, filtered like :meth:`total`."""
-        return sum(v[1] for k, v in self._select(group, op))
-
-    def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
-        """``{(group, op): (bytes, calls)}`` over everything recorded."""
-        with self._lock:
-            return {k: (v[0], v[1]) for k, v in sorted(self._totals.items())}
-
-    def _select(self, group: str | None, op: str | None) -> list[tuple[tuple[str, str], list]]:
-        with self._lock:
-            return [
-                (k, list(v))
-                for k, v in self._totals.items()
-                if (group is None or k[0] == group) and (op is None or k[1] == op)
-            ]
-
-    @contextmanager
-    def capture(self) -> Iterator[Ledger]:
-        """A fresh ledger that records every call made inside the ``with`` block."""
-        sub = Ledger()
-        with self._lock:
-            self._captures.append(sub)
-        try:
-            yield sub
-        finally:
-            with self._lock:
-                self._captures.remove(sub)
-
-
-ledger = Ledger(max_entries=100_000)
-"""Every call made through this module, in this process."""
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -261,6 +185,10 @@ def _torch_op(op: str) -> Any:
         "avg": dist.ReduceOp.SUM,
         "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT,
+        "band": dist.ReduceOp.BAND,
+        "bor": dist.ReduceOp.BOR,
+        "bxor": dist.ReduceOp.BXOR,
     }[op]
 
 
@@ -501,10 +429,11 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, op: str = "sum")
     return reduce_scatter_async(t, group, dim, op).wait()
 
 
-def broadcast(t: torch.Tensor, group: Group, src_rank_in_group: int = 0) -> torch.Tensor:
-    """Copy the group member ``src_rank_in_group``'s ``t`` into every member's ``t``."""
+def broadcast_async(t: torch.Tensor, group: Group, src_rank_in_group: int = 0) -> Pending:
+    """Start copying member ``src_rank_in_group``'s ``t`` into every member's ``t``;
+    ``wait()`` returns ``t``."""
     if not _active(group, "broadcast"):
-        return t
+        return Pending.done(t)
     if not 0 <= src_rank_in_group < group.size:
         raise DistributedError(
             f"broadcast source {src_rank_in_group} is outside the {group.name} group of size "
@@ -514,10 +443,77 @@ def broadcast(t: torch.Tensor, group: Group, src_rank_in_group: int = 0) -> torc
     call = _record(group, "broadcast", _nbytes(t))
     buf = t if t.is_contiguous() else t.contiguous()
     with call.guard():
-        dist.broadcast(buf, src=group.ranks[src_rank_in_group], group=group.pg)
-    if buf is not t:
-        t.copy_(buf)
-    return t
+        work = dist.broadcast(
+            buf, src=group.ranks[src_rank_in_group], group=group.pg, async_op=True
+        )
+
+    def finish() -> torch.Tensor:
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    return Pending(work, finish, call)
+
+
+def broadcast(t: torch.Tensor, group: Group, src_rank_in_group: int = 0) -> torch.Tensor:
+    """Copy the group member ``src_rank_in_group``'s ``t`` into every member's ``t``."""
+    return broadcast_async(t, group, src_rank_in_group).wait()
+
+
+def all_to_all_async(
+    t: torch.Tensor,
+    group: Group,
+    out: torch.Tensor | None = None,
+    in_splits: Sequence[int] | None = None,
+    out_splits: Sequence[int] | None = None,
+) -> Pending:
+    """Start an all-to-all: member j gets this rank's ``j``-th slice of ``t`` along dim 0 and
+    this rank's ``j``-th slice of ``out`` is member j's; ``wait()`` returns ``out``.
+
+    Slices are equal (dim 0 divisible by the group size) unless ``in_splits`` / ``out_splits``
+    give their lengths. ``out`` defaults to a new tensor shaped like ``t`` (equal slices). At
+    size 1, ``t`` itself (copied into ``out`` when one is given).
+    """
+    if not _active(group, "all_to_all"):
+        return Pending.done(t if out is None else out.copy_(t))
+    n = group.size
+    for splits, what in ((in_splits, t), (out_splits, out)):
+        if splits is None and what is not None and what.dim() and what.shape[0] % n:
+            raise DistributedError(
+                f"all_to_all of a tensor of shape {tuple(what.shape)}: dim 0 is not divisible "
+                f"by the {group.name} group size {n}",
+                where="comm.all_to_all",
+                fix="pass split sizes, or pad dim 0 to a multiple of the group size",
+            )
+    if out is None:
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    call = _record(group, "all_to_all", _nbytes(t))
+    src = t.contiguous()
+    dst = (
+        out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    )
+    in_list = None if in_splits is None else list(in_splits)
+    out_list = None if out_splits is None else list(out_splits)
+    with call.guard():
+        work = dist.all_to_all_single(dst, src, out_list, in_list, group=group.pg, async_op=True)
+
+    def finish() -> torch.Tensor:
+        if dst is not out:
+            out.copy_(dst)
+        return out
+
+    return Pending(work, finish, call)
+
+
+def all_to_all(
+    t: torch.Tensor,
+    group: Group,
+    out: torch.Tensor | None = None,
+    in_splits: Sequence[int] | None = None,
+    out_splits: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The all-to-all of :func:`all_to_all_async`, waited for."""
+    return all_to_all_async(t, group, out, in_splits, out_splits).wait()
 
 
 def barrier(group: Group | None = None) -> None:
@@ -554,7 +550,7 @@ class P2P(NamedTuple):
     peer: int  # global rank
 
 
-def _check_peer(t: torch.Tensor, peer: int, op: str) -> None:
+def _check_peer(t: torch.Tensor, peer: int, op: str, group: Group | None = None) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedError(
             f"{op} needs a process group", where=f"comm.{op}", fix="call init_distributed() first"
@@ -564,25 +560,78 @@ def _check_peer(t: torch.Tensor, peer: int, op: str) -> None:
         raise DistributedError(
             f"{op} peer {peer} is not another rank of 0..{world - 1}", where=f"comm.{op}"
         )
+    if group is not None and (peer not in group.ranks or not group.is_member):
+        raise DistributedError(
+            f"{op} between ranks {me} and {peer}, not both in the {group.name} group "
+            f"{list(group.ranks)}",
+            where=f"comm.{op}",
+        )
     if not t.is_contiguous():
         raise DistributedError(f"{op} of a non-contiguous tensor", where=f"comm.{op}")
 
 
-def send(t: torch.Tensor, dst_global_rank: int, group_name: str = "pp") -> None:
-    """Send ``t`` to global rank ``dst_global_rank`` (blocking); recorded under ``group_name``."""
-    _check_peer(t, dst_global_rank, "send")
-    ledger.record(group_name, "send", _nbytes(t))
-    with _p2p_call("send", [dst_global_rank]).guard():
-        dist.send(t, dst_global_rank)
+def _start_p2p(
+    op: str, t: torch.Tensor, peer: int, group_name: str, tag: int, group: Group | None
+) -> Pending:
+    """Post one send or receive (``peer``: a global rank); ``wait()`` returns ``t``."""
+    _check_peer(t, peer, op, group)
+    ledger.record(group.name if group is not None else group_name, op, _nbytes(t))
+    call = _p2p_call(op, [peer])
+    pg = group.pg if group is not None else None
+    start = dist.isend if op == "send" else dist.irecv
+    with call.guard():
+        work = start(t, peer, group=pg, tag=tag)
+    return Pending(work, lambda: t, call)
 
 
-def recv(t: torch.Tensor, src_global_rank: int, group_name: str = "pp") -> torch.Tensor:
+def isend(
+    t: torch.Tensor,
+    dst_global_rank: int,
+    group_name: str = "pp",
+    tag: int = 0,
+    group: Group | None = None,
+) -> Pending:
+    """Start sending ``t`` to global rank ``dst_global_rank``; ``wait()`` returns ``t``.
+
+    Recorded under ``group_name``, or under ``group``'s name when the transfer goes over the
+    torch process group of ``group`` (both ends must be members). Messages between the same
+    two ranks are matched in order, per ``tag``.
+    """
+    return _start_p2p("send", t, dst_global_rank, group_name, tag, group)
+
+
+def irecv(
+    t: torch.Tensor,
+    src_global_rank: int,
+    group_name: str = "pp",
+    tag: int = 0,
+    group: Group | None = None,
+) -> Pending:
+    """Start receiving into ``t`` from global rank ``src_global_rank`` (see :func:`isend`)."""
+    return _start_p2p("recv", t, src_global_rank, group_name, tag, group)
+
+
+def send(
+    t: torch.Tensor,
+    dst_global_rank: int,
+    group_name: str = "pp",
+    tag: int = 0,
+    group: Group | None = None,
+) -> None:
+    """Send ``t`` to global rank ``dst_global_rank`` (blocking); recorded under ``group_name``
+    (or ``group``'s name, see :func:`isend`)."""
+    isend(t, dst_global_rank, group_name, tag, group).wait()
+
+
+def recv(
+    t: torch.Tensor,
+    src_global_rank: int,
+    group_name: str = "pp",
+    tag: int = 0,
+    group: Group | None = None,
+) -> torch.Tensor:
     """Receive into ``t`` from global rank ``src_global_rank`` (blocking); return ``t``."""
-    _check_peer(t, src_global_rank, "recv")
-    ledger.record(group_name, "recv", _nbytes(t))
-    with _p2p_call("recv", [src_global_rank]).guard():
-        dist.recv(t, src_global_rank)
-    return t
+    return irecv(t, src_global_rank, group_name, tag, group).wait()
 
 
 def batch_isend_irecv(

@@ -5,7 +5,10 @@ environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER
 :func:`init_distributed` reads it and creates the default process group; a plain
 ``python script.py`` (no ``WORLD_SIZE``, or ``WORLD_SIZE=1``) is one process and creates none,
 so single-process code pays nothing and every collective in :mod:`zerotron.distributed.comm`
-is a no-op.
+is a no-op. DeepSpeed's entry points ask for ``single_process_group=True``: a one-process run
+then gets a default group of its own (rank 0 of 1, an in-memory store: no port, no file), so a
+script's own ``torch.distributed.get_rank()``, ``barrier()`` or ``DistributedSampler`` works as
+under DeepSpeed; zerotron's collectives on it stay no-ops (one rank).
 
 Backend: nccl when the device is CUDA, gloo otherwise. The timeout
 (``--distributed-timeout-minutes``) bounds every collective and point-to-point wait, on the
@@ -58,14 +61,18 @@ def local_rank() -> int:
 
 
 def init_distributed(
-    backend: str | None = None, timeout_minutes: float = 10, device: str | None = None
+    backend: str | None = None,
+    timeout_minutes: float = 10,
+    device: str | None = None,
+    single_process_group: bool = False,
 ) -> tuple[int, int]:
     """Create the default process group from the launcher's environment; return (rank, world).
 
     ``device`` is ``"cuda"`` or ``"cpu"`` (default: cuda when available). ``backend`` defaults
     to nccl for cuda and gloo for cpu. On cuda the current device becomes ``LOCAL_RANK``.
     ``timeout_minutes`` may be a fraction (tests use seconds). Calling it again returns the
-    existing (rank, world size).
+    existing (rank, world size). A one-process run creates no group unless
+    ``single_process_group`` (DeepSpeed's behaviour: a group of one).
     """
     if is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -89,10 +96,10 @@ def init_distributed(
     if device == "cuda":
         _set_cuda_device()
 
-    if "WORLD_SIZE" not in os.environ:
-        return 0, 1
-    world = _env_int("WORLD_SIZE")
+    world = _env_int("WORLD_SIZE") if "WORLD_SIZE" in os.environ else 1
     if world == 1:
+        if single_process_group:
+            _init_single(backend, timedelta(minutes=timeout_minutes))
         return 0, 1
     rank = _env_int("RANK")
     if not 0 <= rank < world:
@@ -116,6 +123,25 @@ def init_distributed(
     _register_teardown()
     liveness.start(_default_store(), rank, _timeout.total_seconds())
     return rank, world
+
+
+def _init_single(backend: str, limit: timedelta) -> None:
+    """The default group of a one-process run: rank 0 of 1 over an in-memory store.
+
+    A store in this process needs no port and no file, so concurrent runs (tests) cannot
+    collide, and nothing is left behind; the group is destroyed at exit like any other.
+    """
+    global _timeout
+    _timeout = limit
+    dist.init_process_group(
+        backend=backend,
+        store=dist.HashStore(),
+        world_size=1,
+        rank=0,
+        timeout=_timeout,
+        device_id=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None,
+    )
+    _register_teardown()
 
 
 def timeout() -> timedelta:

@@ -185,6 +185,30 @@ def state() -> ParallelState:
     )
 
 
+def group_of(pg: Any) -> Group:
+    """The :class:`Group` that a torch ProcessGroup is, for code that passes torch groups.
+
+    ``None`` (torch's "the default group") and the default group itself are the ``world``
+    group; one of this rank's groups (``tp``, ``dp``, ...) is that group, under its name, so
+    the ledger names it; any other group is named after its ranks (``group[0,2]``). A group
+    this rank is not in (``new_group`` returns a placeholder there) has no ranks and
+    ``is_member`` False.
+    """
+    if pg is None or pg is dist.group.WORLD:
+        return world_group()
+    if isinstance(pg, int) and pg == dist.GroupMember.NON_GROUP_MEMBER:
+        return Group("non-member", (), -1, None)
+    if _STATE is not None:
+        for name in GROUP_ORDER:
+            mine = _STATE.group(name)
+            if mine.pg is pg:
+                return mine
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    me = init.get_rank()
+    name = f"group[{','.join(map(str, ranks))}]"
+    return Group(name, ranks, ranks.index(me) if me in ranks else -1, pg)
+
+
 def is_model_parallel_initialized() -> bool:
     """Whether :func:`initialize_model_parallel` has run (and not been destroyed)."""
     return _STATE is not None
