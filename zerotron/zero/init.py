@@ -125,7 +125,7 @@ class Init:
     def _partition(self, module: nn.Module) -> None:
         assert self.group is not None
         for p in module.parameters():
-            if hasattr(p, "zero_persistent"):
+            if hasattr(p, "ds_persist"):
                 continue
             if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
