@@ -1,7 +1,9 @@
 """ZeRO stage 3: parameters partitioned at rest, gathered around each module's forward and backward.
 
-:func:`partition_parameters` turns any ``nn.Module`` into a stage-3 module. Every parameter with
-more than ``persistence_threshold`` elements is split by the rule of :mod:`zerotron.zero.partition` (chunk
+:func:`partition_parameters` turns any ``nn.Module`` into a stage-3 module. It first broadcasts
+data-parallel rank 0's values of every parameter (as DeepSpeed's ``zero.Init`` does: ranks that
+seeded differently still hold one model). Every parameter with more than
+``persistence_threshold`` elements is split by the rule of :mod:`zerotron.zero.partition` (chunk
 ``ceil(n/N)``, rank r owns ``flat[r*chunk:(r+1)*chunk]``): the rank keeps its chunk in
 ``p.ds_tensor`` and ``p.data`` becomes an empty tensor. Smaller parameters stay whole
 (``p.ds_persist = True``; the optimizer treats them as stage 2 does). The attributes are

@@ -21,6 +21,9 @@ DeepSpeed's do: none of that state, which belongs to this process, is saved. Wit
 :func:`read_shard` / :func:`write_shard`, never ``p.ds_tensor`` directly (with ``nvme`` it is an
 empty placeholder, as DeepSpeed's is while the partition is on disk).
 
+Partitioning broadcasts data-parallel rank 0's values first (:func:`partition_param`), as
+DeepSpeed's ``zero.Init`` does: every rank holds chunks of one model, whatever each rank's seed.
+
 Loading whole tensors into shards (:func:`load_full_state_dict`) and telling an optimizer which
 shards changed behind its back (:func:`modified_parameters`) live here too: both only touch
 this rank's chunk, with no collective.
@@ -34,8 +37,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
 from zerotron.errors import ConfigError
 from zerotron.zero.partition import full_shape, shard
@@ -170,10 +175,14 @@ def partition_param(
     """Make one whole parameter stage-3 over ``group``: split it, or keep it whole when it is
     small (at most ``persistence_threshold`` elements).
 
-    Returns True when ``p`` was partitioned. A parameter that is already stage-3 is left alone.
+    Collective: first the values of group rank 0 are broadcast into ``p`` (DeepSpeed's
+    ``zero.Init`` does the same), so a script that seeds each rank differently still trains one
+    model. Returns True when ``p`` was partitioned. A parameter that is already stage-3 is left
+    alone (no collective).
     """
     if is_zero_param(p):
         return is_partitioned(p)
+    _broadcast_from_rank0(p, group)
     n = p.numel()
     p.ds_id = next(_ids)
     p.ds_shape = p.shape
@@ -197,6 +206,27 @@ def partition_param(
     p.data = empty_like_param(p)
     p.ds_status = RELEASED
     return True
+
+
+def _broadcast_from_rank0(p: Tensor, group: Group) -> None:
+    """Group rank 0's value of ``p`` into every member's ``p``. A CPU tensor (a module built
+    under ``zero.Init`` on a GPU machine) travels through the current GPU when the group's
+    backend carries only GPU tensors (nccl)."""
+    if group.pg is None or group.size == 1:
+        return
+    data = p.data
+    if data.device.type == "cpu" and not any(
+        b in str(dist.get_backend(group.pg)) for b in _CPU_BACKENDS
+    ):
+        staged = comm.broadcast(
+            data.to(torch.device("cuda", torch.cuda.current_device())), group, 0
+        )
+        data.copy_(staged)
+    else:
+        comm.broadcast(data, group, 0)
+
+
+_CPU_BACKENDS = ("gloo", "mpi")
 
 
 def drop_stage3_attributes(p: Tensor) -> None:
