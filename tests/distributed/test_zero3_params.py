@@ -201,7 +201,7 @@ def _lifecycle(rank: int) -> list[dict]:
                 elif g is None or not torch.equal(g, rp.grad):
                     bad_grads.append(name)
                 elif is_partitioned(p):
-                    used_chunks += chunk_size(p.zero_numel, DP)
+                    used_chunks += chunk_size(p.ds_numel, DP)
             # Between steps: only shards, nothing gathered, every gathered storage freed.
             held = sum(
                 read_shard(p).nbytes if is_partitioned(p) else p.data.nbytes
@@ -241,13 +241,13 @@ def _lifecycle(rank: int) -> list[dict]:
                 "config": (kind, str(dtype), prefetch, max_live),
                 "steps": steps,
                 "elt": torch.tensor([], dtype=dtype).element_size(),
-                "chunks": sum(chunk_size(p.zero_numel, DP) for p in partitioned),
-                "partitioned_numel": sum(p.zero_numel for p in partitioned),
+                "chunks": sum(chunk_size(p.ds_numel, DP) for p in partitioned),
+                "partitioned_numel": sum(p.ds_numel for p in partitioned),
                 "n_partitioned": len(partitioned),
                 "persistent_numel": sum(p.numel() for p in persistent),
                 "peak_live": coord.peak_live_numel,
                 "largest_fetch": max(
-                    sum(p.zero_numel for p in coord._fetch_list(m)) for m in model.modules()
+                    sum(p.ds_numel for p in coord._fetch_list(m)) for m in model.modules()
                 ),
             }
         )
@@ -278,7 +278,7 @@ def _update(model: nn.Module, ref: nn.Module, dp: Group) -> None:
     for p, rp in zip(model.parameters(), ref.parameters()):
         rp.mul_(0.9).add_(0.01)
         if is_partitioned(p):
-            p.zero_shard.copy_(shard(rp.detach(), dp.size, dp.rank))
+            p.ds_tensor.copy_(shard(rp.detach(), dp.size, dp.rank))
         else:
             p.copy_(rp)
         rp.grad = None
@@ -397,7 +397,7 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
     with Init(data_parallel_group=dp, persistence_threshold=THRESHOLD):
         built = gpt()
     res["init_shards_equal"] = all(
-        torch.equal(p.zero_shard, shard(e.detach(), DP, rank))
+        torch.equal(p.ds_tensor, shard(e.detach(), DP, rank))
         if is_partitioned(p)
         else torch.equal(p, e)
         for p, e in zip(built.parameters(), eager.parameters())
@@ -427,7 +427,7 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
         peaks[name] = (mem.peak, mem.largest)
         if name == "init":
             res["init_held_bytes"] = sum(
-                p.zero_shard.nbytes if is_partitioned(p) else p.nbytes for p in m.parameters()
+                p.ds_tensor.nbytes if is_partitioned(p) else p.nbytes for p in m.parameters()
             )
     res["peaks"] = peaks
     res["wide_total_bytes"] = sum(p.nbytes for p in wide_mlp().parameters())
@@ -436,9 +436,9 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
     # Init(dtype=bf16): 16-bit shards, ~2 Psi / N bytes.
     with Init(data_parallel_group=dp, dtype=torch.bfloat16, persistence_threshold=0):
         half = mlp()
-    res["bf16_bytes"] = sum(p.zero_shard.nbytes for p in half.parameters())
-    res["bf16_psi"] = sum(p.zero_numel for p in half.parameters())
-    res["bf16_dtypes"] = {str(p.zero_shard.dtype) for p in half.parameters()}
+    res["bf16_bytes"] = sum(p.ds_tensor.nbytes for p in half.parameters())
+    res["bf16_psi"] = sum(p.ds_numel for p in half.parameters())
+    res["bf16_dtypes"] = {str(p.ds_tensor.dtype) for p in half.parameters()}
 
     # GatheredParameters: rank 0's modification reaches every rank's shard.
     torch.manual_seed(8)
@@ -450,12 +450,12 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
         res["gathered_shape"] = tuple(w.shape)
         res["gathered_value_ok"] = torch.equal(w.detach(), ref[2].weight.detach())
         w.data.add_(100.0)  # discarded: no modifier_rank
-    res["unmodified_kept"] = torch.equal(w.zero_shard, shard(ref[2].weight.detach(), DP, rank))
+    res["unmodified_kept"] = torch.equal(w.ds_tensor, shard(ref[2].weight.detach(), DP, rank))
     res["released_after_block"] = w.numel() == 0
     with GatheredParameters([w, b_small], modifier_rank=0), torch.no_grad():
         w.fill_(float(rank + 1))  # only rank 0's ones count
         b_small.fill_(float(rank + 3))
-    res["modified_shard_ok"] = torch.equal(w.zero_shard, shard(torch.ones(48, 64), DP, rank))
+    res["modified_shard_ok"] = torch.equal(w.ds_tensor, shard(torch.ones(48, 64), DP, rank))
     res["persistent_broadcast_ok"] = torch.equal(b_small.detach(), torch.full((5,), 3.0))
     res["modified_flags"] = [
         p is w or p is b_small for p in modified_parameters(model.parameters())
@@ -507,7 +507,7 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
     coordinator_of(model).unpartition()  # whole again on every rank, hooks gone
     res["unpartitioned"] = (
         all(
-            torch.equal(p, q) and not hasattr(p, "zero_shard")
+            torch.equal(p, q) and not hasattr(p, "ds_tensor")
             for p, q in zip(model.parameters(), other.parameters())
         )
         and coordinator_of(model) is None
@@ -528,7 +528,7 @@ def _init_and_gathered(rank: int, nvme_dir: str) -> dict:
             losses_equal.append(bool(torch.equal(loss, loss_of(ref, "gpt", batch))))
         res[f"offload_{device}_equal"] = losses_equal
         res[f"offload_{device}_placeholder"] = all(
-            (p.zero_shard.numel() == 0) == (device == "nvme") for p in coord.params
+            (p.ds_tensor.numel() == 0) == (device == "nvme") for p in coord.params
         )
         res[f"offload_{device}_disk"] = store.bytes_on_disk()
         res[f"offload_{device}_chunks"] = sum(read_shard(p).nbytes for p in coord.params)

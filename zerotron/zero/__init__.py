@@ -7,8 +7,8 @@
 - :mod:`~zerotron.zero.grads`: gradients reduce-scattered into the partitions;
 - :mod:`~zerotron.zero.optimizer`: :class:`ZeroOptimizer` (stages 1, 2 and 3);
 - :mod:`~zerotron.zero.state_dict`: this rank's checkpoint file;
-- :mod:`~zerotron.zero.stage3`: parameters partitioned at rest (shards), gathered around each
-  module (gather), by hooks that prefetch (coordinator);
+- :mod:`~zerotron.zero.stage3`: parameters partitioned at rest (shards, with DeepSpeed's ``ds_*``
+  attributes), gathered around each module (gather), by hooks that prefetch (coordinator);
 - :mod:`~zerotron.zero.init`: :class:`Init`, building a model already partitioned;
 - :mod:`~zerotron.zero.offload`: optimizer states and parameters on CPU or NVMe (swap files,
   pinned pool, offloaded optimizer, parameter store);
@@ -28,6 +28,7 @@ _EXPORTS = {
     "OffloadOptions": "zerotron.zero.options",
     "Init": "zerotron.zero.init",
     "GatheredParameters": "zerotron.zero.stage3",
+    "ZeroParamStatus": "zerotron.zero.stage3",
     "register_external_parameter": "zerotron.zero.stage3",
     "unregister_external_parameter": "zerotron.zero.stage3",
     "partition_parameters": "zerotron.zero.stage3",

@@ -58,7 +58,7 @@ class ParamInfo:
     """Element offset of the chunk in its sub-group's flat tensors."""
     counted: bool
     partitioned: bool
-    """Stage 3 holds the parameter as a shard (``p.zero_shard``), not whole."""
+    """Stage 3 holds the parameter as a shard (``p.ds_tensor``), not whole."""
 
 
 class SubGroup:

@@ -62,7 +62,7 @@ def memory_report(zero: Any) -> dict[str, int]:
         masters = [s.master for s in zero.sub_groups]
         states = walk.bytes(masters + list(_state_tensors(zero.optimizer.state)))
     params = walk.bytes(
-        [p.data for p in model_params] + [getattr(p, "zero_shard", None) for p in model_params]
+        [p.data for p in model_params] + [getattr(p, "ds_tensor", None) for p in model_params]
     )
     grads = walk.bytes(
         [p.grad for p in model_params]

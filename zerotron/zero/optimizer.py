@@ -24,7 +24,7 @@ One step:
    :class:`~zerotron.zero.offload.OffloadedOptimizer` does, sub-group by sub-group);
 5. parameters: stages 1/2 all-gather the updated chunks (cast to the parameters' dtype) in
    ``allgather_bucket_size`` buckets into every rank's full parameters; stage 3 writes the chunk
-   into the parameter's shard (``p.zero_shard``), to be gathered at the next forward.
+   into the parameter's shard (``p.ds_tensor``), to be gathered at the next forward.
 
 The object speaks both protocols the Engine uses: MixedPrecisionOptimizer's (``step``,
 ``scale_loss``, ``param_groups``, ``state_dict``...) and DataParallel's (``group``, ``sync``,
@@ -217,7 +217,7 @@ class ZeroOptimizer(StepSequence):
         )
 
     def _alias_shards_to_masters(self) -> bool:
-        """Stage 3 with resident masters: make each parameter's shard (``p.zero_shard``) a view
+        """Stage 3 with resident masters: make each parameter's shard (``p.ds_tensor``) a view
         of its chunk of the fp32 master, so the rank keeps one copy of its partition.
 
         A gather casts the chunk to the parameter's dtype on the way (as FSDP2 does with its
@@ -234,7 +234,7 @@ class ZeroOptimizer(StepSequence):
             return False
         with torch.no_grad():
             for info, master in shards:
-                info.param.zero_shard = master[info.offset : info.offset + info.chunk]
+                info.param.ds_tensor = master[info.offset : info.offset + info.chunk]
         return True
 
     def _make_offload(self, options: OffloadOptions | None) -> OffloadedOptimizer | None:

@@ -48,8 +48,8 @@ def chunk_bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def full_shape(p: Tensor) -> torch.Size:
-    """A parameter's full shape, also while stage 3 holds it partitioned (``p.zero_shape``)."""
-    shape = getattr(p, "zero_shape", None)
+    """A parameter's full shape, also while stage 3 holds it partitioned (``p.ds_shape``)."""
+    shape = getattr(p, "ds_shape", None)
     return torch.Size(shape) if shape is not None else p.shape
 
 

@@ -1,19 +1,26 @@
 """ZeRO stage 3: parameters partitioned at rest, gathered around each module's forward and backward.
 
-:func:`partition_parameters` turns any ``nn.Module`` into a stage-3 module. Every parameter with
-more than ``persistence_threshold`` elements is split by the rule of :mod:`zerotron.zero.partition`
-(chunk ``ceil(n/N)``, rank r owns ``flat[r*chunk:(r+1)*chunk]``): the rank keeps its chunk in
-``p.zero_shard`` and ``p.data`` becomes an empty tensor. Smaller parameters stay whole
-(``p.zero_persistent = True``; the optimizer treats them as stage 2 does). Attributes of a
-partitioned parameter (``notes/zero_api.md``)::
+:func:`partition_parameters` turns any ``nn.Module`` into a stage-3 module. It first broadcasts
+data-parallel rank 0's values of every parameter (as DeepSpeed's ``zero.Init`` does: ranks that
+seeded differently still hold one model). Every parameter with more than
+``persistence_threshold`` elements is split by the rule of :mod:`zerotron.zero.partition` (chunk
+``ceil(n/N)``, rank r owns ``flat[r*chunk:(r+1)*chunk]``): the rank keeps its chunk in
+``p.ds_tensor`` and ``p.data`` becomes an empty tensor. Smaller parameters stay whole
+(``p.ds_persist = True``; the optimizer treats them as stage 2 does). The attributes are
+DeepSpeed's, with their meaning (:mod:`~zerotron.zero.stage3.shards`; ``docs/zero.md``)::
 
-    p.zero_shard       1-D, ``chunk`` elements: this rank's chunk, zero-padded; p.dtype, or
-                       once a ZeroOptimizer without offload owns the model, a view of its
-                       fp32 master (one copy of the partition, cast as it is gathered)
-    p.zero_shape       torch.Size of the full parameter (``p.shape`` is (0,) at rest)
-    p.zero_numel       elements of the full parameter
-    p.zero_persistent  False (True: kept whole)
-    p.zero_modified    True after :class:`GatheredParameters` rewrote it (see below)
+    p.ds_id          unique int per parameter
+    p.ds_status      ZeroParamStatus: AVAILABLE (whole), NOT_AVAILABLE (at rest), INFLIGHT
+    p.ds_tensor      1-D, ``chunk`` elements: this rank's chunk, zero-padded; p.dtype, or
+                     once a ZeroOptimizer without offload owns the model, a view of its
+                     fp32 master (one copy of the partition, cast as it is gathered)
+    p.ds_shape       torch.Size of the full parameter (``p.shape`` is (0,) at rest)
+    p.ds_numel       elements of the full parameter
+    p.ds_persist     False (True: kept whole, and no ``ds_tensor``)
+    p.zero_modified  True after :class:`GatheredParameters` rewrote it (see below)
+
+``torch.save`` of a stage-3 parameter saves its current data (empty at rest) as a plain
+parameter, loadable with ``weights_only=True``.
 
 The life of a parameter in one training step (hooks on every submodule):
 
@@ -55,8 +62,8 @@ post-accumulate-grad hook and writes updated chunks back with :func:`write_shard
 
 Offload (``offload_param``): with a ``param_store``
 (:class:`zerotron.zero.offload.ParamOffloadStore`) the shards rest in the store between uses
-and a fetch reads them from there. With ``cpu``, ``p.zero_shard`` is the store's host tensor
-itself; with ``nvme`` only the file holds the values and ``p.zero_shard`` is an empty
+and a fetch reads them from there. With ``cpu``, ``p.ds_tensor`` is the store's host tensor
+itself; with ``nvme`` only the file holds the values and ``p.ds_tensor`` is an empty
 placeholder: go through :func:`read_shard` / :func:`write_shard`.
 
 Where each part lives:
@@ -81,7 +88,9 @@ from zerotron.zero.stage3.externals import (
 from zerotron.zero.stage3.gather import GatheredParameters, gathered_state_dict
 from zerotron.zero.stage3.shards import (
     ShardStore,
+    ZeroParamStatus,
     is_partitioned,
+    is_zero_param,
     iter_partitioned,
     load_full_state_dict,
     modified_parameters,
@@ -94,9 +103,11 @@ __all__ = [
     "GatheredParameters",
     "ParamCoordinator",
     "ShardStore",
+    "ZeroParamStatus",
     "coordinator_of",
     "gathered_state_dict",
     "is_partitioned",
+    "is_zero_param",
     "iter_partitioned",
     "load_full_state_dict",
     "modified_parameters",

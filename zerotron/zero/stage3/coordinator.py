@@ -31,7 +31,9 @@ from zerotron.zero.stage3.shards import (
     AVAILABLE,
     RELEASED,
     ShardStore,
+    drop_stage3_attributes,
     is_partitioned,
+    is_zero_param,
     partition_param,
     state_of,
 )
@@ -190,7 +192,7 @@ class ParamCoordinator:
 
     def _partition(self) -> None:
         for name, p in self.module.named_parameters():
-            if hasattr(p, "zero_persistent"):  # partitioned earlier (zero.Init)
+            if is_zero_param(p):  # partitioned earlier (zero.Init)
                 if is_partitioned(p):
                     self._check_group(name, p)
                     self._adopt(p)
@@ -253,9 +255,9 @@ class ParamCoordinator:
         self.remove_hooks()
         for p, data in zip(params, full):
             p.data = data
-            for attr in ("zero_shard", "zero_shape", "zero_numel", "zero_persistent"):
-                delattr(p, attr)
-            del p.zero_modified, p._zero
+            drop_stage3_attributes(p)
+        for p in self.module.parameters():  # persistent ones: whole already
+            drop_stage3_attributes(p)
         self.params.clear()
 
     # -- which parameters a module needs -------------------------------------------------------
@@ -358,10 +360,10 @@ class ParamCoordinator:
         if self.prefetch_bucket_size is None:
             upcoming = upcoming[:1]
         for module in upcoming:
-            todo = [p for p in self._fetch_list(module) if state_of(p).status == RELEASED]
+            todo = [p for p in self._fetch_list(module) if p.ds_status == RELEASED]
             if not todo:
                 continue
-            numel = sum(p.zero_numel for p in todo)  # type: ignore[attr-defined]
+            numel = sum(p.ds_numel for p in todo)  # type: ignore[attr-defined]
             bucket = self.prefetch_bucket_size
             if (
                 bucket is not None and self._prefetched_numel + numel > bucket
@@ -379,15 +381,15 @@ class ParamCoordinator:
 
     def _on_free(self, p: Tensor) -> None:
         self._storage_owner.pop(p.data.untyped_storage().data_ptr(), None)
-        self.live_numel -= p.zero_numel  # type: ignore[attr-defined]
+        self.live_numel -= p.ds_numel  # type: ignore[attr-defined]
         if state_of(p).prefetched:
-            self._prefetched_numel -= p.zero_numel  # type: ignore[attr-defined]
+            self._prefetched_numel -= p.ds_numel  # type: ignore[attr-defined]
 
     def _release_unclaimed(self) -> None:
         """Free what was prefetched but never claimed (the pass went another way)."""
         for p in self.params:
             st = state_of(p)
-            if st.refs == 0 and st.status != RELEASED:
+            if st.refs == 0 and p.ds_status != RELEASED:
                 free(p)
 
     def release_all(self) -> None:
@@ -417,7 +419,7 @@ class ParamCoordinator:
         if not isinstance(saved, _SavedParamView):
             return saved
         p = saved.param
-        if state_of(p).status != AVAILABLE:  # used outside any module that fetches it
+        if p.ds_status != AVAILABLE:  # used outside any module that fetches it
             self._ensure_backward_pass(torch._C._current_graph_task_id())
             self._hold_for_backward([p])
         data = p.data

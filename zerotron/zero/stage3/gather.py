@@ -51,9 +51,9 @@ class Fetch:
         self.in_place = len(params) == 1 and group.size > 1
         for p in params:
             st = state_of(p)
-            st.status, st.fetch = INFLIGHT, self
+            p.ds_status, st.fetch = INFLIGHT, self  # type: ignore[attr-defined]
             if st.coordinator is not None:
-                st.coordinator.live_numel += p.zero_numel  # type: ignore[attr-defined]
+                st.coordinator.live_numel += p.ds_numel  # type: ignore[attr-defined]
 
     def finish(self) -> None:
         if self.pending is None:
@@ -62,13 +62,13 @@ class Fetch:
         self.pending = None
         if self.in_place:
             p = self.params[0]
-            fulls = [buf.view(-1)[: p.zero_numel].view(full_shape(p))]  # type: ignore[attr-defined]
+            fulls = [buf.view(-1)[: p.ds_numel].view(full_shape(p))]  # type: ignore[attr-defined]
         else:
             fulls = self.layout.unpack(buf)  # new tensors (a copy out of the strided columns)
         for p, full in zip(self.params, fulls):
             st = state_of(p)
             p.data = full
-            st.status, st.fetch = AVAILABLE, None
+            p.ds_status, st.fetch = AVAILABLE, None  # type: ignore[attr-defined]
             if st.coordinator is not None:
                 st.coordinator._on_available(p)
 
@@ -88,13 +88,13 @@ def take_ref(p: Tensor) -> None:
     if st.prefetched:  # claimed: no longer counts against the prefetch budget
         st.prefetched = False
         if st.coordinator is not None:
-            st.coordinator._prefetched_numel -= p.zero_numel  # type: ignore[attr-defined]
+            st.coordinator._prefetched_numel -= p.ds_numel  # type: ignore[attr-defined]
 
 
 def make_available(params: list[Tensor], prefetch: Any = None) -> None:
     """Gather those of ``params`` that are released (one collective), start ``prefetch()``
     meanwhile, and wait until all of ``params`` are there."""
-    fetches = start_fetches([p for p in params if state_of(p).status == RELEASED])
+    fetches = start_fetches([p for p in params if p.ds_status == RELEASED])  # type: ignore[attr-defined]
     if prefetch is not None:
         prefetch()
     for p in params:
@@ -121,18 +121,18 @@ def free(p: Tensor) -> None:
     st = state_of(p)
     if st.fetch is not None:
         st.fetch.finish()  # a collective cannot be abandoned half-way
-    if st.status == AVAILABLE:
+    if p.ds_status == AVAILABLE:  # type: ignore[attr-defined]
         if st.coordinator is not None:
             st.coordinator._on_free(p)
         p.data = empty_like_param(p)
-        st.status = RELEASED
+        p.ds_status = RELEASED  # type: ignore[attr-defined]
         st.prefetched = False
 
 
 def gather_now(p: Tensor) -> Tensor:
     """The full parameter as a new tensor (one collective; ``p`` itself is not changed)."""
     st = state_of(p)
-    if st.status == AVAILABLE:
+    if p.ds_status == AVAILABLE:  # type: ignore[attr-defined]
         return p.data.clone()
     layout = BucketLayout([full_shape(p)], st.group.size, [0])
     buf = comm.all_gather(gather_source(p), st.group)
@@ -164,7 +164,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.fwd_module = fwd_module
         self.params = _unique(p for p in plist if is_partitioned(p))
-        self.persistent = _unique(p for p in plist if getattr(p, "zero_persistent", False))
+        self.persistent = _unique(p for p in plist if getattr(p, "ds_persist", False))
 
     def __enter__(self) -> GatheredParameters:
         if self.enabled:
