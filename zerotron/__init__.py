@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 # DeepSpeed module names served from zerotron/compat/: `zerotron.<name>` (and any
 # `zerotron.<name>.<sub>`) is the module object `zerotron.compat.<name>[.<sub>]`. To add one,
 # put the module in compat/ and its name here.
-COMPAT_MODULES = ("pipe", "checkpointing")
+COMPAT_MODULES = ("pipe", "checkpointing", "runtime")
 
 _API = ("initialize", "add_config_arguments", "init_distributed")
 _MODULES = ("zero", "config", "distributed", "engine", "compat", *COMPAT_MODULES)
