@@ -50,12 +50,13 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(3, BATCH, 8, generator=g), torch.randn(3, BATCH, 4, generator=g)
 
 
-def ds_config(stage: int) -> dict:
+def ds_config(stage: int, bf16: bool = False) -> dict:
     return {
         "train_batch_size": BATCH,
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": bf16},
     }
 
 
@@ -67,7 +68,7 @@ def _micro_batches(x: torch.Tensor, y: torch.Tensor, rank: int, world: int):
     return list(zip(xs.split(MICRO), ys.split(MICRO)))
 
 
-def train_and_read(rank: int, stage: int, save_dir: str | None = None) -> dict:
+def train_and_read(rank: int, stage: int, save_dir: str | None = None, bf16: bool = False) -> dict:
     """Two optimizer steps, then one more accumulation's backward (no step); every safe_get
     value of every parameter, and what the setters leave. Rank 0 saves a checkpoint to
     ``save_dir`` (all ranks take part) before the extra backward when asked."""
@@ -82,18 +83,20 @@ def train_and_read(rank: int, stage: int, save_dir: str | None = None) -> dict:
 
     world = get_world_size()
     model = Net()
-    engine, *_ = zerotron.initialize(model=model, config=ds_config(stage))
+    engine, *_ = zerotron.initialize(model=model, config=ds_config(stage, bf16))
     xs, ys = _data()
     for step in range(3):
         micro_batches = _micro_batches(xs[step], ys[step], rank, world)
         for k, (x, y) in enumerate(micro_batches):
-            engine.backward(nn.functional.mse_loss(engine(x), y))
+            out = engine(x.to(model.inp.weight.dtype))
+            engine.backward(nn.functional.mse_loss(out.float(), y))
             if step < 2 or k < len(micro_batches) - 1:  # the last step is left out: gradients stay
                 engine.step()
         if step == 1 and save_dir is not None:
             engine.save_checkpoint(save_dir, tag="two_steps")
     named = [(n, p) for n, p in model.named_parameters()]
     out: dict = {"fp32": {}, "grad": {}, **{k: {} for k in KEYS}}
+    out["param"] = {n: p.detach().clone() for n, p in named} if stage < 3 else None
     for name, p in named:
         out["fp32"][name] = safe_get_full_fp32_param(p)
         grad = safe_get_full_grad(p)
@@ -141,6 +144,24 @@ def test_setters_write_the_whole_value(one_process, stage):
     fp32, exp_avg = one_process[stage]["after_set"]
     new = torch.arange(16 * 8, dtype=torch.float32).view(16, 8)
     assert torch.equal(fp32, new) and torch.equal(exp_avg, new * 2)
+
+
+@pytest.fixture(scope="module")
+def bf16_runs() -> dict[int, dict]:
+    return {stage: train_and_read(0, stage, bf16=True) for stage in (0, 3)}
+
+
+@pytest.mark.parametrize("what", ["fp32", "grad", *KEYS])
+def test_bf16_zero3_safe_get_equals_stage_0(bf16_runs, what):
+    assert_same(bf16_runs[3][what], bf16_runs[0][what])
+
+
+def test_bf16_full_fp32_param_is_the_fp32_master_of_the_bf16_weight(bf16_runs):
+    run = bf16_runs[0]
+    for name in ("inp.weight", "inp.bias", "out.weight", "out.bias"):
+        master, param = run["fp32"][name], run["param"][name]
+        assert (master.dtype, param.dtype) == (torch.float32, torch.bfloat16)
+        assert torch.equal(master.bfloat16(), param) and not torch.equal(master, param.float())
 
 
 def test_set_full_fp32_param_refuses_a_wrong_shape():
