@@ -50,12 +50,15 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(3, BATCH, 8, generator=g), torch.randn(3, BATCH, 4, generator=g)
 
 
-def ds_config(stage: int, bf16: bool = False) -> dict:
+def ds_config(stage: int, bf16: bool = False, offload: dict | None = None) -> dict:
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload is not None:
+        zero["offload_optimizer"] = offload
     return {
         "train_batch_size": BATCH,
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": zero,
         "bf16": {"enabled": bf16},
     }
 
@@ -68,10 +71,17 @@ def _micro_batches(x: torch.Tensor, y: torch.Tensor, rank: int, world: int):
     return list(zip(xs.split(MICRO), ys.split(MICRO)))
 
 
-def train_and_read(rank: int, stage: int, save_dir: str | None = None, bf16: bool = False) -> dict:
+def train_and_read(
+    rank: int,
+    stage: int,
+    save_dir: str | None = None,
+    bf16: bool = False,
+    offload: dict | None = None,
+) -> dict:
     """Two optimizer steps, then one more accumulation's backward (no step); every safe_get
-    value of every parameter, and what the setters leave. Rank 0 saves a checkpoint to
-    ``save_dir`` (all ranks take part) before the extra backward when asked."""
+    value of every parameter, and what the setters leave (with NVMe offload: the error they
+    raise). Rank 0 saves a checkpoint to ``save_dir`` (all ranks take part) before the extra
+    backward when asked."""
     from zerotron.distributed.init import get_world_size
     from zerotron.utils import (
         safe_get_full_fp32_param,
@@ -83,7 +93,7 @@ def train_and_read(rank: int, stage: int, save_dir: str | None = None, bf16: boo
 
     world = get_world_size()
     model = Net()
-    engine, *_ = zerotron.initialize(model=model, config=ds_config(stage, bf16))
+    engine, *_ = zerotron.initialize(model=model, config=ds_config(stage, bf16, offload))
     xs, ys = _data()
     for step in range(3):
         micro_batches = _micro_batches(xs[step], ys[step], rank, world)
@@ -105,8 +115,12 @@ def train_and_read(rank: int, stage: int, save_dir: str | None = None, bf16: boo
             out[key][name] = safe_get_full_optimizer_state(p, key)
     p = model.inp.weight
     new = torch.arange(p.numel() if stage < 3 else 8 * 16, dtype=torch.float32).view(16, 8)
-    safe_set_full_fp32_param(p, new)
-    safe_set_full_optimizer_state(p, new * 2, "exp_avg")
+    try:
+        safe_set_full_fp32_param(p, new)
+        safe_set_full_optimizer_state(p, new * 2, "exp_avg")
+    except UnsupportedError as e:
+        out["after_set"] = e
+        return out
     out["after_set"] = (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"))
     return out
 
@@ -162,6 +176,39 @@ def test_bf16_full_fp32_param_is_the_fp32_master_of_the_bf16_weight(bf16_runs):
         master, param = run["fp32"][name], run["param"][name]
         assert (master.dtype, param.dtype) == (torch.float32, torch.bfloat16)
         assert torch.equal(master.bfloat16(), param) and not torch.equal(master, param.float())
+
+
+@pytest.fixture(scope="module")
+def offloaded(tmp_path_factory) -> dict[tuple[str, int], dict]:
+    runs = {}
+    for device in ("cpu", "nvme"):
+        for stage in (2, 3):
+            path = str(tmp_path_factory.mktemp(f"nvme{stage}"))
+            offload = {"device": device, "nvme_path": path}
+            runs[device, stage] = train_and_read(0, stage, offload=offload)
+    return runs
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("what", ["fp32", "grad", *KEYS])
+def test_safe_get_with_offloaded_optimizer_equals_stage_0(
+    offloaded, one_process, device, stage, what
+):
+    assert_same(offloaded[device, stage][what], one_process[0][what])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cpu_offload_setters_write_the_whole_value(offloaded, stage):
+    fp32, exp_avg = offloaded["cpu", stage]["after_set"]
+    new = torch.arange(16 * 8, dtype=torch.float32).view(16, 8)
+    assert torch.equal(fp32, new) and torch.equal(exp_avg, new * 2)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_offload_setters_refuse(offloaded, stage):
+    error = offloaded["nvme", stage]["after_set"]
+    assert isinstance(error, UnsupportedError) and "NVMe" in str(error)
 
 
 def test_set_full_fp32_param_refuses_a_wrong_shape():
