@@ -115,7 +115,11 @@ def safe_get_full_grad(param: Tensor) -> Tensor | None:
     """The whole gradient of ``param`` after backward and before the step: ``param.grad``
     when the parameter still holds one (stage 0, or a ZeRO micro-batch that did not reduce),
     else the reduced (data-parallel averaged) fp32 gradient from the ZeRO partitions
-    (collective); None when there is none. Loss-scaled under fp16, as in DeepSpeed."""
+    (collective); None when there is none. Loss-scaled under fp16, as in DeepSpeed.
+
+    Difference: at stage 0 with more than one data-parallel rank the gradients live in the
+    data-parallel buffer (``param.main_grad``), which the step zeroes rather than frees, so
+    after the step this returns zeros where DeepSpeed returns None."""
     if param.grad is not None:
         return param.grad
     zero, info = _zero(param)
