@@ -539,3 +539,45 @@ def test_moe_utils_leave_dense_groups_alone():
 
     groups = {"params": [nn.Parameter(torch.zeros(2))], "name": "g"}
     assert split_params_into_different_moe_groups_for_optimizer(groups) == [groups]
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+@pytest.fixture(scope="module")
+def saved_tied(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    save = tmp_path_factory.mktemp("tied")
+    model = Tied()
+    engine, *_ = zerotron.initialize(model=model, config={**ds_config(3), "train_batch_size": 2})
+    x = torch.randint(0, 10, (2, 3))
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    engine.save_checkpoint(save, tag="t")
+    return save, {k: v.clone() for k, v in engine.module_state_dict().items()}
+
+
+@pytest.mark.parametrize("safe", [False, True], ids=["bin", "safetensors"])
+def test_convert_sharded_tied_weights(saved_tied, tmp_path, safe):
+    from zerotron.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    save, want = saved_tied
+    convert_zero_checkpoint_to_fp32_state_dict(
+        save, tmp_path, max_shard_size="0.3KB", safe_serialization=safe
+    )
+    got = _loaded(tmp_path, safe)
+    # a .bin holds both names of the tied weight (one storage); safetensors stores it once
+    names = list(want) if not safe else [k for k in want if k != "head.weight"]
+    assert sorted(got) == sorted(names)
+    assert all(torch.equal(got[k], want[k]) for k in names)
+    if not safe:
+        assert got["head.weight"].data_ptr() == got["emb.weight"].data_ptr()
