@@ -581,3 +581,11 @@ def test_convert_sharded_tied_weights(saved_tied, tmp_path, safe):
     assert all(torch.equal(got[k], want[k]) for k in names)
     if not safe:
         assert got["head.weight"].data_ptr() == got["emb.weight"].data_ptr()
+
+
+def test_command_line_error_says_what_to_do(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(zerotron.__file__).parent.parent)}
+    cmd = [sys.executable, "-m", "zerotron.utils.zero_to_fp32", str(tmp_path), str(tmp_path / "o")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no checkpoint to load" in done.stderr
+    assert "Traceback" not in done.stderr
