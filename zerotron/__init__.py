@@ -23,7 +23,16 @@ __version__ = "0.1.0"
 # DeepSpeed module names served from zerotron/compat/: `zerotron.<name>` (and any
 # `zerotron.<name>.<sub>`) is the module object `zerotron.compat.<name>[.<sub>]`. To add one,
 # put the module in compat/ and its name here.
-COMPAT_MODULES = ("pipe", "checkpointing", "comm", "accelerator")
+COMPAT_MODULES = (
+    "pipe",
+    "checkpointing",
+    "comm",
+    "accelerator",
+    "runtime",
+    "utils",
+    "compression",
+    "moe",
+)
 
 _API = ("initialize", "add_config_arguments", "init_distributed")
 _ACCELERATOR_API = ("get_accelerator",)
@@ -65,6 +74,10 @@ class _CompatAliasLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         module.__spec__ = self._own_spec  # the module stays `zerotron.compat.<name>` for reload
+
+    def get_code(self, fullname: str) -> Any:
+        """The target's code, so ``python -m zerotron.<name>.<sub>`` runs it as ``__main__``."""
+        return importlib.util.find_spec(self.target).loader.get_code(self.target)
 
 
 class _CompatAliasFinder(importlib.abc.MetaPathFinder):

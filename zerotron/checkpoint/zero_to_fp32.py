@@ -52,6 +52,9 @@ from zerotron.fileio import check_free_space, commit, disk_full_is_clear, temp_p
 ZERO_FILE = re.compile(r"zero_dp_rank_(\d+)_mp_rank_(\d{2})_(\d{3})_optim_states\.pt")
 SHARED_PARAMS_KEY = "shared_params"
 """Model-file entry ``{alias: name}`` for state-dict keys that are another parameter (tied)."""
+BUFFER_NAMES_KEY = "buffer_names"
+"""Model-file entry: the module's buffer names (DeepSpeed's key), which tell the saved buffers
+from frozen parameters (neither is in the ZeRO files)."""
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -272,6 +275,7 @@ class MpRank:
     order: list[str]  # output names in state-dict order (aliases excluded)
     shared: dict[str, str]  # alias -> stored name
     keys: list[str]  # every name in state-dict order, aliases included
+    buffers: set[str] | None = None  # buffer names, if the model file lists them
 
 
 def _model_state(tag_dir: Path, tp: int, pp: int, pp_size: int) -> dict[str, Any]:
@@ -317,7 +321,9 @@ def _mp_rank(tag_dir: Path, tp: int, pp: int, pp_size: int, files: list[str]) ->
     keys = [k for k in keys if k in shared or k in stored]
     listed = set(keys)
     keys += [n for n in order if n not in listed]
-    return MpRank(tp, pp, files, plans, extras, order, shared, keys)
+    names = model_state.get(BUFFER_NAMES_KEY)
+    buffers = set(names) if isinstance(names, (list, tuple)) else None
+    return MpRank(tp, pp, files, plans, extras, order, shared, keys, buffers)
 
 
 def _mp_ranks(tag_dir: Path) -> list[MpRank]:
@@ -335,13 +341,18 @@ def _metadata(tag_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def _fill(tag_dir: Path, rank: MpRank, write: Any) -> None:
-    """Call ``write(name, start, fp32 piece)`` for every piece, one zero file at a time."""
+def _fill(tag_dir: Path, rank: MpRank, write: Any, only: set[str] | None = None) -> None:
+    """Call ``write(name, start, fp32 piece)`` for every piece (of the parameters in
+    ``only``, if given), one zero file at a time."""
     by_rank: dict[int, list[tuple[ParamPlan, Piece]]] = {}
     for plan in rank.plans:
+        if only is not None and plan.name not in only:
+            continue
         for piece in plan.pieces:
             by_rank.setdefault(piece.rank, []).append((plan, piece))
     for r, name in enumerate(rank.files):
+        if r not in by_rank:
+            continue
         parts = _load(tag_dir, name)["fp32_partitions"]
         for plan, piece in by_rank.get(r, []):
             src = parts[piece.partition].reshape(-1)[piece.offset : piece.offset + piece.length]
@@ -373,19 +384,27 @@ def get_fp32_state_dict_from_zero_checkpoint(
     return _state_dict(tag_dir, ranks[(tp_rank, pp_rank)])
 
 
-def _state_dict(tag_dir: Path, rank: MpRank) -> dict[str, torch.Tensor]:
+def _state_dict(
+    tag_dir: Path, rank: MpRank, only: set[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The state dict of one model-parallel rank; with ``only``, of those names (aliases
+    of tied parameters included when their parameter is)."""
+    keys = [k for k in rank.keys if only is None or rank.shared.get(k, k) in only]
+    wanted = {rank.shared.get(k, k) for k in keys}
     flat = {p.name: torch.empty(p.numel, dtype=torch.float32) for p in rank.plans}
+    flat = {name: t for name, t in flat.items() if name in wanted}
 
     def write(name: str, start: int, piece: torch.Tensor) -> None:
         flat[name][start : start + piece.numel()].copy_(piece)
 
-    _fill(tag_dir, rank, write)
+    _fill(tag_dir, rank, write, wanted)
     shapes = {p.name: p.shape for p in rank.plans}
     own = {
         name: flat[name].view(shapes[name]) if name in flat else rank.extras[name].clone()
         for name in rank.order
+        if name in wanted
     }
-    return {key: own[rank.shared.get(key, key)] for key in rank.keys}
+    return {key: own[rank.shared.get(key, key)] for key in keys}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,10 +498,19 @@ class SafetensorsWriter:
         self._tmp.unlink(missing_ok=True)
 
 
-def _write_safetensors(tag_dir: Path, rank: MpRank, path: Path, meta: Mapping[str, str]) -> Path:
+def _write_safetensors(
+    tag_dir: Path,
+    rank: MpRank,
+    path: Path,
+    meta: Mapping[str, str],
+    only: set[str] | None = None,
+) -> Path:
+    """One ``.safetensors`` file of the rank's tensors (those in ``only``, if given)."""
     plans = {p.name: p for p in rank.plans}
+    names = [n for n in rank.order if only is None or n in only]
+    shared = {a: n for a, n in rank.shared.items() if n in names}
     tensors = []
-    for name in rank.order:
+    for name in names:
         if name in plans:
             tensors.append((name, torch.float32, plans[name].shape))
         else:
@@ -495,13 +523,14 @@ def _write_safetensors(tag_dir: Path, rank: MpRank, path: Path, meta: Mapping[st
                 )
             tensors.append((name, t.dtype, tuple(t.shape)))
     metadata = {"format": "pt", **meta}
-    if rank.shared:
-        metadata["shared"] = json.dumps(rank.shared)
+    if shared:
+        metadata["shared"] = json.dumps(shared)
     writer = SafetensorsWriter(path, tensors, metadata)
     try:
-        _fill(tag_dir, rank, writer.write)
+        _fill(tag_dir, rank, writer.write, set(names))
         for name, t in rank.extras.items():
-            writer.write(name, 0, t)
+            if name in names:
+                writer.write(name, 0, t)
     except BaseException:
         writer.abort()
         raise

@@ -13,7 +13,14 @@ runs a DeepSpeed script:
   DeepSpeed's signatures and ``ReduceOp``, through :mod:`zerotron.distributed.comm` and its
   ledger; ``init_distributed``);
 - :mod:`~zerotron.compat.pipe`: ``deepspeed.pipe`` (``PipelineModule``, ``LayerSpec``,
-  ``TiedLayerSpec`` on :mod:`zerotron.pipeline`).
+  ``TiedLayerSpec`` on :mod:`zerotron.pipeline`);
+- :mod:`~zerotron.compat.runtime`: ``deepspeed.runtime`` (``set_random_seed``,
+  ``DeepSpeedEngine``, LR schedule names, ``ZeroParamStatus``, the ZeRO memory estimators on
+  :mod:`zerotron.tuning`);
+- :mod:`~zerotron.compat.utils`: ``deepspeed.utils`` (``logger``, ``log_dist``, ``groups``,
+  ``safe_get_full_*``, ZeRO-3 leaf modules, ``zero_to_fp32``);
+- :mod:`~zerotron.compat.compression`: ``deepspeed.compression.helper``;
+- :mod:`~zerotron.compat.moe`: ``deepspeed.moe`` (importable; no MoE layer yet).
 
 To add a DeepSpeed module: put it here as ``compat/<name>.py`` (or a package) and add ``<name>``
 to ``COMPAT_MODULES`` in ``zerotron/__init__.py``. Nothing else imports this package's

@@ -44,7 +44,7 @@ from zerotron.checkpoint.layout import tag_dir as layout_tag_dir
 from zerotron.checkpoint.reshard import checkpoint_layout, load_shared_entries
 from zerotron.checkpoint.state import refuse_non_finite
 from zerotron.checkpoint.zero_repartition import repartition_zero_state
-from zerotron.checkpoint.zero_to_fp32 import SHARED_PARAMS_KEY
+from zerotron.checkpoint.zero_to_fp32 import BUFFER_NAMES_KEY, SHARED_PARAMS_KEY
 from zerotron.distributed import comm
 from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import ParallelState, state
@@ -65,6 +65,7 @@ OWN_ENTRIES = frozenset(
         "global_steps",
         "global_samples",
         SHARED_PARAMS_KEY,
+        BUFFER_NAMES_KEY,
         ZERO_STAGE_KEY,
         DP_SIZE_KEY,
     }
@@ -95,6 +96,8 @@ def save_engine_checkpoint(
         global_steps=engine.global_steps,
         global_samples=engine.global_samples,
     )
+    # zero-to-fp32 tells buffers from frozen parameters by these (exclude_frozen_parameters)
+    saved[BUFFER_NAMES_KEY] = [name for name, _ in engine.module.named_buffers()]
     shared = shared_params(engine.module)
     if shared:
         saved[SHARED_PARAMS_KEY] = shared

@@ -39,6 +39,7 @@ from torch import Tensor
 from zerotron.errors import CheckpointError, ConfigError
 from zerotron.precision.grads import IsCounted, ReduceFn, accumulate_grad_, count_zeros
 from zerotron.precision.loss_scaler import LossScaler
+from zerotron.precision.owners import set_owner
 from zerotron.precision.step import SKIPPED, StepResult, StepSequence, checks_overflow
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -109,6 +110,8 @@ class MixedPrecisionOptimizer(StepSequence):
                 masters.append(master)
             group["params"] = masters
         self._is_16bit = [p.dtype in LOW_PRECISION for p in self.model_params]
+        self._master_of = {id(p): m for p, m in zip(self.model_params, self.master_params)}
+        set_owner(self.model_params, self)
         self._counted = [is_counted is None or is_counted(p) for p in self.model_params]
         if check_overflow is None:
             check_overflow = checks_overflow(loss_scaler, self.model_params)
@@ -171,6 +174,11 @@ class MixedPrecisionOptimizer(StepSequence):
         if main_grads:
             torch._foreach_zero_(main_grads)
         self._got_grad = [False] * len(self.model_params)
+
+    def master_of(self, param: Tensor) -> Tensor | None:
+        """The fp32 tensor the optimizer steps for model parameter ``param`` (its master, or
+        ``param`` itself when it is fp32); None for a parameter it does not hold."""
+        return self._master_of.get(id(param))
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -45,6 +45,7 @@ from zerotron.distributed.comm import Group
 from zerotron.errors import ConfigError
 from zerotron.precision.grads import IsCounted, ReduceFn
 from zerotron.precision.loss_scaler import LossScaler
+from zerotron.precision.owners import set_owner
 from zerotron.precision.step import SKIPPED, StepResult, StepSequence, checks_overflow
 from zerotron.zero.grads import GradPartitions, GradReducer
 from zerotron.zero.masters import (
@@ -132,6 +133,7 @@ class ZeroOptimizer(StepSequence):
         )
         self._info_of = {id(i.param): i for i in self.infos}
         self.model_params = [i.param for i in self.infos]
+        set_owner(self.model_params, self)  # for safe_get_full_* (zerotron.zero.full_values)
         self.check_overflow = checks_overflow(loss_scaler, self.model_params)
         self._rebuild_param_groups()
         self._offloaded = self._make_offload(options.offload_optimizer)

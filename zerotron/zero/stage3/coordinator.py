@@ -38,6 +38,11 @@ from zerotron.zero.stage3.shards import (
     state_of,
 )
 
+LEAF_FLAG = "_z3_leaf"
+"""Module attribute (DeepSpeed's name, set by ``set_z3_leaf_modules``): when True, the module's
+forward gathers the parameters of its whole subtree at once, not module by module (for
+sub-modules that run in a varying order or not at all, as the experts of an MoE layer)."""
+
 # --------------------------------------------------------------------------------------------
 # The order modules fetch in, for prefetching
 
@@ -265,6 +270,13 @@ class ParamCoordinator:
     @staticmethod
     def _fetch_list(module: nn.Module) -> list[Tensor]:
         own = [p for p in module._parameters.values() if p is not None and is_partitioned(p)]
+        if module.__dict__.get(LEAF_FLAG):  # a leaf module: its whole subtree, gathered at once
+            mine = {id(p) for p in own}
+            for sub in module.modules():
+                for p in sub._parameters.values():
+                    if p is not None and is_partitioned(p) and id(p) not in mine:
+                        mine.add(id(p))
+                        own.append(p)
         ext = module.__dict__.get("_zero_external_params")
         if ext:
             own += [p for p in ext.values() if is_partitioned(p) and all(p is not q for q in own)]

@@ -1,0 +1,68 @@
+"""docs/deepspeed.md stays true: every DeepSpeed name its tables mark *supported* or *different*
+is importable from zerotron under the same path (``deepspeed.a.b.c`` is ``zerotron.a.b.c``), and
+every *refused* row says why.
+
+A table row is ``| `deepspeed.x.y`, `deepspeed.x.z` | status | how or why |``: the first cell's
+backticked names, the status one of the three words.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "deepspeed.md"
+ROW = re.compile(r"^\|\s*(?P<names>`deepspeed[^|]*)\|\s*(?P<status>[a-z]+)\s*\|(?P<note>[^|]*)\|")
+STATUSES = ("supported", "different", "refused")
+
+
+def _rows() -> list[tuple[str, str, str]]:
+    rows = []
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        m = ROW.match(line)
+        if m:
+            for name in re.findall(r"`(deepspeed(?:\.\w+)*)`", m["names"]):
+                rows.append((name, m["status"], m["note"].strip()))
+    return rows
+
+
+ROWS = _rows()
+
+
+def resolve(name: str) -> object:
+    """The zerotron object at DeepSpeed's path ``name`` (the longest importable module prefix,
+    then attributes)."""
+    parts = ["zerotron", *name.split(".")[1:]]
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(name)
+
+
+def test_the_doc_has_a_row_for_each_area_and_only_known_statuses():
+    assert len(ROWS) > 100
+    assert {status for _, status, _ in ROWS} == set(STATUSES)
+    areas = {name.split(".")[1] for name, _, _ in ROWS if "." in name}
+    for area in ("comm", "accelerator", "utils", "ops", "runtime", "zero", "pipe", "moe"):
+        assert area in areas
+
+
+@pytest.mark.parametrize(
+    "name", sorted({n for n, s, _ in ROWS if s in ("supported", "different")})
+)
+def test_a_supported_name_is_importable_from_zerotron(name):
+    assert resolve(name) is not None
+
+
+@pytest.mark.parametrize("name", sorted({n for n, s, _ in ROWS if s == "refused"}))
+def test_a_refused_name_says_why(name):
+    notes = [note for n, s, note in ROWS if n == name and s == "refused"]
+    assert all(len(note) > 20 for note in notes), notes

@@ -1,0 +1,31 @@
+"""Which optimizer wrapper owns a model parameter (holds its fp32 master and states).
+
+DeepSpeed finds a parameter's master through attributes on the parameter (``_hp_mapping``,
+``_z3_optimizer``); zerotron keeps parameters free of references to optimizers (a parameter
+must stay ``torch.save``-able), so the wrappers register here instead:
+:class:`~zerotron.precision.mixed.MixedPrecisionOptimizer` and
+:class:`~zerotron.zero.ZeroOptimizer` call :func:`set_owner` for the parameters they step,
+and :func:`owner_of` answers for DeepSpeed's ``safe_get_full_*`` functions. The table holds
+parameters weakly: it keeps nothing alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def set_owner(params: Iterable[Tensor], owner: Any) -> None:
+    """Record ``owner`` as the optimizer wrapper of each of ``params`` (the latest wins)."""
+    for p in params:
+        _OWNERS[p] = owner
+
+
+def owner_of(p: Tensor) -> Any:
+    """The optimizer wrapper that last registered ``p``, or None."""
+    return _OWNERS.get(p)
