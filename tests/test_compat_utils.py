@@ -330,9 +330,7 @@ class Experts(nn.Module):
         self.seen: list = []
 
     def forward(self, x):
-        from zerotron.zero.stage3.shards import state_of
-
-        self.seen.append((state_of(self.a.weight).status, state_of(self.b.weight).status))
+        self.seen.append((self.a.weight.ds_status, self.b.weight.ds_status))
         return self.a(x)
 
 
