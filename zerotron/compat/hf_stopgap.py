@@ -105,3 +105,105 @@ def fill_missing() -> None:
     zerotron.COMPAT_MODULES = tuple(dict.fromkeys(names))
     zerotron._MODULES = tuple(dict.fromkeys([*zerotron._MODULES, *names]))
     TOP_LEVEL.setdefault("DeepSpeedEngine", Engine)
+    _engine_surface()
+
+
+class _ConfigView(dict):
+    """DeepSpeed's ``engine.config`` (the resolved dict) that still answers zerotron's schema
+    attributes (``engine.config.training``...) as ``engine.config`` does today."""
+
+    def __init__(self, resolved: dict, schema: Any):
+        super().__init__(resolved)
+        self._schema = schema
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_schema"], name)
+
+
+def _engine_surface() -> None:
+    """Engine methods transformers/accelerate call, where the Engine lacks them."""
+    import inspect
+
+    from zerotron.compat import api
+    from zerotron.engine import Engine
+
+    if not getattr(api.initialize, "_stopgap", False):
+        original_initialize = api.initialize
+
+        def initialize(*args: Any, **kwargs: Any) -> Any:
+            engine, optimizer, loader, scheduler = original_initialize(*args, **kwargs)
+            engine.config = _ConfigView(engine.resolved_config, engine.config)
+            return engine, optimizer, loader, scheduler
+
+        initialize._stopgap = True  # type: ignore[attr-defined]
+        api.initialize = initialize
+
+    def fallthrough(self: Any, name: str) -> Any:
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(module, name)
+
+    if "__getattr__" not in vars(Engine):
+        Engine.__getattr__ = fallthrough
+    if "scale_wrt_gas" not in inspect.signature(Engine.backward).parameters:
+        original_backward = Engine.backward
+
+        def backward(self: Any, loss: Any, retain_graph: bool = False, scale_wrt_gas=True):
+            if not scale_wrt_gas and self._gas > 1:
+                loss = loss * self._gas  # the Engine divides by the accumulation steps
+            original_backward(self, loss)
+
+        Engine.backward = backward
+    if not hasattr(Engine, "set_gradient_accumulation_boundary"):
+
+        def set_gradient_accumulation_boundary(self: Any, is_boundary: bool) -> None:
+            self._stopgap_boundary = is_boundary
+
+        Engine.set_gradient_accumulation_boundary = set_gradient_accumulation_boundary
+    if not hasattr(Engine, "get_global_grad_norm"):
+
+        def get_global_grad_norm(self: Any) -> float | None:
+            return None if self.last_step is None else self.last_step.grad_norm
+
+        Engine.get_global_grad_norm = get_global_grad_norm
+    if not hasattr(Engine, "zero_gather_16bit_weights_on_model_save"):
+
+        def zero_gather_16bit_weights_on_model_save(self: Any) -> bool:
+            zero = self.config.get("zero_optimization", {})
+            return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+
+        Engine.zero_gather_16bit_weights_on_model_save = zero_gather_16bit_weights_on_model_save
+    if not hasattr(Engine, "_zero3_consolidated_16bit_state_dict"):
+
+        def _zero3_consolidated_16bit_state_dict(
+            self: Any, exclude_frozen_parameters: bool = False
+        ) -> dict[str, Any]:
+            state = self.module_state_dict(rank0_only=True)
+            if state is None:
+                return {}  # DeepSpeed: only rank 0 holds the consolidated weights
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+                state = {k: v for k, v in state.items() if k not in frozen}
+            return state
+
+        Engine._zero3_consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
+    if "load_module_strict" not in inspect.signature(Engine.load_checkpoint).parameters:
+        original_load = Engine.load_checkpoint
+
+        def load_checkpoint(
+            self: Any,
+            load_dir: Any,
+            tag: Any = None,
+            load_module_strict: bool = True,
+            load_optimizer_states: bool = True,
+            load_lr_scheduler_states: bool = True,
+            load_module_only: bool = False,
+            custom_load_fn: Any = None,
+        ) -> Any:
+            return original_load(
+                self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                load_module_only,
+            )  # fmt: skip
+
+        Engine.load_checkpoint = load_checkpoint

@@ -3,12 +3,12 @@
 The Trainer's own flags (``TrainingArguments``) are all accepted, ``--deepspeed ds_config.json``
 included. With zerotron serving DeepSpeed's API to transformers and accelerate::
 
-    zerotron launch --as-deepspeed --nproc_per_node 2 examples/hf_trainer_clm.py \\
-        --deepspeed examples/configs/hf_ds_zero2.json --output_dir work/clm --max_steps 20
+    zerotron launch --as-deepspeed --nproc_per_node 2 examples/huggingface/run_clm.py \\
+        --deepspeed examples/huggingface/ds_zero2.json --output_dir work/clm --max_steps 20
 
 and without DeepSpeed (plain torch DDP, same launcher)::
 
-    zerotron launch --nproc_per_node 2 examples/hf_trainer_clm.py --output_dir work/clm ...
+    zerotron launch --nproc_per_node 2 examples/huggingface/run_clm.py --output_dir work/clm ...
 
 The model is a GPT-2 built from a config (no download); the data is a synthetic token stream
 from a fixed seed, so two runs see the same batches. ``--losses_file`` writes the logged
