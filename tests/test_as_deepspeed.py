@@ -4,6 +4,7 @@ zerotron.compat.as_deepspeed``: what transformers and accelerate check, seen fro
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import subprocess
@@ -11,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from zerotron.compat import as_deepspeed
+from zerotron.checkpoint.utils import clone_tensors_for_torch_save
+from zerotron.compat import as_deepspeed, hf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,3 +100,36 @@ def test_plain_python_has_no_alias(tmp_path: Path) -> None:
     code = "import importlib.util; print(importlib.util.find_spec('deepspeed'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "None"
+
+
+class _Kind(enum.Enum):  # stands in for accelerate's DistributedType
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+
+
+@pytest.mark.parametrize(
+    "env,cpu,want",
+    [
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "LOCAL_RANK": "0"}, False, ("gloo", "MULTI_CPU")),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "LOCAL_RANK": "0"}, True, (None, "NO")),
+        ({"LOCAL_RANK": "0"}, False, (None, "NO")),
+        ({"ACCELERATE_USE_DEEPSPEED": "true"}, False, (None, "NO")),
+    ],
+)
+def test_accelerate_gets_gloo_only_for_launched_deepspeed_without_device(
+    monkeypatch: pytest.MonkeyPatch, env: dict, cpu: bool, want: tuple
+) -> None:
+    for key in ("ACCELERATE_USE_DEEPSPEED", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    patched = hf._cpu_backend(lambda self, cpu, dp, backend: (None, _Kind.NO))
+    backend, kind = patched(None, cpu)
+    assert (backend, kind.value) == want
+
+
+def test_clone_tensors_for_torch_save_copies_views_alone() -> None:
+    flat = torch.arange(6.0)
+    out = clone_tensors_for_torch_save({"a": [flat[:2]], "b": (flat[2:],), "c": 3})
+    assert out["a"][0].untyped_storage().nbytes() == 2 * 4 and out["c"] == 3
+    assert torch.equal(out["b"][0], flat[2:]) and out["b"][0].data_ptr() != flat.data_ptr()
