@@ -102,6 +102,19 @@ def fill_missing() -> None:
             ],
         )
         names.append("runtime")
+    if _missing("zerotron.compat.runtime.zero.partition_parameters"):
+        # transformers' prevent_arange_dtype_change (integrations/deepspeed.py) swaps this
+        # wrapper around zero.Init; zerotron's Init wraps no tensor constructor, so it is inert.
+        def zero_wrapper_for_fp_tensor_constructor(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            return fn
+
+        if _missing("zerotron.compat.runtime.zero"):
+            _module("zerotron.compat.runtime.zero")
+        _module(
+            "zerotron.compat.runtime.zero.partition_parameters",
+            zero_wrapper_for_fp_tensor_constructor=zero_wrapper_for_fp_tensor_constructor,
+            _orig_torch_arange=torch.arange,
+        )
     zerotron.COMPAT_MODULES = tuple(dict.fromkeys(names))
     zerotron._MODULES = tuple(dict.fromkeys([*zerotron._MODULES, *names]))
     TOP_LEVEL.setdefault("DeepSpeedEngine", Engine)
