@@ -133,3 +133,27 @@ def test_clone_tensors_for_torch_save_copies_views_alone() -> None:
     out = clone_tensors_for_torch_save({"a": [flat[:2]], "b": (flat[2:],), "c": 3})
     assert out["a"][0].untyped_storage().nbytes() == 2 * 4 and out["c"] == 3
     assert torch.equal(out["b"][0], flat[2:]) and out["b"][0].data_ptr() != flat.data_ptr()
+
+
+def test_alias_wins_over_an_installed_deepspeed_and_leaves_it_alone(tmp_path: Path) -> None:
+    real = tmp_path / "site"  # a stand-in for a real DeepSpeed installed in the environment
+    (real / "deepspeed").mkdir(parents=True)
+    (real / "deepspeed" / "__init__.py").write_text("__version__ = '0.9.0'\n")
+    (real / "deepspeed-0.9.0.dist-info").mkdir()
+    (real / "deepspeed-0.9.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.9.0\n"
+    )
+    script = tmp_path / "which.py"
+    script.write_text(
+        "import importlib.metadata as m, deepspeed\n"
+        "print(deepspeed.__version__, m.version('deepspeed'))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(real)]))
+    seen = []
+    for args in (["-m", "zerotron.compat.as_deepspeed", str(script)], [str(script)]):
+        out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True)
+        seen.append(out.stdout.strip())
+    assert seen == [
+        f"{as_deepspeed.DEEPSPEED_VERSION} {as_deepspeed.DEEPSPEED_VERSION}",
+        "0.9.0 0.9.0",
+    ]

@@ -10,6 +10,11 @@ runs a DeepSpeed script:
 - :mod:`~zerotron.compat.pipe`: ``deepspeed.pipe`` (``PipelineModule``, ``LayerSpec``,
   ``TiedLayerSpec`` on :mod:`zerotron.pipeline`).
 
+Beside them, for Hugging Face transformers/accelerate (docs/huggingface.md):
+:mod:`~zerotron.compat.as_deepspeed` (``zerotron launch --as-deepspeed``: a program whose
+``import deepspeed`` is zerotron, through the ``deepspeed_alias/`` directory) and
+:mod:`~zerotron.compat.hf` (accelerate's DeepSpeed runs on CPU-only hosts, under the alias).
+
 To add a DeepSpeed module: put it here as ``compat/<name>.py`` (or a package) and add ``<name>``
 to ``COMPAT_MODULES`` in ``zerotron/__init__.py``. Nothing else imports this package's
 ``__init__``, so keep it free of imports: ``import zerotron`` stays cheap.
