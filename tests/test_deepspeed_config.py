@@ -695,3 +695,9 @@ def test_offload_keys_are_checked_by_the_zero_sections_fields():
         load({"train_batch_size": 2, "zero_optimization": {"offload_param": {"buffer_size": 0}}})
     with pytest.raises(ConfigError, match="offload_param.max_in_cpu: -1 is not zero or positive"):
         load({"train_batch_size": 2, "zero_optimization": {"offload_param": {"max_in_cpu": -1}}})
+
+
+def test_steps_per_print_infinity_means_never():
+    # accelerate's DeepSpeedPlugin writes float("inf") to keep DeepSpeed from printing
+    cfg, _ = load_deepspeed_config({"train_batch_size": 1, "steps_per_print": math.inf})
+    assert cfg.training.log_interval >= 2**62

@@ -22,6 +22,11 @@ runs a DeepSpeed script:
 - :mod:`~zerotron.compat.compression`: ``deepspeed.compression.helper``;
 - :mod:`~zerotron.compat.moe`: ``deepspeed.moe`` (importable; no MoE layer yet).
 
+Beside them, for Hugging Face transformers/accelerate (docs/huggingface.md):
+:mod:`~zerotron.compat.as_deepspeed` (``zerotron launch --as-deepspeed``: a program whose
+``import deepspeed`` is zerotron, through the ``deepspeed_alias/`` directory) and
+:mod:`~zerotron.compat.hf` (accelerate's DeepSpeed runs on CPU-only hosts, under the alias).
+
 To add a DeepSpeed module: put it here as ``compat/<name>.py`` (or a package) and add ``<name>``
 to ``COMPAT_MODULES`` in ``zerotron/__init__.py``. Nothing else imports this package's
 ``__init__``, so keep it free of imports: ``import zerotron`` stays cheap.

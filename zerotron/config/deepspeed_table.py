@@ -35,6 +35,14 @@ from zerotron.config.sections import ZeroConfig
 from zerotron.errors import ConfigError, UnsupportedError
 
 AUTO = "auto"
+NEVER = 2**62  # steps_per_print "inf" (accelerate writes it): an interval no run reaches
+
+
+def STEPS_PER_PRINT(path: str, value: Any) -> int:
+    """A positive step count, or infinity for never (as DeepSpeed's ``step % inf`` never is 0)."""
+    if isinstance(value, float) and value == float("inf"):
+        return NEVER
+    return POSITIVE(INT)(path, value)
 
 BATCH_FIELDS = {
     "global_batch_size": "train_batch_size",
@@ -211,7 +219,7 @@ SPEC: dict[str, Any] = {
     "train_batch_size": Leaf("global_batch_size", POSITIVE(INT)),
     "train_micro_batch_size_per_gpu": Leaf("micro_batch_size", POSITIVE(INT)),
     "gradient_accumulation_steps": Leaf("num_micro_batches", POSITIVE(INT)),
-    "steps_per_print": Leaf("log_interval", POSITIVE(INT), 10),
+    "steps_per_print": Leaf("log_interval", STEPS_PER_PRINT, 10),
     "seed": Leaf("seed", NON_NEGATIVE(INT), 1234),
     "gradient_clipping": Leaf("clip_grad", NON_NEGATIVE(FLOAT), 0.0),
     "prescale_gradients": Leaf("prescale_gradients", BOOL, False),

@@ -62,6 +62,7 @@ class LaunchPlan:
     rdzv_timeout: int
     omp_num_threads: int | None  # None: OMP_NUM_THREADS is already set and left alone
     verbose: bool = False
+    as_deepspeed: bool = False  # workers' `import deepspeed` is zerotron (compat/as_deepspeed.py)
 
     @property
     def world_size(self) -> int:
@@ -172,6 +173,15 @@ def build_parser() -> ArgumentParser:
         help="seconds to wait for all nodes to join",
     )
     p.add_argument(
+        "--as_deepspeed",
+        "--as-deepspeed",
+        dest="as_deepspeed",
+        action="store_true",
+        help="in the program, `import deepspeed` is zerotron, with the distribution metadata "
+        "that Hugging Face transformers and accelerate check (nothing is installed; a real "
+        "DeepSpeed stays untouched)",
+    )
+    p.add_argument(
         "--verbose", action="store_true", help="show the elastic agent's own log messages"
     )
     p.add_argument(
@@ -235,28 +245,38 @@ def plan_from_args(argv: list[str]) -> LaunchPlan:
         master_port=port,
         port_given=args.master_port is not None,
         entrypoint=sys.executable,
-        worker_args=worker_args(args.script, args.script_args, args.module, args.no_local_rank),
+        worker_args=worker_args(
+            args.script, args.script_args, args.module, args.no_local_rank, args.as_deepspeed
+        ),
         log_dir=args.log_dir,
         max_restarts=args.max_restarts,
         shutdown_timeout=args.shutdown_timeout,
         rdzv_timeout=args.rdzv_timeout,
         omp_num_threads=omp,
         verbose=args.verbose,
+        as_deepspeed=args.as_deepspeed,
     )
 
 
 def worker_args(
-    script: str, script_args: list[str], module: bool, no_local_rank: bool
+    script: str,
+    script_args: list[str],
+    module: bool,
+    no_local_rank: bool,
+    as_deepspeed: bool = False,
 ) -> list[str]:
     """The interpreter arguments of every worker, with ``${local_rank}`` for the agent to fill.
 
     ``--local_rank=N`` goes right after the script, before its own arguments (the convention of
     DeepSpeed's launcher and torch.distributed.launch), so a script whose parser collects trailing
     arguments still sees it as a flag. zerotron's own CLI never gets it: it reads LOCAL_RANK.
+    With ``as_deepspeed`` the program starts through :mod:`zerotron.compat.as_deepspeed`.
     """
     from torch.distributed.elastic.utils import macros
 
     head = ["-u", "-m", script] if module else ["-u", script]  # -u: lines reach us as written
+    if as_deepspeed:
+        head = ["-u", "-m", "zerotron.compat.as_deepspeed", *head[1:]]
     pass_local_rank = not no_local_rank and not (module and script in ZEROTRON_CLI_MODULES)
     local_rank = [f"--local_rank={macros.local_rank}"] if pass_local_rank else []
     return head + local_rank + list(script_args)
@@ -420,12 +440,18 @@ def _say(text: str) -> None:
 def _launcher_state(plan: LaunchPlan) -> Iterator[None]:
     """Set what the agent reads from the launcher's process, and put it back afterwards.
 
-    The agent passes OMP_NUM_THREADS on from os.environ and installs its own signal handlers;
-    restoring both keeps ``run`` safe to call from a longer-lived Python program (the tuner).
+    The agent passes OMP_NUM_THREADS (and PYTHONPATH, which ``--as-deepspeed`` extends) on from
+    os.environ and installs its own signal handlers; restoring them keeps ``run`` safe to call
+    from a longer-lived Python program (the tuner).
     """
     saved_env = os.environ.get("OMP_NUM_THREADS")
+    saved_path = os.environ.get("PYTHONPATH")
     if plan.omp_num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(plan.omp_num_threads)
+    if plan.as_deepspeed:
+        from zerotron.compat import as_deepspeed
+
+        as_deepspeed.environ(os.environ)
     saved_handlers = {}
     if threading.current_thread() is threading.main_thread():
         for name in _HANDLED_SIGNALS:
@@ -443,10 +469,11 @@ def _launcher_state(plan: LaunchPlan) -> Iterator[None]:
         elastic_log.propagate, elastic_log.handlers = saved_log
         for name, handler in saved_handlers.items():
             signal.signal(getattr(signal, name), handler)
-        if saved_env is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved_env
+        for key, value in (("OMP_NUM_THREADS", saved_env), ("PYTHONPATH", saved_path)):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def main(argv: list[str] | None = None) -> int:
