@@ -1,11 +1,11 @@
 """zerotron: train GPT-style language models from one CPU process to thousands of GPUs.
 
 DeepSpeed's API is here too, so ``import zerotron as deepspeed`` runs a DeepSpeed script:
-:func:`initialize`, :func:`add_config_arguments`, :func:`init_distributed` (from
-:mod:`zerotron.compat.api`), :func:`get_accelerator` (:mod:`zerotron.compat.accelerator`),
-``zerotron.zero``, and DeepSpeed's modules in :mod:`zerotron.compat`
-under their DeepSpeed names (``zerotron.checkpointing``, ``zerotron.pipe``: see
-:data:`COMPAT_MODULES`). Everything is imported on first use, so ``import zerotron`` stays cheap.
+its top-level names (:func:`initialize`, :func:`init_distributed`, :func:`get_accelerator`,
+``DeepSpeedEngine``...: see ``_API``), ``zerotron.zero``, and DeepSpeed's modules in
+:mod:`zerotron.compat` under their DeepSpeed names (``zerotron.comm``, ``zerotron.utils``,
+``zerotron.pipe``...: see :data:`COMPAT_MODULES`). Everything is imported on first use, so
+``import zerotron`` stays cheap.
 """
 
 from __future__ import annotations
@@ -34,18 +34,25 @@ COMPAT_MODULES = (
     "moe",
 )
 
-_API = ("initialize", "add_config_arguments", "init_distributed")
-_ACCELERATOR_API = ("get_accelerator",)
+# DeepSpeed's top-level names: name -> the zerotron module that holds it.
+_API = {
+    "initialize": "zerotron.compat.api",
+    "add_config_arguments": "zerotron.compat.api",
+    "init_distributed": "zerotron.compat.comm",
+    "get_accelerator": "zerotron.compat.accelerator",
+    "DeepSpeedEngine": "zerotron.compat.runtime.engine",
+    "PipelineModule": "zerotron.compat.pipe",
+    "log_dist": "zerotron.compat.utils",
+    "logger": "zerotron.compat.utils",
+}
 _MODULES = ("zero", "config", "distributed", "engine", "compat", *COMPAT_MODULES)
 
-__all__ = [*_API, *_ACCELERATOR_API, "__version__"]
+__all__ = [*_API, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _API:
-        return getattr(importlib.import_module("zerotron.compat.api"), name)
-    if name in _ACCELERATOR_API:
-        return getattr(importlib.import_module("zerotron.compat.accelerator"), name)
+        return getattr(importlib.import_module(_API[name]), name)
     if name in _MODULES:
         return importlib.import_module(f"zerotron.{name}")
     raise AttributeError(f"module 'zerotron' has no attribute {name!r}")
