@@ -80,3 +80,19 @@ def test_other_names_are_not_aliased():
 )
 def test_fresh_interpreter(code):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_submodules_are_attributes_after_only_import_zerotron():
+    # accelerate reads deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES after `import deepspeed`
+    code = (
+        "import zerotron as deepspeed\n"
+        "print(len(deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES),"
+        " deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.AVAILABLE.value,"
+        " deepspeed.utils.zero_to_fp32.__name__)\n"
+        "try:\n    deepspeed.runtime.no_such_module\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.splitlines() == [
+        "5 1 zerotron.compat.utils.zero_to_fp32",
+        "module 'zerotron.compat.runtime' has no attribute 'no_such_module'",
+    ]

@@ -13,6 +13,7 @@ from zerotron.compat.accelerator.real_accelerator import (
     is_current_accelerator_supported,
     set_accelerator,
 )
+from zerotron.compat.submodules import submodule_getattr
 
 __all__ = [
     "DeepSpeedAccelerator",
@@ -20,3 +21,5 @@ __all__ = [
     "is_current_accelerator_supported",
     "set_accelerator",
 ]
+
+__getattr__ = submodule_getattr(__name__)

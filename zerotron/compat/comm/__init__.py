@@ -38,6 +38,7 @@ from zerotron.compat.comm.comm import (
     send,
 )
 from zerotron.compat.comm.reduce_op import ReduceOp
+from zerotron.compat.submodules import submodule_getattr
 
 __all__ = [
     "ReduceOp",
@@ -69,3 +70,5 @@ __all__ = [
     "reduce_scatter_tensor",
     "send",
 ]
+
+__getattr__ = submodule_getattr(__name__)

@@ -21,6 +21,7 @@ from zerotron.compat.pipe.module import (
     partition_layers,
 )
 from zerotron.compat.pipe.stage import PipelineModuleRuntime, PipeStage
+from zerotron.compat.submodules import submodule_getattr
 
 __all__ = [
     "LayerSpec",
@@ -33,3 +34,5 @@ __all__ = [
     "partition_layers",
     "pipeline_engine",
 ]
+
+__getattr__ = submodule_getattr(__name__)

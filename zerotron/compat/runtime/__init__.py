@@ -11,3 +11,7 @@
 
 Submodules are imported when named, as in DeepSpeed.
 """
+
+from zerotron.compat.submodules import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)

@@ -14,6 +14,7 @@
 """
 
 from zerotron.compat.runtime.dataloader import RepeatingLoader
+from zerotron.compat.submodules import submodule_getattr
 from zerotron.compat.utils import groups
 from zerotron.compat.utils.logging import (
     log_dist,
@@ -76,3 +77,5 @@ __all__ = [
     "z3_leaf_module",
     "z3_leaf_parameter",
 ]
+
+__getattr__ = submodule_getattr(__name__)
