@@ -3,7 +3,7 @@
 DeepSpeed's API is here too, so ``import zerotron as deepspeed`` runs a DeepSpeed script:
 :func:`initialize`, :func:`add_config_arguments`, :func:`init_distributed` (from
 :mod:`zerotron.compat.api`), ``zerotron.zero``, and DeepSpeed's modules in :mod:`zerotron.compat`
-under their DeepSpeed names (``zerotron.checkpointing``, ``zerotron.pipe``: see
+under their DeepSpeed names (``zerotron.checkpointing``, ``zerotron.ops``, ``zerotron.pipe``: see
 :data:`COMPAT_MODULES`). Everything is imported on first use, so ``import zerotron`` stays cheap.
 """
 
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 # DeepSpeed module names served from zerotron/compat/: `zerotron.<name>` (and any
 # `zerotron.<name>.<sub>`) is the module object `zerotron.compat.<name>[.<sub>]`. To add one,
 # put the module in compat/ and its name here.
-COMPAT_MODULES = ("pipe", "checkpointing")
+COMPAT_MODULES = ("pipe", "checkpointing", "ops")
 
 _API = ("initialize", "add_config_arguments", "init_distributed")
 _MODULES = ("zero", "config", "distributed", "engine", "compat", *COMPAT_MODULES)

@@ -7,6 +7,8 @@ runs a DeepSpeed script:
 
 - :mod:`~zerotron.compat.checkpointing`: ``deepspeed.checkpointing`` (activation recompute,
   whose machinery is :mod:`zerotron.parallel.recompute`);
+- :mod:`~zerotron.compat.ops`: ``deepspeed.ops`` (``DeepSpeedCPUAdam``, ``FusedAdam``,
+  ``DeepSpeedCPUAdagrad``, ``DeepSpeedCPULion``, ``FusedLion`` over :mod:`zerotron.optim`);
 - :mod:`~zerotron.compat.pipe`: ``deepspeed.pipe`` (``PipelineModule``, ``LayerSpec``,
   ``TiedLayerSpec`` on :mod:`zerotron.pipeline`).
 
