@@ -12,7 +12,11 @@ with ``g`` the gradient, ``t`` the step, ``lr``, ``wd``, ``b1``, ``b2``, ``eps``
     p = p * (1 - lr * wd)           (adam_w_mode=True: decoupled)
     p = p - lr / c1 * m / (sqrt(v) / sqrt(c2) + eps)
 
-That is DeepSpeed's CPU and CUDA Adam; the kernels differ only in rounding order. Torch's
+That is DeepSpeed's CPU and CUDA Adam. The kernels differ in rounding, and one way more:
+DeepSpeed's CPU op takes the betas as fp32 and forms ``1 - b`` in fp32 (``1 - 0.999f`` is
+0.00099998713), so without bias correction its updates are off the formula by ~1e-5 relative
+(with it, the same error in ``1 - b**t`` cancels); torch's kernel, hence this one, keeps the
+scalars in double and stays within a few fp32 ulps of the formula. Torch's
 kernel has no bias-correction switch, so without bias correction it is given an infinite step
 count (``b**inf == 0``: both corrections are exactly 1) while the real count is kept in the
 state. The state is torch's Adam state (``step``, ``exp_avg``, ``exp_avg_sq``), so ZeRO's
