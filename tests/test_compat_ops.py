@@ -273,13 +273,10 @@ def test_deepspeed_import_paths_are_the_same_classes():
     assert isinstance(DeepSpeedCPUAdam([torch.zeros(1, requires_grad=True)]), torch.optim.Optimizer)
 
 
-def _train(cls, stage: int, offload: bool) -> list[float]:
+def _train(cls, zero: dict) -> list[float]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
     opt = cls(model.parameters(), lr=LR, weight_decay=WD)
-    zero: dict = {"stage": stage}
-    if offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
     config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero}
     engine, *_ = zerotron.initialize(model=model, optimizer=opt, config=config)
     g = torch.Generator().manual_seed(1)
@@ -296,4 +293,16 @@ def _train(cls, stage: int, offload: bool) -> list[float]:
 @pytest.mark.parametrize("cls", list(DEEPSPEED_SIGNATURES), ids=lambda c: c.__name__)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_client_optimizer_with_zero_and_cpu_offload_equals_no_zero(cls, stage):
-    assert _train(cls, stage, offload=True) == _train(cls, 0, offload=False)
+    offload = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    assert _train(cls, offload) == _train(cls, {"stage": 0})
+
+
+@pytest.mark.parametrize("cls", [DeepSpeedCPUAdam, DeepSpeedCPULion, DeepSpeedCPUAdagrad])
+def test_client_optimizer_with_nvme_offload_in_small_sub_groups_equals_no_zero(cls, tmp_path):
+    zero = {
+        "stage": 3,
+        "sub_group_size": 100,  # several sub-groups, streamed through the swap buffers
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "offload_param": {"device": "cpu"},
+    }
+    assert _train(cls, zero) == _train(cls, {"stage": 0})
