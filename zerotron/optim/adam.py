@@ -14,13 +14,13 @@ with ``g`` the gradient, ``t`` the step, ``lr``, ``wd``, ``b1``, ``b2``, ``eps``
 
 That is DeepSpeed's CPU and CUDA Adam. The kernels differ in rounding, and one way more:
 DeepSpeed's CPU op takes the betas as fp32 and forms ``1 - b`` in fp32 (``1 - 0.999f`` is
-0.00099998713), so without bias correction its updates are off the formula by ~1e-5 relative
-(with it, the same error in ``1 - b**t`` cancels); torch's kernel, hence this one, keeps the
-scalars in double and stays within a few fp32 ulps of the formula. Torch's
-kernel has no bias-correction switch, so without bias correction it is given an infinite step
-count (``b**inf == 0``: both corrections are exactly 1) while the real count is kept in the
-state. The state is torch's Adam state (``step``, ``exp_avg``, ``exp_avg_sq``), so ZeRO's
-sub-group stepping, offload and checkpoints treat it as they treat torch's.
+0.00099998713), so its updates drift from the formula by up to ~1e-5 relative; torch's kernel,
+hence this one, keeps those scalars in double and stays within a few fp32 ulps of the formula
+(with betas exact in fp32, both are as close). Torch's kernel has no bias-correction switch, so
+without bias correction it is given an infinite step count (``b**inf == 0``: both corrections
+are exactly 1) while the real count is kept in the state. The state is torch's Adam state
+(``step``, ``exp_avg``, ``exp_avg_sq``), so ZeRO's sub-group stepping, offload and checkpoints
+treat it as they treat torch's.
 """
 
 from __future__ import annotations
