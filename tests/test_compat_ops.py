@@ -82,16 +82,16 @@ def _ref_lion(p0, grads, lr, b1, b2, wd) -> list[float]:
 
 
 def _ref_adagrad(p0, grads, lr, eps, wd) -> list[float]:
-    """DeepSpeed's CPU Adagrad (csrc/adagrad/cpu_adagrad.cpp), one element at a time: the
-    accumulator takes the decayed gradient, the numerator the raw one."""
+    """DeepSpeed's CPU Adagrad (csrc/adagrad/cpu_adagrad.cpp, 0.19.8), one element at a time."""
     out = []
     for i in range(p0.numel()):
         p, v = float(p0[i]), 0.0
         for gs in grads:
-            raw = float(gs[i])
-            g = raw + wd * p if wd > 0 else raw
+            g = float(gs[i])
+            if wd > 0:
+                g = p * wd + g
             v = v + g * g
-            p = p + (raw / (math.sqrt(v) + eps)) * -lr
+            p = (g / (math.sqrt(v) + eps)) * -lr + p
         out.append(p)
     return out
 
@@ -160,6 +160,16 @@ def test_adagrad_matches_deepspeed_math(wd):
     p0, grads = _start()
     got = _run(DeepSpeedCPUAdagrad, p0, grads, lr=LR, eps=1e-8, weight_decay=wd)
     _assert_ulps(got, _ref_adagrad(p0, grads, LR, 1e-8, wd))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adagrad_is_torchs_adagrad_bitwise(fused):
+    from zerotron.optim import Adagrad
+
+    p0, grads = _start()
+    got = _run(Adagrad, p0, grads, lr=LR, eps=1e-8, weight_decay=WD, fused=fused)
+    want = _run(torch.optim.Adagrad, p0, grads, lr=LR, eps=1e-8, weight_decay=WD, fused=fused)
+    assert torch.equal(got, want)
 
 
 DEEPSPEED_SIGNATURES = {  # DeepSpeed's own (deepspeed/ops/*), argument order included

@@ -2,8 +2,8 @@
 1-3 with the optimizer offloaded to the CPU train with the same losses, bit for bit, as plain
 data parallelism (stage 0) with the same optimizer. A tiny MLP; each rank trains on its own
 micro-batches, one per step: with gradient accumulation, stages 2-3 sum the ranks' micro-batch
-gradients in another order than stage 0 (reduce-scatter per micro-batch, as DeepSpeed), and
-Adagrad's losses then differ in the last bits from the 4th step on."""
+gradients in another order than stage 0 (reduce-scatter per micro-batch, as DeepSpeed), so the
+losses could differ in the last bits."""
 
 from __future__ import annotations
 

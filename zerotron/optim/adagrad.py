@@ -1,15 +1,17 @@
-"""Adagrad as DeepSpeed's CPU Adagrad computes it, foreach.
+"""Adagrad as DeepSpeed's CPU Adagrad computes it, on torch's Adagrad kernel.
 
 Per element (``lr``, ``wd``, ``eps`` the group's; ``v`` starts at 0)::
 
-    d = g + wd * p
-    v = v + d * d
+    g = g + wd * p                  (L2 weight decay)
+    v = v + g * g
     p = p - lr * g / (sqrt(v) + eps)
 
-The numerator is the raw gradient ``g``, the accumulator takes the L2-decayed one: that is
-DeepSpeed's kernel (AVX and scalar alike), and differs from ``torch.optim.Adagrad`` (decayed
-gradient in both places, plus ``lr_decay`` and ``initial_accumulator_value``), which is why this
-is written here with torch's foreach ops rather than taken from torch.
+That is ``torch.optim.Adagrad`` with ``lr_decay=0`` and ``initial_accumulator_value=0``, so the
+step is torch's kernel (fused on the CPU, where torch has one, else foreach). This class exists
+beside torch's because torch's creates its state for every parameter when it is built, and
+ZeRO must be handed an optimizer that has none yet (it re-points the groups at its flat
+partitions first). DeepSpeed 0.19.8's op computes the above; the source at v0.19.5-27 divided the
+raw gradient (not the decayed one) by the root, which differs only with weight decay.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.optim.adagrad import adagrad as _adagrad_kernel
 
 from zerotron.optim.adam import HALF_DTYPES, check_hyper, dense_grad
 
@@ -28,8 +31,11 @@ class Adagrad(torch.optim.Optimizer):
     Args:
         params: tensors or param groups; a group may set ``lr``, ``eps``, ``weight_decay``.
         lr, eps, weight_decay: Adagrad's (L2 weight decay).
-        fp32_states: keep ``exp_avg_sq`` in fp32 for 16-bit parameters (the step is computed
-            in fp32 and rounded into the parameter); False keeps it in the parameter's dtype.
+        fp32_states: keep ``exp_avg_sq`` (the sum of squares) in fp32 for 16-bit parameters
+            (the step is computed in fp32 and rounded into the parameter); False keeps it in
+            the parameter's dtype.
+        fused: None picks torch's fused kernel when every parameter is on the CPU (the one
+            device torch has it for), else the foreach kernel; True/False force it.
     """
 
     zero_elementwise = True  # each element's update reads only that element: ZeRO may shard it
@@ -42,10 +48,12 @@ class Adagrad(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         *,
         fp32_states: bool = True,
+        fused: bool | None = None,
     ):
         check_hyper(lr=lr, eps=eps, weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
         self.fp32_states = fp32_states
+        self.fused = fused
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -79,24 +87,25 @@ class Adagrad(torch.optim.Optimizer):
                 steps.append(state["step"])
             if not ps:
                 continue
-            adagrad_step(ps, gs, vs, group["lr"], group["eps"], group["weight_decay"])
-            torch._foreach_add_(steps, 1)
+            fused = self.fused if self.fused is not None else all(p.is_cpu for p in ps)
+            _adagrad_kernel(
+                ps,
+                gs,
+                vs,
+                steps,
+                fused=fused or None,
+                foreach=None if fused else True,
+                grad_scale=None,
+                found_inf=None,
+                has_sparse_grad=False,
+                differentiable=False,
+                has_complex=False,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                lr_decay=0.0,
+                eps=group["eps"],
+                maximize=False,
+            )
             for p, p32 in back:
                 p.copy_(p32)
         return loss
-
-
-def adagrad_step(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    lr: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """DeepSpeed's Adagrad update of ``params`` and ``exp_avg_sqs`` in place."""
-    decayed = torch._foreach_add(grads, params, alpha=weight_decay) if weight_decay else grads
-    torch._foreach_addcmul_(exp_avg_sqs, decayed, decayed)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, grads, denom, value=-lr)

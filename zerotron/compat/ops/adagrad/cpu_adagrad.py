@@ -1,5 +1,5 @@
 """``deepspeed.ops.adagrad.cpu_adagrad.DeepSpeedCPUAdagrad``: DeepSpeed's signature and defaults
-over :class:`zerotron.optim.adagrad.Adagrad` (DeepSpeed's Adagrad math, torch foreach ops).
+over :class:`zerotron.optim.adagrad.Adagrad` (DeepSpeed's Adagrad math on torch's kernel).
 
 Different from DeepSpeed's: parameters may live on any device; sparse gradients are refused
 (DeepSpeed's steps only the rows a sparse gradient touches); the state's ``step`` is a tensor.
