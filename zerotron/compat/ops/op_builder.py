@@ -42,26 +42,36 @@ class OpBuilder:
 
 
 class CPUAdamBuilder(OpBuilder):
+    """DeepSpeed's CPU Adam op: ``DeepSpeedCPUAdam``."""
+
     NAME = "cpu_adam"
     USE = "deepspeed.ops.adam.DeepSpeedCPUAdam"
 
 
 class FusedAdamBuilder(OpBuilder):
+    """DeepSpeed's fused (CUDA) Adam op: ``FusedAdam``."""
+
     NAME = "fused_adam"
     USE = "deepspeed.ops.adam.FusedAdam"
 
 
 class CPUAdagradBuilder(OpBuilder):
+    """DeepSpeed's CPU Adagrad op: ``DeepSpeedCPUAdagrad``."""
+
     NAME = "cpu_adagrad"
     USE = "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad"
 
 
 class CPULionBuilder(OpBuilder):
+    """DeepSpeed's CPU Lion op: ``DeepSpeedCPULion``."""
+
     NAME = "cpu_lion"
     USE = "deepspeed.ops.lion.DeepSpeedCPULion"
 
 
 class FusedLionBuilder(OpBuilder):
+    """DeepSpeed's fused (CUDA) Lion op: ``FusedLion``."""
+
     NAME = "fused_lion"
     USE = "deepspeed.ops.lion.FusedLion"
 
