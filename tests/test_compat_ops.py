@@ -341,3 +341,26 @@ def test_client_optimizer_with_nvme_offload_in_small_sub_groups_equals_no_zero(c
         "offload_param": {"device": "cpu"},
     }
     assert _train(cls, zero) == _train(cls, {"stage": 0})
+
+
+def test_lion_in_cache_sized_batches_equals_one_pass(monkeypatch):
+    import zerotron.optim.lion as lion
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(lion.BLOCK * 2 + 5,), (3, 7), (lion.BLOCK - 1,), (5,)]
+    start = [torch.randn(s, generator=g) for s in shapes] + [torch.randn(6, 4, generator=g).t()]
+    grads = [[torch.randn(t.shape, generator=g) for t in start] for _ in range(3)]
+
+    def run() -> list[torch.Tensor]:
+        ps = [t.clone().requires_grad_() for t in start[:-1]]
+        ps.append(start[-1].clone().t().contiguous().t().requires_grad_())  # a strided one
+        opt = DeepSpeedCPULion(ps, lr=LR, weight_decay=WD)
+        for gs in grads:
+            for p, gr in zip(ps, gs):
+                p.grad = gr.clone()
+            opt.step()
+        return [p.detach() for p in ps]
+
+    blocked = run()
+    monkeypatch.setattr(lion, "BLOCK", 1 << 40)
+    assert all(torch.equal(a, b) for a, b in zip(blocked, run()))

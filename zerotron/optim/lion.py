@@ -7,7 +7,8 @@ DeepSpeed's CPU and CUDA Lion, per element (``lr``, ``wd``, ``b1``, ``b2`` the g
     m = b2 * m + (1 - b2) * g
 
 torch has no Lion, so this is written with torch's foreach ops (one kernel per operation over
-all of a group's tensors). One difference from DeepSpeed's kernels, where ``c`` is exactly 0:
+a list of tensors), run over batches of about :data:`BLOCK` elements so that the five passes
+find their operands in cache. One difference from DeepSpeed's kernels, where ``c`` is exactly 0:
 ``sign(0) = 0`` here (the paper's ``sign``), so an element with zero gradient and zero momentum
 does not move; DeepSpeed's kernels step it by ``lr`` (CPU: ``-copysign(lr, c)``; CUDA: ``+lr``).
 ZeRO's zero padding relies on such elements staying zero.
@@ -15,7 +16,7 @@ ZeRO's zero padding relies on such elements staying zero.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -87,6 +88,12 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
+BLOCK = 1 << 17
+"""Elements per batch of :func:`lion_step`: its five passes run over one batch while it is in
+cache, then the next (on the 2-core Zen 3 VM, 124M parameters, 1 thread: 206 ms per step
+against 382 ms unblocked; 2**16 and 2**18 are within 25% of it)."""
+
+
 def lion_step(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -97,11 +104,34 @@ def lion_step(
     weight_decay: float,
 ) -> None:
     """Lion's update of ``params`` and ``exp_avgs`` in place (the module docstring's math)."""
-    c = torch._foreach_mul(exp_avgs, beta1)
-    torch._foreach_add_(c, grads, alpha=1 - beta1)
-    torch._foreach_sign_(c)
-    if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_add_(params, c, alpha=-lr)
-    torch._foreach_mul_(exp_avgs, beta2)
-    torch._foreach_add_(exp_avgs, grads, alpha=1 - beta2)
+    for ps, gs, ms in _batches((params, grads, exp_avgs), BLOCK):
+        c = torch._foreach_lerp(ms, gs, 1 - beta1)  # b1 * m + (1 - b1) * g
+        torch._foreach_sign_(c)
+        if weight_decay != 0:
+            torch._foreach_mul_(ps, 1 - lr * weight_decay)
+        torch._foreach_add_(ps, c, alpha=-lr)
+        torch._foreach_lerp_(ms, gs, 1 - beta2)
+
+
+def _batches(
+    lists: tuple[list[torch.Tensor], ...], block: int
+) -> Iterator[tuple[list[torch.Tensor], ...]]:
+    """The tensors of ``lists`` (same shapes position by position) as batches of about
+    ``block`` elements: small tensors together, large ones cut into flat slices (views)."""
+    batch: list[tuple[torch.Tensor, ...]] = []
+    size = 0
+    for ts in zip(*lists):
+        n = ts[0].numel()
+        if all(t.is_contiguous() for t in ts):
+            flat = [t.view(-1) for t in ts]
+            pieces = [tuple(f[a : a + block] for f in flat) for a in range(0, n, block)]
+        else:  # rare (a strided view): the whole tensor as one piece
+            pieces = [ts]
+        for piece in pieces:
+            batch.append(piece)
+            size += piece[0].numel()
+            if size >= block:
+                yield tuple(list(x) for x in zip(*batch))
+                batch, size = [], 0
+    if batch:
+        yield tuple(list(x) for x in zip(*batch))
