@@ -90,8 +90,7 @@ class Lion(torch.optim.Optimizer):
 
 BLOCK = 1 << 17
 """Elements per batch of :func:`lion_step`: its five passes run over one batch while it is in
-cache, then the next (on the 2-core Zen 3 VM, 124M parameters, 1 thread: 206 ms per step
-against 382 ms unblocked; 2**16 and 2**18 are within 25% of it)."""
+cache, then the next (measurements: bench/README.md, ``optimizers.py``)."""
 
 
 def lion_step(
