@@ -12,6 +12,8 @@ runs a DeepSpeed script:
 - :mod:`~zerotron.compat.comm`: ``deepspeed.comm`` (torch.distributed's functions with
   DeepSpeed's signatures and ``ReduceOp``, through :mod:`zerotron.distributed.comm` and its
   ledger; ``init_distributed``);
+- :mod:`~zerotron.compat.ops`: ``deepspeed.ops`` (``DeepSpeedCPUAdam``, ``FusedAdam``,
+  ``DeepSpeedCPUAdagrad``, ``DeepSpeedCPULion``, ``FusedLion`` over :mod:`zerotron.optim`);
 - :mod:`~zerotron.compat.pipe`: ``deepspeed.pipe`` (``PipelineModule``, ``LayerSpec``,
   ``TiedLayerSpec`` on :mod:`zerotron.pipeline`);
 - :mod:`~zerotron.compat.runtime`: ``deepspeed.runtime`` (``set_random_seed``,
