@@ -347,6 +347,21 @@ def test_loss_backward_through_a_returned_output_and_loss_scales_once():
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
+def test_outputs_can_be_modified_in_place_before_loss_backward():
+    """Hugging Face's Trainer multiplies the returned loss in place before backward."""
+    a, b = engine_for(config(), LossAndOutput()), engine_for(config(), LossAndOutput())
+    for x, y in batches(GAS):
+        la = a(x, y)[1]
+        a.backward(la * 3)
+        a.step()
+        lb = b(x, y)[1]
+        lb *= 3
+        lb.backward()
+        b.step()
+    pa, pb = params_of(a), params_of(b)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
 def test_scale_then_backward_trains_exactly_as_engine_backward():
     cfg = config(fp16={"enabled": True, "initial_scale_power": 8})
     pa, pb = params_of(train(cfg, "engine")), params_of(train(cfg, "scale"))

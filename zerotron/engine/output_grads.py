@@ -20,10 +20,12 @@ whose backward
    the parameters' gradients (and the fp16 overflow check) are the same.
 
 A tensor computed inside the model (the logits a returned loss was made from) is never scaled
-twice: the returned tensors are new autograd nodes, and each path from the user's loss into the
-model goes through exactly one of them. While ``engine.backward(loss)`` runs (it scales the
-loss itself), and after ``engine.scale(loss)`` (DeepSpeed's explicit loss scaling, which leaves
-only the accumulation division to the Engine), the identity scales by what remains.
+twice: the returned tensors are new autograd nodes (copies, so that they can be modified in
+place: one copy of each returned tensor per forward with gradients), and each path from the
+user's loss into the model goes through exactly one of them. While ``engine.backward(loss)``
+runs (it scales the loss itself), and after ``engine.scale(loss)`` (DeepSpeed's explicit loss
+scaling, which leaves only the accumulation division to the Engine), the identity scales by
+what remains.
 
 Gradients of a module called directly (``engine.module(x)``), bypassing the Engine, get none of
 this: call the Engine.
@@ -53,7 +55,9 @@ class _EngineOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, engine: MicroBatchEnds, x: Tensor) -> Tensor:  # type: ignore[override]
         ctx.engine = engine
-        return x.view_as(x)
+        # A copy, not a view: callers modify returned tensors in place (Hugging Face's Trainer
+        # does ``loss *= num_processes``), which autograd forbids on a custom Function's views.
+        return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:  # type: ignore[override]
