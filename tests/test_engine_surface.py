@@ -531,6 +531,14 @@ def test_engine_tput_timer_counts_micro_and_global_steps():
     assert t.batch_size == engine.train_batch_size()
 
 
+def test_counters_count_micro_batches_steps_and_samples():
+    engine = engine_for(config())
+    for x, y in batches(2 * GAS + 1):
+        micro_batch(engine, x, y)
+    assert (engine.micro_steps, engine.global_steps) == (2 * GAS + 1, 2)
+    assert engine.global_samples == 2 * engine.train_batch_size()
+
+
 def test_destroy_closes_the_monitors_and_the_engine_still_trains():
     engine = engine_for(config())
     engine.destroy()

@@ -16,7 +16,7 @@ from torch import nn
 
 import zerotron
 import zerotron.checkpointing as ck
-from zerotron.distributed.state import initialize_model_parallel
+from zerotron.distributed.state import destroy_model_parallel, initialize_model_parallel
 from zerotron.errors import ConfigError, DataError, UnsupportedError
 from zerotron.pipe import (
     LayerSpec,
@@ -360,7 +360,8 @@ def test_modules_callables_and_tied_layers_on_one_stage():
 
 
 def test_errors():
-    with pytest.raises(ConfigError, match="2 stages but the pipeline-parallel size is 1"):
+    # No layout yet: num_stages lays one out, which 1 process cannot hold.
+    with pytest.raises(ConfigError, match="2 pipeline stages .* do not divide the 1 ranks"):
         PipelineModule(mlp_specs(), num_stages=2)
     with pytest.raises(ConfigError, match="nn.Module subclass"):
         LayerSpec(nn.Linear(2, 2))
@@ -368,6 +369,15 @@ def test_errors():
         PipelineModule([LayerSpec(nn.Linear, 2, 2), 3])
     with pytest.raises(ConfigError, match="activation_checkpoint_interval"):
         PipelineModule(mlp_specs(), activation_checkpoint_interval=-1)
+
+
+def test_num_stages_other_than_the_existing_layout_is_refused():
+    initialize_model_parallel(pipeline_model_parallel_size=1)
+    try:
+        with pytest.raises(ConfigError, match="2 stages but the pipeline-parallel size is 1"):
+            PipelineModule(mlp_specs(), num_stages=2)
+    finally:
+        destroy_model_parallel()
 
 
 def test_sendable_keeps_outputs_their_backward_needs():
