@@ -421,6 +421,15 @@ def test_load_checkpoint_returns_path_and_client_state(tmp_path):
     assert path == str(tmp_path / "t1") and client == {"epoch": 3}
 
 
+def test_load_checkpoint_without_a_latest_file_returns_none_none(tmp_path):
+    engine = engine_for(config())
+    before = params_of(engine)
+    with pytest.warns(UserWarning, match="no checkpoint to load"):
+        assert engine.load_checkpoint(tmp_path / "empty") == (None, None)
+    after = params_of(engine)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def frozen_engine(cfg: dict | None = None):
     model = Net()
     model.fc1.requires_grad_(False)

@@ -27,6 +27,7 @@ from zerotron.checkpoint import (
     get_rng_state,
     load_file,
     model_file,
+    read_latest_tag,
     read_metadata,
     resolve_tag,
     save_checkpoint,
@@ -250,7 +251,7 @@ def load_engine_checkpoint(
     load_rng: bool,
     strict: bool = True,
     custom_load_fn: Callable[..., None] | None = None,
-) -> tuple[str, dict[str, Any]]:
+) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint into ``engine``; returns ``(path, client_state)``.
 
     ``load_module_only`` (Megatron's ``--finetune``) loads weights and nothing else: step
@@ -260,8 +261,17 @@ def load_engine_checkpoint(
     ``engine.repartition_zero_checkpoints`` is off (then it is refused, naming
     ``zerotron zero-to-fp32``). Not ``strict``: weights the checkpoint lacks keep the module's
     values, and those the module lacks are dropped. ``custom_load_fn(src=weights, dst=module)``
-    loads the weights in the fitter's place (DeepSpeed's).
+    loads the weights in the fitter's place (DeepSpeed's). ``tag`` None and no tracker file in
+    ``load_dir``: nothing is loaded and ``(None, None)`` returned, with a warning, as DeepSpeed
+    does (scripts test it to start fresh).
     """
+    if tag is None and read_latest_tag(load_dir) is None:
+        warnings.warn(
+            f"no checkpoint to load in {load_dir}: found no 'latest' file; starting from the "
+            "model as it is (pass a tag to load one explicitly)",
+            stacklevel=3,
+        )
+        return None, None
     tag = resolve_tag(load_dir, tag)
     where = str(Path(load_dir) / tag)
     ps = state()

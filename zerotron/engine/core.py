@@ -480,9 +480,9 @@ class Engine(DeepSpeedSurface, nn.Module):
         custom_load_fn: Callable[..., None] | None = None,
         *,
         load_rng: bool = True,
-    ) -> tuple[str, dict[str, Any]]:
+    ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint (``tag`` None: the one ``latest`` names); returns ``(path,
-        client_state)`` as DeepSpeed does (see
+        client_state)`` as DeepSpeed does (``(None, None)`` when there is no ``latest``) (see
         :func:`~zerotron.engine.checkpoint_io.load_engine_checkpoint`). ``load_module_strict``
         False keeps the module's own values of weights the checkpoint lacks (saved with
         ``exclude_frozen_parameters``); ``custom_load_fn(src=weights, dst=module)`` loads the
