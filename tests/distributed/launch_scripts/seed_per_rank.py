@@ -44,4 +44,8 @@ for _ in range(3 * GAS):
         engine.backward(loss)
     engine.step()
 final = engine.module_state_dict()
-torch.save({"initial": initial, "final": final}, os.path.join(args.out, f"rank{rank}.pt"))
+ranks = [engine.local_rank, engine.global_rank, engine.world_size, engine.dp_world_size]
+torch.save(
+    {"initial": initial, "final": final, "ranks": ranks + [engine.mp_world_size]},
+    os.path.join(args.out, f"rank{rank}.pt"),
+)
