@@ -160,6 +160,10 @@ def test_fp16_and_bfloat16_enabled_say_the_training_dtype(extra, fp16, bf16):
     assert (engine.fp16_enabled(), engine.bfloat16_enabled()) == (fp16, bf16)
 
 
+def test_steps_per_print_is_the_configs():
+    assert engine_for(config(steps_per_print=7)).steps_per_print() == 7
+
+
 def test_gradient_clipping_is_the_configs():
     assert engine_for(config(gradient_clipping=0.5)).gradient_clipping() == 0.5
     assert engine_for(config()).gradient_clipping() == 0.0

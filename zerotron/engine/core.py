@@ -175,7 +175,7 @@ class Engine(DeepSpeedSurface, nn.Module):
         self.checkpoint_metadata = dict(checkpoint_metadata or {})
         self.state_fitter: Fitter = state_fitter if state_fitter is not None else StateFitter()
         self._wall_clock_breakdown = wall_clock_breakdown
-        self.steps_per_print = steps_per_print
+        self._steps_per_print = steps_per_print
         if timers is None:
             timers = Timers() if wall_clock_breakdown else NullTimers()
         self.timers = timers
@@ -314,7 +314,8 @@ class Engine(DeepSpeedSurface, nn.Module):
             if self.monitor.enabled:
                 self._write_monitor_events()
         self.tput_timer.stop(global_step=True)
-        if timing and self.steps_per_print and self.global_steps % self.steps_per_print == 0:
+        every = self._steps_per_print
+        if timing and every and self.global_steps % every == 0:
             self._print_wall_clock()
         return result
 

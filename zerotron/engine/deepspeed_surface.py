@@ -62,7 +62,7 @@ class DeepSpeedSurface:
     lr_scheduler: Any
     device: torch.device
     data_parallel_size: int
-    steps_per_print: int | None
+    _steps_per_print: int | None
     micro_steps: int
     global_steps: int
     last_step: StepResult | None
@@ -120,7 +120,7 @@ class DeepSpeedSurface:
         self.training_dataloader: Any = None
         self._pipe_elapsed = 0.0
         self.tput_timer = ThroughputTimer(
-            self.train_batch_size(), steps_per_output=self.steps_per_print
+            self.train_batch_size(), steps_per_output=self._steps_per_print
         )
 
     # ---- sizes and ranks ------------------------------------------------------------------------
@@ -205,6 +205,10 @@ class DeepSpeedSurface:
 
     def wall_clock_breakdown(self) -> bool:
         return self._wall_clock_breakdown
+
+    def steps_per_print(self) -> int | None:
+        """How often progress is printed (DeepSpeed's ``steps_per_print``; None: never)."""
+        return self._steps_per_print
 
     # ---- step results -------------------------------------------------------------------------
 
@@ -319,7 +323,7 @@ class DeepSpeedSurface:
         """``steps: N loss: X iter time (s): T samples/sec: S`` on rank 0 every
         ``steps_per_print`` steps (DeepSpeed's PipelineEngine), T averaged since the last."""
         self._pipe_elapsed += time.perf_counter() - started
-        every = self.steps_per_print
+        every = self._steps_per_print
         if not every or self.global_steps % every:
             return
         iter_time = self._pipe_elapsed / every
