@@ -59,7 +59,7 @@ from torch import nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
-from zerotron.distributed.init import get_world_size, new_group
+from zerotron.distributed.init import get_world_size, init_distributed, new_group
 from zerotron.distributed.state import (
     initialize_model_parallel,
     is_model_parallel_initialized,
@@ -371,6 +371,7 @@ def _state_for(num_stages: int | None, topology: ProcessTopology | None) -> Any:
     exists yet (a collective then: every rank builds the module)."""
     if is_model_parallel_initialized() or (num_stages is None and topology is None):
         return state()
+    init_distributed()  # the launcher's process group, if the script did not make it yet
     world = get_world_size()
     tp = topology.tp if topology is not None else 1
     pp = topology.pp if topology is not None else int(num_stages or 1)
