@@ -543,10 +543,6 @@ def test_zero_stage_3_with_pipeline_is_unsupported():
             "offload_optimizer.device 'nvme' needs nvme_path",
         ),
         (
-            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-            "offload_param.device 'cpu' needs ZeRO stage 3",
-        ),
-        (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
             "needs ZeRO stage 1, 2 or 3",
         ),
@@ -556,6 +552,15 @@ def test_wrong_values_name_their_key_path(ds, message):
     with pytest.raises(ConfigError) as e:
         load({"train_batch_size": 2, **ds})
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_param_below_stage_3_is_ignored_with_a_warning(stage):
+    # DeepSpeed reads offload_param at stage 3 only.
+    zero = {"stage": stage, "offload_param": {"device": "cpu"}}
+    cfg, _ = load({"train_batch_size": 2, "zero_optimization": zero})
+    assert not cfg.zero.offload_param
+    assert any("offload_param.device 'cpu' is ignored at ZeRO stage" in w for w in cfg.warnings)
 
 
 def test_error_names_file_and_line(tmp_path):

@@ -16,7 +16,7 @@ from torch import nn
 
 import zerotron
 import zerotron.checkpointing as ck
-from zerotron.distributed.state import initialize_model_parallel
+from zerotron.distributed.state import destroy_model_parallel, initialize_model_parallel
 from zerotron.errors import ConfigError, DataError, UnsupportedError
 from zerotron.pipe import (
     LayerSpec,
@@ -360,7 +360,8 @@ def test_modules_callables_and_tied_layers_on_one_stage():
 
 
 def test_errors():
-    with pytest.raises(ConfigError, match="2 stages but the pipeline-parallel size is 1"):
+    # No layout yet: num_stages lays one out, which 1 process cannot hold.
+    with pytest.raises(ConfigError, match="2 pipeline stages .* do not divide the 1 ranks"):
         PipelineModule(mlp_specs(), num_stages=2)
     with pytest.raises(ConfigError, match="nn.Module subclass"):
         LayerSpec(nn.Linear(2, 2))
@@ -368,6 +369,15 @@ def test_errors():
         PipelineModule([LayerSpec(nn.Linear, 2, 2), 3])
     with pytest.raises(ConfigError, match="activation_checkpoint_interval"):
         PipelineModule(mlp_specs(), activation_checkpoint_interval=-1)
+
+
+def test_num_stages_other_than_the_existing_layout_is_refused():
+    initialize_model_parallel(pipeline_model_parallel_size=1)
+    try:
+        with pytest.raises(ConfigError, match="2 stages but the pipeline-parallel size is 1"):
+            PipelineModule(mlp_specs(), num_stages=2)
+    finally:
+        destroy_model_parallel()
 
 
 def test_sendable_keeps_outputs_their_backward_needs():
@@ -391,3 +401,91 @@ def test_single_stage_runtime_rejects_bad_batches():
         runtime.train_step(iter([{"tokens": torch.zeros(1)}]))
     loss = runtime.train_step(iter([(torch.ones(2, H), torch.zeros(2, H))]))
     assert torch.equal(loss, F.mse_loss(module(torch.ones(2, H)), torch.zeros(2, H)).detach())
+
+
+# ---- DeepSpeed's behaviours: own topology, initialize's training data, progress lines ---------
+
+AUTO_ORDER = [0, 1, 0]  # two steps of data, a third step starts it over
+
+
+def _auto_topology_rank(rank):
+    import contextlib
+    import io
+
+    from torch.utils.data import TensorDataset
+
+    from zerotron.distributed.state import is_model_parallel_initialized, state
+
+    assert not is_model_parallel_initialized()
+    module = PipelineModule(
+        mlp_specs(), num_stages=2, loss_fn=F.mse_loss, seed_layers=True,
+        base_seed=BASE_SEED, partition_method="uniform",
+    )  # fmt: skip
+    st = state()
+    pairs = [mb for step in range(2) for mb in microbatches(step, M)]
+    data = TensorDataset(torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs]))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        engine, *_ = zerotron.initialize(
+            model=module,
+            optimizer=make_optimizer("adamw", module.parameters()),
+            training_data=data,
+            config={
+                "train_micro_batch_size_per_gpu": B,
+                "gradient_accumulation_steps": M,
+                "steps_per_print": 1,
+            },
+        )
+        losses = [engine.train_batch().item() for _ in AUTO_ORDER]
+    return {
+        "sizes": (st.pp_size, st.dp_size, st.pp_rank),
+        "losses": losses,
+        "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
+        "printed": printed.getvalue(),
+    }
+
+
+@pytest.fixture(scope="module")
+def auto_topology():
+    results = run_ranks(_auto_topology_rank, 2, timeout=90)
+    model = reference_model(mlp_specs())
+    opt = make_optimizer("adamw", model.parameters())
+    losses = []
+    for step in AUTO_ORDER:
+        opt.zero_grad()
+        loss = torch.stack([F.mse_loss(model(x), y) for x, y in microbatches(step, M)]).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return results, losses, dict(model.named_parameters())
+
+
+AUTO = pytest.mark.xdist_group("pipe_auto_topology")
+
+
+@AUTO
+def test_pipeline_module_num_stages_builds_deepspeeds_pipe_data_topology(auto_topology):
+    results, _, _ = auto_topology
+    assert [r["sizes"] for r in results] == [(2, 1, 0), (2, 1, 1)]
+
+
+@AUTO
+def test_train_batch_without_data_iter_repeats_initializes_training_data(auto_topology):
+    results, ref_losses, ref_weights = auto_topology
+    for rank, r in enumerate(results):
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-6), rank
+        for name, w in r["weights"].items():
+            ref = ref_weights[name]
+            assert ((w - ref).norm() / ref.norm()).item() <= 1e-6, (rank, name)
+
+
+@AUTO
+def test_pipeline_engine_prints_deepspeeds_progress_line_on_rank_0(auto_topology):
+    import re
+
+    results, _, _ = auto_topology
+    pattern = r"steps: (\d+) loss: (\d+\.\d{4}) iter time \(s\): \d+\.\d{3} samples/sec: \d+\.\d{3}"
+    lines = re.findall(pattern, results[0]["printed"])
+    expected = [(str(i + 1), f"{loss:0.4f}") for i, loss in enumerate(results[0]["losses"])]
+    assert lines == expected, results[0]["printed"]
+    assert "steps: " not in results[1]["printed"]

@@ -117,6 +117,7 @@ def initialize(
         default_device,
     )
     from zerotron.engine.monitors import MonitorMaster
+    from zerotron.parallel.data_parallel import broadcast_parameters
 
     if model is None:
         raise ConfigError(
@@ -142,6 +143,9 @@ def initialize(
 
     device = default_device()
     model.to(device=device, dtype=DTYPES[cfg.precision.params_dtype])
+    # Every data-parallel replica (of each tensor/pipeline slice) starts from its rank 0's
+    # weights, as in DeepSpeed, whatever seed each rank's script used.
+    broadcast_parameters(model.parameters(), ps.dp)
     if cfg.precision.fp16 and cfg.precision.fp16_auto_cast:
         model.register_forward_pre_hook(_cast_inputs_half, with_kwargs=True)
     _configure_checkpointing(mpu, resolved)
@@ -175,7 +179,33 @@ def initialize(
     loader = None
     if training_data is not None:
         loader = build_data_loader(training_data, t.micro_batch_size, ps, collate_fn, t.seed)
+        engine.training_dataloader = loader
+    if training_data is not None and pipeline is not None:
+        # engine.train_batch() without data_iter: DeepSpeed's pipeline engine draws from the
+        # training data in order (no shuffling), starting over at its end.
+        ordered = build_data_loader(
+            training_data, t.micro_batch_size, ps, collate_fn, t.seed, shuffle=False
+        )
+        engine.set_dataloader(_Repeating(ordered))
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+class _Repeating:
+    """``loader``'s batches, starting over at its end (DeepSpeed's ``RepeatingLoader``)."""
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+        self._it = iter(loader)
+
+    def __iter__(self) -> _Repeating:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = iter(self.loader)
+            return next(self._it)
 
 
 def _scheduler(cfg: Any, wrapped: Any, lr_scheduler: Any) -> Any:
@@ -193,14 +223,19 @@ def _scheduler(cfg: Any, wrapped: Any, lr_scheduler: Any) -> Any:
 
 
 def build_data_loader(
-    dataset: Any, micro_batch_size: int, ps: Any, collate_fn: Callable | None, seed: int
+    dataset: Any,
+    micro_batch_size: int,
+    ps: Any,
+    collate_fn: Callable | None,
+    seed: int,
+    shuffle: bool = True,
 ) -> torch.utils.data.DataLoader:
     """Micro-batches of ``dataset`` for this data-parallel rank (DeepSpeed's
-    ``deepspeed_io``): a shuffling DistributedSampler over the data-parallel ranks."""
+    ``deepspeed_io``): a DistributedSampler over the data-parallel ranks."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     sampler = DistributedSampler(
-        dataset, num_replicas=ps.dp_size, rank=ps.dp_rank, shuffle=True, seed=seed
+        dataset, num_replicas=ps.dp_size, rank=ps.dp_rank, shuffle=shuffle, seed=seed
     )
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn)
 

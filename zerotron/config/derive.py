@@ -512,12 +512,15 @@ def _resolve_zero(cfg: Config) -> None:
             fix="set zero_optimization.stage >= 1, or offload_optimizer.device none",
         )
     if z.offload_param and stage != 3:
-        raise ConfigError(
-            f"offload_param.device {z.offload_param_device!r} needs ZeRO stage 3 (only stage "
-            f"3 partitions parameters); stage is {stage}",
-            where="zero.offload_param_device",
-            fix="set zero_optimization.stage 3, or offload_param.device none",
+        # DeepSpeed reads offload_param only at stage 3 and ignores it below; so does zerotron,
+        # saying so (a config tuned for stage 3 and run at stage 2 is a common sight).
+        _warn(
+            cfg,
+            f"zero.offload_param_device: offload_param.device {z.offload_param_device!r} is "
+            f"ignored at ZeRO stage {stage} (only stage 3 partitions parameters, so only it "
+            "offloads them)",
         )
+        _fill(z, offload_param_device="none", offload_param_nvme_path=None)
     for kind in ("optimizer", "param"):
         device = getattr(z, f"offload_{kind}_device")
         if device == "nvme" and not getattr(z, f"offload_{kind}_nvme_path"):

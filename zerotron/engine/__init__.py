@@ -1,6 +1,10 @@
 """The Engine and the one place it is assembled.
 
 - :mod:`~zerotron.engine.core`: :class:`Engine`, the object a training loop talks to;
+- :mod:`~zerotron.engine.deepspeed_surface`: the rest of DeepSpeed's engine surface (a mixin of
+  the Engine: nn.Module fall-through, ranks, config questions, step results, 16-bit saving);
+- :mod:`~zerotron.engine.output_grads`: ``loss.backward()`` on the Engine's outputs done as
+  ``engine.backward(loss)`` does it;
 - :mod:`~zerotron.engine.protocols`: the parts it composes (optimizer, data parallel, pipeline,
   checkpoint fitter), as the protocols it calls them by;
 - :mod:`~zerotron.engine.optimizers`: the optimizer parts (mixed precision, ZeRO 1-2, ZeRO 3);

@@ -27,6 +27,7 @@ from zerotron.checkpoint import (
     get_rng_state,
     load_file,
     model_file,
+    read_latest_tag,
     read_metadata,
     resolve_tag,
     save_checkpoint,
@@ -83,12 +84,15 @@ def save_engine_checkpoint(
     save_latest: bool,
     save_optimizer: bool,
     save_rng: bool,
+    exclude_frozen_parameters: bool = False,
 ) -> Path:
     """Write ``<save_dir>/<tag>/`` (see the module docstring); see ``Engine.save_checkpoint``."""
     ps = state()
     validate_tag(tag, ps, engine.checkpoint_tag_validation, engine.device)
     part = engine.optimizer_part
     module_state = part.module_state_dict(engine.module, rank0_only=True)  # may be collective
+    if module_state is not None and exclude_frozen_parameters:
+        module_state = without_frozen(engine.module, module_state)
     saved: dict[str, Any] = dict(client_state or {})
     saved.update(
         model=module_state,
@@ -137,11 +141,19 @@ def _any_rank(ps: ParallelState, device: torch.device) -> Callable[[bool], bool]
     return any_rank
 
 
-def save_16bit_model(engine: Engine, save_dir: str | Path, save_filename: str) -> Path:
+def without_frozen(module: nn.Module, weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` without the parameters of ``module`` that do not require grad."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in weights.items() if k not in frozen}
+
+
+def save_16bit_model(
+    engine: Engine, save_dir: str | Path, save_filename: str, exclude_frozen: bool = False
+) -> Path:
     """Write the module's (gathered) state dict to ``save_dir/save_filename`` on rank 0 of
     each model-parallel rank's data-parallel group (DeepSpeed's API; a collective)."""
     ps = state()
-    module_state = engine.module_state_dict(rank0_only=True)
+    module_state = engine.module_state_dict(True, exclude_frozen)
     path = Path(save_dir) / save_filename
     if ps.dp_rank == 0 and ps.mp.size > 1:
         path = path.with_name(f"{path.stem}_{_model_file(ps).split('/')[0]}{path.suffix}")
@@ -240,7 +252,9 @@ def load_engine_checkpoint(
     load_lr_scheduler_states: bool,
     load_module_only: bool,
     load_rng: bool,
-) -> tuple[str, dict[str, Any]]:
+    strict: bool = True,
+    custom_load_fn: Callable[..., None] | None = None,
+) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint into ``engine``; returns ``(path, client_state)``.
 
     ``load_module_only`` (Megatron's ``--finetune``) loads weights and nothing else: step
@@ -248,8 +262,19 @@ def load_engine_checkpoint(
     with another data-parallel size is re-partitioned from all of them (masters and elementwise
     optimizer state, see :mod:`zerotron.checkpoint.zero_repartition`) unless
     ``engine.repartition_zero_checkpoints`` is off (then it is refused, naming
-    ``zerotron zero-to-fp32``).
+    ``zerotron zero-to-fp32``). Not ``strict``: weights the checkpoint lacks keep the module's
+    values, and those the module lacks are dropped. ``custom_load_fn(src=weights, dst=module)``
+    loads the weights in the fitter's place (DeepSpeed's). ``tag`` None and no tracker file in
+    ``load_dir``: nothing is loaded and ``(None, None)`` returned, with a warning, as DeepSpeed
+    does (scripts test it to start fresh).
     """
+    if tag is None and read_latest_tag(load_dir) is None:
+        warnings.warn(
+            f"no checkpoint to load in {load_dir}: found no 'latest' file; starting from the "
+            "model as it is (pass a tag to load one explicitly)",
+            stacklevel=3,
+        )
+        return None, None
     tag = resolve_tag(load_dir, tag)
     where = str(Path(load_dir) / tag)
     ps = state()
@@ -267,14 +292,17 @@ def load_engine_checkpoint(
         )
         refuse_non_finite(opt_state, where, "optimizer")
     model_config = engine.checkpoint_metadata.get("model")
-    refitted = part.load_module_state(
-        engine.module,
-        saved["model"],
-        lambda: fitter.load_model_state(
-            engine.module, saved["model"], meta=meta, model_config=model_config, where=where
-        ),
-        where,
-    )
+    weights = saved["model"] if strict else _loosely(engine, saved["model"])
+
+    def fit() -> list[str]:
+        if custom_load_fn is not None:
+            custom_load_fn(src=weights, dst=engine.module)
+            return []
+        return fitter.load_model_state(
+            engine.module, weights, meta=meta, model_config=model_config, where=where
+        )
+
+    refitted = part.load_module_state(engine.module, weights, fit, where)
     if load_module_only:
         reload_masters(engine)
         return where, {}
@@ -299,6 +327,16 @@ def load_engine_checkpoint(
     engine.global_steps = int(saved.get("global_steps", 0))
     engine.global_samples = int(saved.get("global_samples", 0))
     return where, {k: v for k, v in saved.items() if k not in OWN_ENTRIES}
+
+
+def _loosely(engine: Engine, weights: Mapping[str, Any]) -> dict[str, Any]:
+    """``weights`` for exactly the module's keys: missing ones from the module itself."""
+    current = engine.module_state_dict()
+    assert current is not None
+    loose = {k: v for k, v in weights.items() if k in current}
+    for k, v in current.items():
+        loose.setdefault(k, v)
+    return loose
 
 
 def reload_masters(engine: Engine) -> None:

@@ -17,6 +17,12 @@ holds; the loop never touches loss scales, master weights or gradients:
 - checkpoint I/O (:mod:`~zerotron.engine.checkpoint_io`, loads fitted to the model by a
   :class:`~zerotron.checkpoint.fit.StateFitter`), timers and monitors.
 
+Like DeepSpeed's engine it is an ``nn.Module`` with the model as its child ``module``; what
+DeepSpeed's engine answers beyond training (ranks, config questions, step results, attribute
+fall-through to the model, 16-bit saving) is the :class:`~zerotron.engine.deepspeed_surface.
+DeepSpeedSurface` mixin, and ``loss.backward()`` on its outputs works as ``backward(loss)``
+(:mod:`~zerotron.engine.output_grads`).
+
 Engines are assembled in one place, :mod:`zerotron.engine.builder`.
 """
 
@@ -32,13 +38,14 @@ import torch
 from torch import Tensor, nn
 
 from zerotron.checkpoint.fit import StateFitter
-from zerotron.checkpoint.layout import GATHERED_16BIT_FILE
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_world_size
 from zerotron.distributed.state import state
 from zerotron.engine import checkpoint_io
+from zerotron.engine.deepspeed_surface import DeepSpeedSurface
 from zerotron.engine.monitors import MonitorMaster, training_events
 from zerotron.engine.optimizers import optimizer_part
+from zerotron.engine.output_grads import wrap_outputs
 from zerotron.engine.protocols import DataParallelPart, Fitter, PipelinePart
 from zerotron.engine.timers import WALL_CLOCK_TIMERS, NullTimer, NullTimers, Timers, wall_clock_line
 from zerotron.errors import UnsupportedError
@@ -68,8 +75,8 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-class Engine:
-    """Trains ``model`` with ``optimizer`` (a
+class Engine(DeepSpeedSurface, nn.Module):
+    """Trains ``model`` (registered as ``self.module``) with ``optimizer`` (a
     :class:`~zerotron.precision.mixed.MixedPrecisionOptimizer` or a
     :class:`~zerotron.zero.ZeroOptimizer`, wrapped in its part by
     :func:`~zerotron.engine.optimizers.optimizer_part`).
@@ -136,6 +143,7 @@ class Engine:
         monitor: MonitorMaster | None = None,
         checkpoint_tag_validation: str = "Warn",
     ):
+        nn.Module.__init__(self)
         checkpoint_io.check_tag_validation(checkpoint_tag_validation)
         if pipeline is not None and pipeline.num_microbatches != gradient_accumulation_steps:
             raise UnsupportedError(
@@ -152,7 +160,7 @@ class Engine:
         """The optimizer as the Engine calls it (:mod:`zerotron.engine.optimizers`)."""
         data_parallel = self.optimizer_part.data_parallel(data_parallel)
         self.optimizer_part.check_pipeline(pipeline)
-        self.module = model
+        self._set_module(model)
         self.pipeline = pipeline
         self.data_parallel = data_parallel
         self.optimizer = optimizer
@@ -167,7 +175,7 @@ class Engine:
         self.checkpoint_metadata = dict(checkpoint_metadata or {})
         self.state_fitter: Fitter = state_fitter if state_fitter is not None else StateFitter()
         self._wall_clock_breakdown = wall_clock_breakdown
-        self.steps_per_print = steps_per_print
+        self._steps_per_print = steps_per_print
         if timers is None:
             timers = Timers() if wall_clock_breakdown else NullTimers()
         self.timers = timers
@@ -187,58 +195,19 @@ class Engine:
         self.monitor = monitor if monitor is not None else MonitorMaster()
         self.checkpoint_tag_validation = checkpoint_tag_validation
         self._monitor_losses: list[Tensor] = []  # this step's micro-batch losses, when monitored
-
-    # ---- sizes (DeepSpeed's names) --------------------------------------------------------
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._gas
-
-    def train_batch_size(self) -> int:
-        return self._micro_batch_size * self._gas * self.data_parallel_size
-
-    def zero_optimization_stage(self) -> int:
-        """The ZeRO stage of the optimizer (0: none)."""
-        return self.optimizer_part.zero_stage
-
-    def wall_clock_breakdown(self) -> bool:
-        return self._wall_clock_breakdown
-
-    # ---- state ----------------------------------------------------------------------------
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.optimizer_part.num_skipped_steps
-
-    @property
-    def cur_scale(self) -> float:
-        return self.optimizer_part.loss_scale
-
-    loss_scale = cur_scale
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer_part.param_groups]
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_steps % self._gas == 0
-
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        return self.train(False)
+        self._init_deepspeed_surface()
 
     # ---- one micro-batch at a time (DeepSpeed's loop) ---------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward (``engine(batch)``); returned tensors carry the Engine's
+        backward rules, so ``loss.backward()`` equals ``engine.backward(loss)``
+        (:mod:`zerotron.engine.output_grads`)."""
         self._refuse_under_pipeline("engine(batch)")
+        self.tput_timer.start()
         with self._timed("forward", self._wall_clock_breakdown):
-            return self._forward(*args, **kwargs)
-
-    forward = __call__
+            out = self._forward(*args, **kwargs)
+        return wrap_outputs(self, out) if torch.is_grad_enabled() else out
 
     @contextmanager
     def _timed(self, name: str, on: bool = True) -> Iterator[None]:
@@ -258,8 +227,11 @@ class Engine:
                 fix="use engine.train_batch(data_iter) / engine.eval_batch(data_iter)",
             )
 
-    def backward(self, loss: Tensor) -> None:
-        """Backward of one micro-batch's loss: divided by the accumulation steps, then scaled.
+    def backward(
+        self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> Tensor:
+        """Backward of one micro-batch's loss: divided by the accumulation steps (unless
+        ``scale_wrt_gas`` is False), then scaled; returns the divided loss (DeepSpeed's).
 
         Gradients are reduced over the data-parallel ranks as in DeepSpeed: plain data
         parallelism and ZeRO stage 1 on the micro-batch that ends an accumulation only (its
@@ -268,24 +240,35 @@ class Engine:
         call returns once everything is reduced.
         """
         self._refuse_under_pipeline("engine.backward(loss)")
-        with self._timed("backward", self._wall_clock_breakdown):
-            self._backward(loss)
-
-    def _backward(self, loss: Tensor) -> None:
         if self.monitor.enabled:
             self._monitor_losses.append(loss.detach())
-        if self._gas > 1:
+        if self._gas > 1 and scale_wrt_gas:
             loss = loss / self._gas
-        dp = self.data_parallel
-        boundary = (self.micro_steps + 1) % self._gas == 0
-        if dp is not None:
-            dp.sync = boundary
-        self.optimizer_part.scale_loss(loss).backward()
+        with self._timed("backward", self._wall_clock_breakdown):
+            self._running_engine_backward = True  # the outputs' identities leave it alone
+            try:
+                self._begin_micro_batch()
+                self.optimizer_part.scale_loss(loss).backward(retain_graph=retain_graph)
+                self._end_micro_batch()
+            finally:
+                self._running_engine_backward = False
+        return loss
+
+    def _begin_micro_batch(self) -> None:
+        """Before a micro-batch's backward: tell data parallelism whether it ends the
+        accumulation (then its backward reduces)."""
+        self._micro_boundary = self._next_backward_is_boundary()
+        if self.data_parallel is not None:
+            self.data_parallel.sync = self._micro_boundary
+
+    def _end_micro_batch(self) -> None:
+        """After a micro-batch's backward: count it; at the boundary, wait for the reduction."""
         self.micro_steps += 1
-        if boundary:
+        self._backward_since_step = True
+        if self._micro_boundary:
             with self._timed("backward_allreduce", self._wall_clock_breakdown):
-                if dp is not None:
-                    dp.finish_grad_sync()
+                if self.data_parallel is not None:
+                    self.data_parallel.finish_grad_sync()
                 self._allreduce_sequence_parallel_grads()
 
     def _allreduce_sequence_parallel_grads(self) -> None:
@@ -307,21 +290,32 @@ class Engine:
             return loss
         return comm.all_reduce(loss.clone(), self.data_parallel.group, op="avg")
 
-    def step(self) -> StepResult | None:
-        """At an accumulation boundary: optimizer step (skipped on overflow), then scheduler."""
-        if not self.is_gradient_accumulation_boundary():
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> StepResult | None:
+        """At an accumulation boundary: optimizer step (skipped on overflow), then scheduler
+        (``lr_scheduler.step(**lr_kwargs)`` when given, DeepSpeed's); else nothing."""
+        self._step_applied = False
+        boundary = self.is_gradient_accumulation_boundary()
+        self._backward_since_step = False
+        if not boundary:
+            self.tput_timer.stop(global_step=False)
             return None
         timing = self._wall_clock_breakdown
         with self._timed("step", timing):
             result = self.optimizer_part.step()
+            self._step_applied = result.update_successful
             if result.update_successful and self.lr_scheduler is not None:
-                self.lr_scheduler.step(self.lr_increment)
+                if lr_kwargs:
+                    self.lr_scheduler.step(**lr_kwargs)
+                else:
+                    self.lr_scheduler.step(self.lr_increment)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.last_step = result
             if self.monitor.enabled:
                 self._write_monitor_events()
-        if timing and self.steps_per_print and self.global_steps % self.steps_per_print == 0:
+        self.tput_timer.stop(global_step=True)
+        every = self._steps_per_print
+        if timing and every and self.global_steps % every == 0:
             self._print_wall_clock()
         return result
 
@@ -335,10 +329,6 @@ class Engine:
         )
         self._monitor_losses = []
         self.monitor.write_events(events)
-
-    def destroy(self) -> None:
-        """Close the monitors (flushing their files); the engine can still train, unmonitored."""
-        self.monitor.close()
 
     def wall_clock_summary(self, reset: bool = True) -> dict[str, float]:
         """Milliseconds spent per DeepSpeed phase since the last reset (wall_clock_breakdown)."""
@@ -355,12 +345,14 @@ class Engine:
         with self._timed("batch-generator"):
             return _to_device(next(data_iter), self.device)
 
-    def train_batch(self, data_iter: Iterator) -> Tensor:
+    def train_batch(self, data_iter: Iterator | None = None) -> Tensor:
         """Forward and backward over one global batch's micro-batches, then step.
 
-        Returns the mean loss over the micro-batches and data-parallel ranks (a detached scalar,
-        the same on every rank).
+        ``data_iter`` None: the iterator of the last call, else over initialize's
+        ``training_data`` (DeepSpeed's). Returns the mean loss over the micro-batches and
+        data-parallel ranks (a detached scalar, the same on every rank).
         """
+        data_iter = self._data_iter(data_iter)
         if self.pipeline is not None:
             return self._train_batch_pipeline(data_iter)
         assert self.loss_fn is not None, "train_batch needs Engine(loss_fn=...)"
@@ -415,6 +407,8 @@ class Engine:
         on every micro-batch's backward) and are reduced once, after the last backward.
         """
         pipe, dp = self.pipeline, self.data_parallel
+        self.tput_timer.start()
+        started = self._pipe_batch_timer()
         with self._timed("forward-backward"):
             with dp.no_sync() if dp is not None else nullcontext():
                 loss = pipe.train_step(self._batches(data_iter), grad_scale=self.cur_scale)
@@ -429,12 +423,15 @@ class Engine:
                 self._allreduce_tied_grads()
             self._allreduce_sequence_parallel_grads()
         self.micro_steps += self._gas
+        self._backward_since_step = True
         loss = self._from_last_stage(loss)
         if self.monitor.enabled:
             self._monitor_losses = [loss.detach()]
         with self._timed("optimizer"):
             self.step()
-        return self._dp_mean(loss)
+        loss = self._dp_mean(loss)
+        self._print_pipeline_progress(loss, started)
+        return loss
 
     def _allreduce_tied_grads(self) -> None:
         """Sum the tied weights' gradients over the pipeline stages that hold a copy (each stage
@@ -458,43 +455,40 @@ class Engine:
         tag: str | None = None,
         client_state: Mapping[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
         *,
         save_optimizer: bool = True,
         save_rng: bool = True,
     ) -> Path:
         """Write ``<save_dir>/<tag>/`` (default tag ``global_step{N}``, DeepSpeed's), with
-        ``client_state`` beside the engine's own entries; every rank calls it (see
+        ``client_state`` beside the engine's own entries, without the weights of parameters
+        that do not require grad with ``exclude_frozen_parameters``; every rank calls it (see
         :func:`~zerotron.engine.checkpoint_io.save_engine_checkpoint`)."""
         tag = tag or f"global_step{self.global_steps}"
         return checkpoint_io.save_engine_checkpoint(
-            self, save_dir, tag, client_state, save_latest, save_optimizer, save_rng
-        )
+            self, save_dir, tag, client_state, save_latest, save_optimizer, save_rng,
+            exclude_frozen_parameters,
+        )  # fmt: skip
 
     def load_checkpoint(
         self,
         load_dir: str | Path,
         tag: str | None = None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Callable[..., None] | None = None,
         *,
         load_rng: bool = True,
-    ) -> tuple[str, dict[str, Any]]:
+    ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint (``tag`` None: the one ``latest`` names); returns ``(path,
-        client_state)`` as DeepSpeed does (see
-        :func:`~zerotron.engine.checkpoint_io.load_engine_checkpoint`)."""
+        client_state)`` as DeepSpeed does (``(None, None)`` when there is no ``latest``) (see
+        :func:`~zerotron.engine.checkpoint_io.load_engine_checkpoint`). ``load_module_strict``
+        False keeps the module's own values of weights the checkpoint lacks (saved with
+        ``exclude_frozen_parameters``); ``custom_load_fn(src=weights, dst=module)`` loads the
+        weights instead of the Engine."""
         return checkpoint_io.load_engine_checkpoint(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-            load_module_only, load_rng,
+            load_module_only, load_rng, load_module_strict, custom_load_fn,
         )  # fmt: skip
-
-    def module_state_dict(self, rank0_only: bool = False) -> dict[str, Any] | None:
-        """The module's full state dict; under ZeRO stage 3 gathered (a collective), kept on
-        data-parallel rank 0 only with ``rank0_only`` (others get None)."""
-        return self.optimizer_part.module_state_dict(self.module, rank0_only)
-
-    def save_16bit_model(
-        self, save_dir: str | Path, save_filename: str = GATHERED_16BIT_FILE
-    ) -> Path:
-        """DeepSpeed's API: the module's (gathered) state dict to ``save_dir/save_filename``."""
-        return checkpoint_io.save_16bit_model(self, save_dir, save_filename)

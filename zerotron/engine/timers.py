@@ -99,3 +99,60 @@ class NullTimers:
 
     def __call__(self, name: str) -> NullTimer:
         return self._timer
+
+
+class ThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer``: samples per second over the optimizer steps.
+
+    :meth:`start` marks the start of a micro-batch (the Engine calls it at each forward, the
+    pipeline at each ``train_batch``) and :meth:`stop` its end (at each ``step()`` call;
+    ``global_step`` when that call stepped the optimizer). Time counts from step
+    ``start_step`` on (the first steps warm up), so :meth:`avg_samples_per_sec` is
+    ``batch_size`` over the mean time of an optimizer step since then, ``-inf`` before any.
+    """
+
+    def __init__(self, batch_size: int, start_step: int = 2, steps_per_output: int | None = None):
+        self.batch_size = 1 if batch_size is None else batch_size
+        self.start_step = start_step
+        self.steps_per_output = steps_per_output
+        self.epoch_count = 0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+        self.start_time = 0.0
+        self.started = False
+
+    def update_epoch_count(self) -> None:
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        if self.started:  # a second forward before step(): the micro-batch began earlier
+            return
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            _sync()
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        if not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time > 0:
+            _sync()
+            duration = time.time() - self.start_time
+            self.total_elapsed_time += duration
+            self.step_elapsed_time += duration
+            if global_step:
+                self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """``batch_size`` over the mean seconds per optimizer step since ``start_step``."""
+        steps = self.global_step_count - self.start_step
+        if self.global_step_count > 0 and steps > 0 and self.total_elapsed_time > 0:
+            return self.batch_size / (self.total_elapsed_time / steps)
+        return float("-inf")

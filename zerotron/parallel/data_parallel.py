@@ -206,3 +206,17 @@ class DataParallel:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+@torch.no_grad()
+def broadcast_parameters(params: Iterable[Tensor], group: Group) -> None:
+    """Copy the group's first rank's ``params`` into every rank's (DeepSpeed's
+    ``_broadcast_model`` at ``initialize``: replicas start from data-parallel rank 0's weights,
+    whatever each rank's seed). Parameters held as ZeRO-3 shards (``zero_shard``) are skipped:
+    their partitioning already started them from one rank's weights."""
+    if group.size == 1:
+        return
+    for p in params:
+        if hasattr(p, "zero_shard"):
+            continue
+        comm.broadcast(p.data, group, 0)

@@ -59,8 +59,12 @@ from torch import nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
-from zerotron.distributed.init import new_group
-from zerotron.distributed.state import state
+from zerotron.distributed.init import get_world_size, init_distributed, new_group
+from zerotron.distributed.state import (
+    initialize_model_parallel,
+    is_model_parallel_initialized,
+    state,
+)
 from zerotron.distributed.topology import ProcessTopology
 from zerotron.errors import ConfigError, UnsupportedError
 from zerotron.parallel.recompute import checkpoint
@@ -124,7 +128,10 @@ class PipelineModule(nn.Module):
 
     ``num_stages`` (or ``topology``, a :class:`~zerotron.distributed.topology.ProcessTopology`)
     must match the pipeline-parallel size of :func:`zerotron.distributed.state`; None takes it
-    from there. ``loss_fn(outputs, labels)`` turns the last stage's output into the loss.
+    from there. When no model-parallel layout exists yet, the module builds one as DeepSpeed's
+    ``PipeDataParallelTopology`` does: ``num_stages`` pipeline stages, the rest data parallel
+    (``topology``: its tensor and pipeline sizes). ``loss_fn(outputs, labels)`` turns the last
+    stage's output into the loss.
     ``seed_layers``: seed torch (and ``random``, numpy) with ``base_seed + layer index`` before
     building each layer, and with ``base_seed * micro_offset + layer index`` before running it
     (DeepSpeed's behaviour), so a layer's weights do not depend on which stage builds it.
@@ -145,7 +152,7 @@ class PipelineModule(nn.Module):
         checkpointable_layers: Sequence[str] | None = None,
     ):
         super().__init__()
-        ps = state()
+        ps = _state_for(num_stages, topology)
         self.num_stages = _num_stages(num_stages, topology, ps.pp_size)
         self.stage_id = ps.pp_rank
         self.loss_fn = loss_fn
@@ -357,6 +364,33 @@ class _TiedCall:
 
     def __call__(self, x: Any) -> Any:
         return self.forward_fn(self.module, x)
+
+
+def _state_for(num_stages: int | None, topology: ProcessTopology | None) -> Any:
+    """The parallel state, laid out for ``num_stages`` / ``topology`` first when no layout
+    exists yet (a collective then: every rank builds the module)."""
+    if is_model_parallel_initialized() or (num_stages is None and topology is None):
+        return state()
+    init_distributed()  # the launcher's process group, if the script did not make it yet
+    world = get_world_size()
+    tp = topology.tp if topology is not None else 1
+    pp = topology.pp if topology is not None else int(num_stages or 1)
+    if topology is not None and topology.world_size != world:
+        raise ConfigError(
+            f"the topology has {topology.world_size} ranks but the job has {world}",
+            where="PipelineModule(topology=...)",
+            fix="build the topology for this world size",
+        )
+    if pp < 1 or world % (pp * tp):
+        raise ConfigError(
+            f"{pp} pipeline stages (x {tp} tensor-parallel ranks) do not divide the {world} "
+            "ranks of the job",
+            where="PipelineModule(num_stages=...)",
+            fix=f"launch a multiple of {pp * tp} processes, or pass another num_stages",
+        )
+    if pp * tp == 1:
+        return state()
+    return initialize_model_parallel(tp, pp)
 
 
 def _num_stages(num_stages: int | None, topology: ProcessTopology | None, pp_size: int) -> int:
