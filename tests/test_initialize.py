@@ -138,7 +138,7 @@ def test_config_optimizer_defaults_are_deepspeeds():
     inner = opt.optimizer
     assert isinstance(inner, torch.optim.AdamW)
     assert inner.defaults["weight_decay"] == 0 and inner.defaults["betas"] == (0.9, 0.999)
-    assert engine.config.optimizer.clip_grad == 0.0 and engine.config.training.log_interval == 10
+    assert engine.gradient_clipping() == 1.0 and engine.steps_per_print() == 10
     _, opt, *_ = zerotron.initialize(
         model=mlp(),
         config={

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from zerotron.compat.comm.comm import init_distributed
+from zerotron.compat.runtime.dataloader import RepeatingLoader
 from zerotron.errors import ConfigError, DistributedError
 
 __all__ = ["add_config_arguments", "build_data_loader", "init_distributed", "initialize"]
@@ -174,8 +175,7 @@ def initialize(
         monitor=MonitorMaster.from_config(cfg.monitor, get_rank()),
         checkpoint_tag_validation=cfg.checkpoint.checkpoint_tag_validation,
     )
-    engine.config = cfg
-    engine.resolved_config = resolved
+    engine.config = resolved  # DeepSpeed's engine.config: the config dict (HF's Trainer reads it)
     loader = None
     if training_data is not None:
         loader = build_data_loader(training_data, t.micro_batch_size, ps, collate_fn, t.seed)
@@ -186,26 +186,8 @@ def initialize(
         ordered = build_data_loader(
             training_data, t.micro_batch_size, ps, collate_fn, t.seed, shuffle=False
         )
-        engine.set_dataloader(_Repeating(ordered))
+        engine.set_dataloader(RepeatingLoader(ordered))
     return engine, engine.optimizer, loader, engine.lr_scheduler
-
-
-class _Repeating:
-    """``loader``'s batches, starting over at its end (DeepSpeed's ``RepeatingLoader``)."""
-
-    def __init__(self, loader: Any):
-        self.loader = loader
-        self._it = iter(loader)
-
-    def __iter__(self) -> _Repeating:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self._it)
-        except StopIteration:
-            self._it = iter(self.loader)
-            return next(self._it)
 
 
 def _scheduler(cfg: Any, wrapped: Any, lr_scheduler: Any) -> Any:

@@ -94,17 +94,10 @@ def install_module_alias(
 
     if not any(isinstance(f, DeepSpeedAliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, DeepSpeedAliasFinder())
-    # TEMPORARY (issue 13): stand-ins for surface other branches are adding; see hf_stopgap.
-    from zerotron.compat import hf_stopgap
-
-    hf_stopgap.fill_missing()
-
     def __getattr__(attr: str) -> Any:
         try:
             return getattr(zerotron, attr)
         except AttributeError:
-            if attr in hf_stopgap.TOP_LEVEL:  # TEMPORARY, with the import above
-                return hf_stopgap.TOP_LEVEL[attr]
             raise AttributeError(
                 f"module {name!r} (zerotron's DeepSpeed API) has no attribute {attr!r}; "
                 "docs/deepspeed.md lists what zerotron serves"

@@ -221,7 +221,8 @@ SPEC: dict[str, Any] = {
     "gradient_accumulation_steps": Leaf("num_micro_batches", POSITIVE(INT)),
     "steps_per_print": Leaf("log_interval", STEPS_PER_PRINT, 10),
     "seed": Leaf("seed", NON_NEGATIVE(INT), 1234),
-    "gradient_clipping": Leaf("clip_grad", NON_NEGATIVE(FLOAT), 0.0),
+    # DeepSpeed's default has been 1.0 since 0.19.3 (0, off, before), Megatron's too.
+    "gradient_clipping": Leaf("clip_grad", NON_NEGATIVE(FLOAT), 1.0),
     "prescale_gradients": Leaf("prescale_gradients", BOOL, False),
     "gradient_predivide_factor": Leaf("gradient_predivide_factor", POSITIVE(FLOAT), 1.0),
     "communication_data_type": Leaf(
@@ -423,7 +424,6 @@ UNSUPPORTED_SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR")
 
 
 DEEPSPEED_DEFAULTS: dict[str, dict[str, Any]] = {
-    "optimizer": {"clip_grad": 0.0},
     "training": {"log_interval": 10},
     "precision": {"initial_loss_scale": 2.0**16},
     "zero": {
