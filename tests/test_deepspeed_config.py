@@ -179,7 +179,7 @@ def test_deepspeed_defaults():
         "num_micro_batches": 1,
         "global_batch_size": 2,
         "log_interval": 10,
-        "clip_grad": 0.0,
+        "clip_grad": 1.0,  # DeepSpeed's default since 0.19.3
         "initial_loss_scale": 2.0**16,
         "loss_scale_window": 1000,
         "hysteresis": 2,
@@ -424,7 +424,7 @@ def test_unknown_keys_are_warnings_with_suggestions(tmp_path):
         in text
     )
     assert f"{path}:3: unknown DeepSpeed key 'gradient_clippin'" in text  # file:line
-    assert cfg.optimizer.clip_grad == 0.0  # the misspelt key did nothing
+    assert cfg.optimizer.clip_grad == 1.0  # the misspelt key did nothing: the default
 
 
 @pytest.mark.parametrize(
