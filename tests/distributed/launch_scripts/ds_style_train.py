@@ -12,6 +12,7 @@ weights (read back with zero_to_fp32) to ``--out``.
 """
 
 import argparse
+import logging
 import os
 
 import torch
@@ -24,13 +25,21 @@ import zerotron.comm as dist
 from zerotron.accelerator import get_accelerator
 from zerotron.compression.helper import recursive_getattr, recursive_setattr
 from zerotron.moe.layer import MoE  # noqa: F401  (an optional MoE path imports it)
+from zerotron.ops.adagrad import DeepSpeedCPUAdagrad
 from zerotron.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from zerotron.ops.lion import DeepSpeedCPULion, FusedLion
 from zerotron.runtime.engine import DeepSpeedEngine
 from zerotron.runtime.lr_schedules import VALID_LR_SCHEDULES
 from zerotron.runtime.utils import set_random_seed
 from zerotron.runtime.zero.partition_parameters import ZeroParamStatus
-from zerotron.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
-from zerotron.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
+from zerotron.runtime.zero.stage3 import (
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+)
+from zerotron.runtime.zero.stage_1_and_2 import (
+    estimate_zero2_model_states_mem_needs_all_cold,
+    estimate_zero2_model_states_mem_needs_all_live,
+)
 from zerotron.utils import (
     RepeatingLoader,
     groups,
@@ -40,8 +49,11 @@ from zerotron.utils import (
     safe_get_full_grad,
     safe_get_full_optimizer_state,
     safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+    set_z3_leaf_modules,
 )
 from zerotron.utils.zero_to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
     load_state_dict_from_zero_checkpoint,
 )
@@ -106,11 +118,15 @@ def check_accelerator() -> torch.device:
     acc = deepspeed.get_accelerator()
     assert acc is get_accelerator() and acc.is_available()
     assert acc.communication_backend_name() == ("nccl" if acc.device_name() == "cuda" else "gloo")
+    acc.set_device(acc.current_device())
+    assert acc.device_count() >= 1
     acc.manual_seed(5)
     acc.synchronize()
     acc.empty_cache()
     assert acc.memory_allocated() >= 0 and acc.total_memory() > 0
-    assert acc.is_fp16_supported() in (True, False)
+    assert acc.is_fp16_supported() in (True, False) and acc.is_bf16_supported() in (True, False)
+    pinned = acc.pin_memory(torch.ones(3))
+    assert torch.equal(pinned, torch.ones(3))
     return torch.device(acc.current_device_name())
 
 
@@ -141,6 +157,16 @@ def client_optimizer(name: str, model: nn.Module):
     return None
 
 
+def check_ops() -> None:
+    """DeepSpeed's other optimizers step a parameter like any torch optimizer."""
+    for cls in (DeepSpeedCPUAdagrad, DeepSpeedCPULion, FusedLion):
+        p = nn.Parameter(torch.ones(4))
+        opt = cls([p], lr=0.1)
+        p.grad = torch.full((4,), 0.5)
+        opt.step()
+        assert (p.detach() < 1).all(), cls.__name__
+
+
 def full_weights(engine) -> dict[str, torch.Tensor]:
     """Every parameter's whole fp32 value (a collective: every rank calls it)."""
     return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
@@ -166,6 +192,7 @@ def main() -> None:
     check_comm(rank, world)
     device = check_accelerator()
     assert "WarmupLR" in VALID_LR_SCHEDULES
+    check_ops()
 
     config = config_for(args, world)
     torch.manual_seed(100 + rank)  # each rank builds a different model: rank 0's must win
@@ -184,8 +211,12 @@ def main() -> None:
     total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     if rank == 0:
         estimate_zero2_model_states_mem_needs_all_cold(total, num_gpus_per_node=world)
+        estimate_zero3_model_states_mem_needs_all_cold(total, WIDTH * VOCAB, world)
         if not args.zero_init:
+            estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=world)
             estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=world)
+    if args.stage == 3:
+        set_z3_leaf_modules(model, [nn.Sequential])  # body gathers as one
 
     g = torch.Generator().manual_seed(0)  # the same data everywhere
     data = TensorDataset(
@@ -221,6 +252,7 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         for micro in range(gas):
             x, y = next(batches)
+            engine.set_gradient_accumulation_boundary(micro == gas - 1)  # as accelerate does
             assert engine.is_gradient_accumulation_boundary() == (micro == gas - 1)
             loss = engine(x.to(engine.device), y.to(engine.device))
             if args.backward == "loss":
@@ -233,17 +265,22 @@ def main() -> None:
             engine.step()
         assert engine.was_step_applied() and engine.global_steps == step
         assert engine.get_global_grad_norm() > 0
-        log_dist(f"step {step} loss {loss.item():.6f}", ranks=[0])
+        log_dist(f"step {step} loss {loss.item():.6f}", ranks=[0], level=logging.WARNING)
     exp_avg = safe_get_full_optimizer_state(engine.module.head.weight, "exp_avg")
     assert exp_avg.shape == (VOCAB, WIDTH) and exp_avg.abs().sum() > 0
+    assert engine.tput_timer.avg_samples_per_sec() > 0
     logger.info("trained %d steps", args.steps)
 
     trained = full_weights(engine)
-    engine.save_checkpoint(args.save_dir, client_state={"step": args.steps})
-    # A round trip through a changed weight and back: the checkpoint restores it.
+    engine.save_checkpoint(
+        args.save_dir, client_state={"step": args.steps}, exclude_frozen_parameters=False
+    )
+    # A round trip through a changed weight and state and back: the checkpoint restores them.
     head = engine.module.head.weight
     safe_set_full_fp32_param(head, torch.zeros_like(trained["head.weight"]))
     assert safe_get_full_fp32_param(head).abs().sum() == 0
+    safe_set_full_optimizer_state(head, torch.ones_like(exp_avg), "exp_avg")
+    assert torch.equal(safe_get_full_optimizer_state(head, "exp_avg"), torch.ones_like(exp_avg))
     path, client = engine.load_checkpoint(
         args.save_dir, load_module_strict=True, load_optimizer_states=True,
         load_lr_scheduler_states=True,
@@ -251,6 +288,11 @@ def main() -> None:
     assert path is not None and client["step"] == args.steps
     reloaded = full_weights(engine)
     assert all(torch.equal(reloaded[n], trained[n]) for n in trained)
+    assert torch.equal(safe_get_full_optimizer_state(head, "exp_avg"), exp_avg)
+    assert engine.zero_gather_16bit_weights_on_model_save() == (args.stage == 3)
+    if args.stage == 3:  # a collective; DeepSpeed refuses it below stage 3 too
+        consolidated = engine._zero3_consolidated_16bit_state_dict()
+        assert set(consolidated) == set(trained) if rank == 0 else consolidated is None
     assert engine.save_16bit_model(args.save_dir, "model16.bin")
     dist.barrier()
 
@@ -261,6 +303,10 @@ def main() -> None:
             assert all(torch.equal(fp32[n], trained[n]) for n in trained)
             fresh = load_state_dict_from_zero_checkpoint(Net(), args.save_dir)
             assert torch.equal(fresh.head.weight, trained["head.weight"])
+            out_dir = os.path.join(args.save_dir, "hf")
+            convert_zero_checkpoint_to_fp32_state_dict(args.save_dir, out_dir)
+            saved = torch.load(os.path.join(out_dir, "pytorch_model.bin"), weights_only=True)
+            assert all(torch.equal(saved[n], trained[n]) for n in trained)
         assert os.path.isfile(os.path.join(args.save_dir, "model16.bin"))
         torch.save(trained, args.out)
     engine.destroy()
