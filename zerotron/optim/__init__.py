@@ -5,7 +5,8 @@
   has it, and :class:`~zerotron.optim.lamb.Lamb`).
 - :mod:`~zerotron.optim.adam`, :mod:`~zerotron.optim.lion`, :mod:`~zerotron.optim.adagrad`:
   :class:`Adam` (DeepSpeed's switches: ``adam_w_mode``, ``bias_correction``), :class:`Lion`,
-  :class:`Adagrad` (DeepSpeed's math), behind ``zerotron.ops``.
+  :class:`Adagrad` (DeepSpeed's math), behind ``zerotron.ops``; what the three share (state
+  creation, fp32 states of 16-bit parameters) is :mod:`~zerotron.optim.elementwise`.
 - :mod:`~zerotron.optim.lr_schedule`: :class:`OptimizerParamScheduler`, Megatron's warmup +
   decay schedule. Schedulers share one interface: ``step(increment)``, ``get_lr()``,
   ``state_dict()``, ``load_state_dict(state)``.

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.optim.adagrad import adagrad as _adagrad_kernel
 
-from zerotron.optim.adam import HALF_DTYPES, check_hyper, dense_grad
+from zerotron.optim.elementwise import check_hyper, gather_group
 
 
 class Adagrad(torch.optim.Optimizer):
@@ -63,36 +63,16 @@ class Adagrad(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            ps, gs, vs, steps, back = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = dense_grad(p, self)
-                state = self.state[p]
-                if not state:
-                    dtype = (
-                        torch.float32 if self.fp32_states and p.dtype in HALF_DTYPES else p.dtype
-                    )
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-                v = state["exp_avg_sq"]
-                if v.dtype != p.dtype:  # fp32 state of a 16-bit parameter: step an fp32 copy
-                    back.append((p, p.float()))
-                    ps.append(back[-1][1])
-                    gs.append(g.float())
-                else:
-                    ps.append(p)
-                    gs.append(g.to(p.dtype))
-                vs.append(v)
-                steps.append(state["step"])
+            t = gather_group(self, group, ("exp_avg_sq",), self.fp32_states)
+            ps = t.params
             if not ps:
                 continue
             fused = self.fused if self.fused is not None else all(p.is_cpu for p in ps)
             _adagrad_kernel(
                 ps,
-                gs,
-                vs,
-                steps,
+                t.grads,
+                t.states["exp_avg_sq"],
+                t.steps,
                 fused=fused or None,
                 foreach=None if fused else True,
                 grad_scale=None,
@@ -106,6 +86,5 @@ class Adagrad(torch.optim.Optimizer):
                 eps=group["eps"],
                 maximize=False,
             )
-            for p, p32 in back:
-                p.copy_(p32)
+            t.copy_back()
         return loss

@@ -33,7 +33,7 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.adamw import adamw as _adamw_kernel
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-from zerotron.errors import ConfigError, UnsupportedError
+from zerotron.optim.elementwise import check_hyper, gather_group
 
 
 class Adam(torch.optim.Optimizer):
@@ -87,7 +87,8 @@ class Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            ps, gs, ms, vs, steps, back = self._gather(group)
+            t = gather_group(self, group, ("exp_avg", "exp_avg_sq"), self.fp32_states, True)
+            ps, steps = t.params, t.steps
             if not ps:
                 continue
             b1, b2 = group["betas"]
@@ -101,9 +102,9 @@ class Adam(torch.optim.Optimizer):
                 kernel_steps = [inf[p.device] for p in ps]
             kernel(
                 ps,
-                gs,
-                ms,
-                vs,
+                t.grads,
+                t.states["exp_avg"],
+                t.states["exp_avg_sq"],
                 [],
                 kernel_steps,
                 foreach=None if fused else True,
@@ -121,67 +122,11 @@ class Adam(torch.optim.Optimizer):
                 eps=group["eps"],
                 maximize=False,
             )
-            for p, p32 in back:
-                p.copy_(p32)
+            t.copy_back()
         return loss
-
-    def _gather(self, group: dict[str, Any]) -> tuple[list, list, list, list, list, list]:
-        """The group's tensors with gradients, as the kernel takes them, creating state on the
-        first step; ``back`` pairs 16-bit parameters with the fp32 copies stepped for them."""
-        ps, gs, ms, vs, steps, back = [], [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            dense_grad(p, self)
-            state = self.state[p]
-            if not state:
-                dtype = torch.float32 if self.fp32_states and p.dtype in HALF_DTYPES else p.dtype
-                state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-            m = state["exp_avg"]
-            if m.dtype != p.dtype:  # fp32 states of a 16-bit parameter: step an fp32 copy
-                p32 = p.float()
-                back.append((p, p32))
-                ps.append(p32)
-                gs.append(p.grad.float())
-            else:
-                ps.append(p)
-                gs.append(p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype))
-            ms.append(m)
-            vs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        return ps, gs, ms, vs, steps, back
 
     def _use_fused(self, params: list[torch.Tensor]) -> bool:
         if self.fused is not None:
             return self.fused
         devices = set(_get_fused_kernels_supported_devices())
         return all(p.device.type in devices for p in params)
-
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def dense_grad(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """``p.grad``, refused if sparse (these optimizers step whole tensors)."""
-    if p.grad.is_sparse:
-        raise UnsupportedError(
-            "sparse gradients are not supported",
-            where=type(optimizer).__name__,
-            fix="use dense gradients (e.g. nn.Embedding(sparse=False))",
-        )
-    return p.grad
-
-
-def check_hyper(**values: Any) -> None:
-    """Reject what torch's optimizers reject, naming the argument."""
-    for name in ("lr", "eps", "weight_decay"):
-        v = values.get(name)
-        if v is not None and not (isinstance(v, (int, float)) and v >= 0):
-            raise ConfigError(f"{name}={v!r} must be a number >= 0", where="optimizer")
-    betas = values.get("betas")
-    if betas is not None and (len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas)):
-        raise ConfigError(
-            f"betas={tuple(betas)!r} must be two numbers in [0, 1)", where="optimizer"
-        )

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from zerotron.optim.adam import HALF_DTYPES, check_hyper, dense_grad
+from zerotron.optim.elementwise import check_hyper, gather_group
 
 
 class Lion(torch.optim.Optimizer):
@@ -57,34 +57,16 @@ class Lion(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            ps, gs, ms, steps, back = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = dense_grad(p, self)
-                state = self.state[p]
-                if not state:
-                    dtype = (
-                        torch.float32 if self.fp32_states and p.dtype in HALF_DTYPES else p.dtype
-                    )
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                m = state["exp_avg"]
-                if m.dtype != p.dtype:  # fp32 state of a 16-bit parameter: step an fp32 copy
-                    back.append((p, p.float()))
-                    ps.append(back[-1][1])
-                    gs.append(g.float())
-                else:
-                    ps.append(p)
-                    gs.append(g.to(p.dtype))
-                ms.append(m)
-                steps.append(state["step"])
+            t = gather_group(self, group, ("exp_avg",), self.fp32_states)
+            ps = t.params
             if not ps:
                 continue
-            lion_step(ps, gs, ms, group["lr"], *group["betas"], group["weight_decay"])
-            torch._foreach_add_(steps, 1)
-            for p, p32 in back:
-                p.copy_(p32)
+            lion_step(
+                ps, t.grads, t.states["exp_avg"], group["lr"], *group["betas"],
+                group["weight_decay"],
+            )  # fmt: skip
+            torch._foreach_add_(t.steps, 1)
+            t.copy_back()
         return loss
 
 
