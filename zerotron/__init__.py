@@ -69,8 +69,9 @@ def compat_target(fullname: str) -> str | None:
     return ".".join(["zerotron", "compat", *parts[1:]])
 
 
-class _CompatAliasLoader(importlib.abc.Loader):
-    """Loads an alias as the already imported target module itself (no second copy)."""
+class AliasLoader(importlib.abc.Loader):
+    """Loads an alias as the already imported target module itself (no second copy); also
+    ``deepspeed.X`` under ``--as-deepspeed`` (:mod:`zerotron.compat.as_deepspeed`)."""
 
     def __init__(self, target: str):
         self.target = target
@@ -81,7 +82,7 @@ class _CompatAliasLoader(importlib.abc.Loader):
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        module.__spec__ = self._own_spec  # the module stays `zerotron.compat.<name>` for reload
+        module.__spec__ = self._own_spec  # the module keeps its own name (reload, pickling)
 
     def get_code(self, fullname: str) -> Any:
         """The target's code, so ``python -m zerotron.<name>.<sub>`` runs it as ``__main__``."""
@@ -97,7 +98,7 @@ class _CompatAliasFinder(importlib.abc.MetaPathFinder):
         real = compat_target(fullname)
         if real is None or importlib.util.find_spec(real) is None:
             return None  # not ours, or missing: the usual "No module named ..." follows
-        return importlib.util.spec_from_loader(fullname, _CompatAliasLoader(real))
+        return importlib.util.spec_from_loader(fullname, AliasLoader(real))
 
 
 # Once per interpreter, ahead of the path finders (a reload of this module must not add another).

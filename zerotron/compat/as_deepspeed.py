@@ -36,6 +36,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import zerotron
 from zerotron.errors import ConfigError
 
 # The DeepSpeed release whose API zerotron serves; the .dist-info directory carries it too
@@ -50,21 +51,6 @@ def target_of(fullname: str) -> str | None:
     if not fullname.startswith(ALIAS_NAME + "."):
         return None
     return "zerotron" + fullname[len(ALIAS_NAME) :]
-
-
-class _AliasLoader(importlib.abc.Loader):
-    """Loads ``deepspeed.X`` as the already imported module ``zerotron.X`` itself."""
-
-    def __init__(self, target: str):
-        self.target = target
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        module = importlib.import_module(self.target)
-        self._own_spec = module.__spec__  # the import system is about to overwrite it
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__spec__ = self._own_spec  # the module stays zerotron's (reload, pickling)
 
 
 class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
@@ -82,7 +68,7 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
             found = None
         if found is None:
             return None  # zerotron does not serve it: the usual "No module named ..." follows
-        return importlib.util.spec_from_loader(fullname, _AliasLoader(real))
+        return importlib.util.spec_from_loader(fullname, zerotron.AliasLoader(real))
 
 
 def install_module_alias(
