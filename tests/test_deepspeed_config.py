@@ -223,6 +223,33 @@ def test_deepspeed_defaults():
     assert cfg.precision.bf16
 
 
+def test_lion_params_and_deepspeeds_defaults():
+    # DeepSpeed lower-cases the type; Lion's betas are the Adam fields, its defaults DeepSpeed's.
+    lion = {"lr": 3e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}
+    cfg, _ = load({"train_batch_size": 2, "optimizer": {"type": "LION", "params": lion}})
+    o = cfg.optimizer
+    assert (o.optimizer, o.lr, o.adam_beta1, o.adam_beta2, o.weight_decay) == (
+        "lion", 3e-4, 0.95, 0.98, 0.1,
+    )  # fmt: skip
+    cfg, _ = load({"train_batch_size": 2, "optimizer": {"type": "Lion"}})
+    o = cfg.optimizer
+    assert (o.lr, o.adam_beta1, o.adam_beta2, o.weight_decay) == (1e-3, 0.9, 0.999, 0.0)
+
+
+def test_adagrad_params_and_deepspeeds_defaults():
+    adagrad = {"lr": 0.05, "eps": 1e-6, "weight_decay": 0.1}
+    cfg, _ = load({"train_batch_size": 2, "optimizer": {"type": "adagrad", "params": adagrad}})
+    o = cfg.optimizer
+    assert (o.optimizer, o.lr, o.adam_eps, o.weight_decay) == ("adagrad", 0.05, 1e-6, 0.1)
+    cfg, _ = load({"train_batch_size": 2, "optimizer": {"type": "Adagrad"}})
+    o = cfg.optimizer
+    assert (o.lr, o.adam_eps, o.weight_decay) == (1e-2, 1e-10, 0.0)
+    # torch's switches at their no-op values pass
+    noop = {"lr_decay": 0, "initial_accumulator_value": 0.0, "amsgrad": False}
+    cfg, _ = load({"train_batch_size": 2, "optimizer": {"type": "Adagrad", "params": noop}})
+    assert cfg.optimizer.optimizer == "adagrad"
+
+
 # ---- batch sizes
 
 
@@ -433,6 +460,18 @@ def test_unknown_keys_are_warnings_with_suggestions(tmp_path):
         ({"optimizer": {"type": "OneBitAdam", "params": {}}}, "OneBitAdam is not supported"),
         ({"optimizer": {"type": "OneBitLamb"}}, "OneBitLamb is not supported"),
         ({"optimizer": {"type": "ZeroOneAdam"}}, "ZeroOneAdam is not supported"),
+        (
+            {"optimizer": {"type": "Adagrad", "params": {"lr_decay": 0.1}}},
+            "lr_decay is not implemented",
+        ),
+        (
+            {"optimizer": {"type": "Adagrad", "params": {"initial_accumulator_value": 0.1}}},
+            "initial_accumulator_value is not implemented",
+        ),
+        (
+            {"optimizer": {"type": "Adagrad", "params": {"amsgrad": True}}},
+            "AMSGrad is not implemented",
+        ),
         ({"curriculum_learning": {"enabled": True}}, "curriculum learning is not implemented"),
         ({"compression_training": {"weight_quantization": {}}}, "Compression is not implemented"),
         ({"amp": {"enabled": True}}, "apex AMP is not supported"),

@@ -16,7 +16,7 @@ from torch import nn
 
 import zerotron
 from zerotron.errors import ConfigError
-from zerotron.optim import build_ds_scheduler
+from zerotron.optim import Adagrad, Lion, build_ds_scheduler
 
 LR, WD, BETAS = 1e-2, 0.1, (0.9, 0.99)
 MICRO, GAS, STEPS = 4, 2, 4
@@ -152,6 +152,34 @@ def test_config_optimizer_defaults_are_deepspeeds():
         model=mlp(), config={"train_batch_size": 2, "optimizer": {"type": "Lamb"}}
     )
     assert type(opt.optimizer).__name__ == "Lamb"
+
+
+@pytest.mark.parametrize(
+    "kind,params",
+    [
+        ("Lion", {"lr": 1e-3, "betas": [0.95, 0.98], "weight_decay": WD}),
+        ("Adagrad", {"lr": LR, "eps": 1e-6, "weight_decay": WD}),
+    ],
+)
+def test_config_lion_and_adagrad_train_as_the_class_passed(kind, params):
+    """DeepSpeed's Lion / Adagrad from the config are zerotron.optim's classes with the config's
+    hyperparameters, and train bitwise as the same class passed as the client optimizer."""
+    cls = {"Lion": Lion, "Adagrad": Adagrad}[kind]
+    hyper = {k: tuple(v) if k == "betas" else v for k, v in params.items()}
+    data = batches(STEPS * GAS)
+    config = ds_config(optimizer={"type": kind, "params": params})
+    model = mlp()
+    engine, opt, *_ = zerotron.initialize(model=model, config=config)
+    assert type(opt.optimizer) is cls
+    assert {k: opt.optimizer.defaults[k] for k in hyper} == hyper
+    losses = train_engine(engine, data)
+    client = mlp()
+    no_opt = {k: v for k, v in config.items() if k != "optimizer"}
+    engine, *_ = zerotron.initialize(
+        model=client, optimizer=cls(client.parameters(), **hyper), config=no_opt
+    )
+    assert losses == train_engine(engine, data)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), client.parameters()))
 
 
 def test_no_optimizer_and_conflicting_configs_are_errors():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zerotron.errors import ConfigError, UnsupportedError
-from zerotron.optim import build_optimizer, get_param_groups
+from zerotron.optim import Adagrad, Lion, build_optimizer, get_param_groups
 
 
 class Block(torch.nn.Module):
@@ -62,6 +62,23 @@ def test_build_optimizer_kinds():
         build_optimizer(p, "OneBitAdam")
     with pytest.raises(ConfigError, match="unknown optimizer .adamx"):
         build_optimizer(p, "adamx")
+
+
+def test_build_optimizer_lion_takes_betas_and_weight_decay():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    opt = build_optimizer(p, "Lion", lr=3e-4, betas=(0.95, 0.98), eps=1e-3, weight_decay=0.1)
+    assert type(opt) is Lion
+    assert opt.defaults == {"lr": 3e-4, "betas": (0.95, 0.98), "weight_decay": 0.1}
+
+
+def test_build_optimizer_adagrad_takes_eps_and_weight_decay():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    opt = build_optimizer(p, "adagrad", lr=0.05, betas=(0.5, 0.5), eps=1e-6, weight_decay=0.1)
+    assert type(opt) is Adagrad
+    assert opt.defaults == {"lr": 0.05, "eps": 1e-6, "weight_decay": 0.1}
+    assert opt.fused is None  # impl "auto": Adagrad picks per step
+    assert build_optimizer(p, "adagrad", impl="fused").fused is True
+    assert build_optimizer(p, "adagrad", impl="foreach").fused is False
 
 
 def test_impl_choice_and_group_generators():

@@ -354,7 +354,7 @@ class _Walker:
             raise self.fail(
                 ConfigError(
                     f"optimizer.type: {kind!r} is not an optimizer name",
-                    fix="use Adam, AdamW, Lamb or SGD",
+                    fix="use Adam, AdamW, Lamb, SGD, Lion or Adagrad",
                 ),
                 (*path, "type"),
             )
@@ -363,7 +363,7 @@ class _Walker:
             raise UnsupportedError(
                 f"optimizer.type: {UNSUPPORTED_OPTIMIZERS[low]} is not supported by zerotron",
                 where=self.where((*path, "type")),
-                fix="use Adam, AdamW, Lamb or SGD",
+                fix="use Adam, AdamW, Lamb, SGD, Lion or Adagrad",
             )
         if low not in OPTIMIZERS:
             close = suggest(low, OPTIMIZERS, cutoff=0.5)
@@ -371,7 +371,7 @@ class _Walker:
             raise ConfigError(
                 f"optimizer.type: unknown optimizer {kind!r}",
                 where=self.where((*path, "type")),
-                fix=f"{hint}use Adam, AdamW, Lamb or SGD",
+                fix=f"{hint}use Adam, AdamW, Lamb, SGD, Lion or Adagrad",
             )
         self.out.has_optimizer = True
         self.set("optimizer", OPTIMIZERS[low], (*path, "type"))

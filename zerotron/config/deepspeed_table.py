@@ -333,13 +333,18 @@ SPEC["bfloat16"] = SPEC["bf16"]  # DeepSpeed accepts both spellings
 
 
 # Optimizers. DeepSpeed lower-cases the type; "Adam" is AdamW unless adam_w_mode is false.
-OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lamb": "lamb"}
+OPTIMIZERS = {
+    "adam": "adam",
+    "adamw": "adamw",
+    "sgd": "sgd",
+    "lamb": "lamb",
+    "lion": "lion",
+    "adagrad": "adagrad",
+}
 UNSUPPORTED_OPTIMIZERS = {
     "onebitadam": "OneBitAdam",
     "zerooneadam": "ZeroOneAdam",
     "onebitlamb": "OneBitLamb",
-    "adagrad": "Adagrad",
-    "lion": "Lion",
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",
     "musgd": "MuSGD",
@@ -366,6 +371,24 @@ OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
         "max_coeff": Leaf("lamb_max_coeff", POSITIVE(FLOAT), 10.0),
         "min_coeff": Leaf("lamb_min_coeff", NON_NEGATIVE(FLOAT), 0.01),
         "max_grad_norm": Ignored("use gradient_clipping"),
+    },
+    # DeepSpeed's FusedLion / DeepSpeedCPULion defaults; betas are Adam's fields.
+    "lion": {
+        "lr": Leaf("lr", NON_NEGATIVE(FLOAT), 1e-3),
+        "betas": Leaf("betas", BETAS, (0.9, 0.999)),
+        "weight_decay": Leaf("weight_decay", NON_NEGATIVE(FLOAT), 0.0),
+    },
+    # DeepSpeedCPUAdagrad's defaults (torch.optim.Adagrad's without offload: the same values);
+    # torch's further switches change the math, so they are refused unless at their no-op value.
+    "adagrad": {
+        "lr": Leaf("lr", NON_NEGATIVE(FLOAT), 1e-2),
+        "eps": Leaf("adam_eps", POSITIVE(FLOAT), 1e-10),
+        "weight_decay": Leaf("weight_decay", NON_NEGATIVE(FLOAT), 0.0),
+        "lr_decay": Refused("Adagrad's lr_decay is not implemented", lambda v: v in (None, 0)),
+        "initial_accumulator_value": Refused(
+            "Adagrad's initial_accumulator_value is not implemented", lambda v: v in (None, 0)
+        ),
+        "amsgrad": Refused("AMSGrad is not implemented", lambda v: v in (None, False)),
     },
     "sgd": {
         "lr": Leaf("lr", NON_NEGATIVE(FLOAT), 1e-3),

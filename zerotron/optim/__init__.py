@@ -2,7 +2,7 @@
 
 - :mod:`~zerotron.optim.param_groups`: weight-decay groups (Megatron's rule).
 - :mod:`~zerotron.optim.adamw`: :func:`build_optimizer` (AdamW / Adam / SGD, fused where torch
-  has it, and :class:`~zerotron.optim.lamb.Lamb`).
+  has it, :class:`~zerotron.optim.lamb.Lamb`, :class:`Lion` and :class:`Adagrad`).
 - :mod:`~zerotron.optim.adam`, :mod:`~zerotron.optim.lion`, :mod:`~zerotron.optim.adagrad`:
   :class:`Adam` (DeepSpeed's switches: ``adam_w_mode``, ``bias_correction``), :class:`Lion`,
   :class:`Adagrad` (DeepSpeed's math), behind ``zerotron.ops``; what the three share (state

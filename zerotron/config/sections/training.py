@@ -57,10 +57,10 @@ class TrainingConfig(Section):
 class OptimizerConfig(Section):
     """Optimizer and gradient clipping. Megatron's 'adam' is AdamW (decoupled weight decay)."""
 
-    optimizer: Literal["adam", "adamw", "sgd", "lamb"] = Field(
+    optimizer: Literal["adam", "adamw", "sgd", "lamb", "lion", "adagrad"] = Field(
         "adam",
         description="adam (AdamW unless adam_w_mode is off, as in Megatron and DeepSpeed), adamw, "
-        "sgd or lamb.",
+        "sgd, lamb, lion or adagrad (DeepSpeed's Lamb, Lion and Adagrad).",
     )
     lr: Float | None = Field(None, ge=0, description="Peak learning rate.")
     min_lr: Float = Field(0.0, ge=0, description="Learning rate at the end of decay.")
@@ -76,9 +76,16 @@ class OptimizerConfig(Section):
         description="How weight decay goes from start to end; constant keeps weight_decay.",
     )
     clip_grad: Float = Field(1.0, ge=0, description="Clip the global grad L2 norm (0: off).")
-    adam_beta1: Float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
-    adam_beta2: Float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
-    adam_eps: Float = Field(1e-8, gt=0, description="Adam epsilon.")
+    # One field per hyperparameter, shared by the optimizers that have it (DeepSpeed's "betas"
+    # and "eps" mean the same for each), so a config switches optimizer without renaming keys.
+    adam_beta1: Float = Field(0.9, ge=0, lt=1, description="Adam beta1 (Lamb's and Lion's too).")
+    adam_beta2: Float = Field(0.999, ge=0, lt=1, description="Adam beta2 (Lamb's and Lion's too).")
+    adam_eps: Float = Field(
+        1e-8,
+        gt=0,
+        description="Adam epsilon (Lamb's and Adagrad's too; a DeepSpeed config's Adagrad "
+        "defaults it to 1e-10).",
+    )
     sgd_momentum: Float = Field(0.9, ge=0, description="SGD momentum.")
     sgd_nesterov: bool = Field(False, description="Nesterov momentum for SGD.")
     adam_w_mode: bool = Field(
