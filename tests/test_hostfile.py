@@ -188,6 +188,17 @@ def test_propagated_env_prefixes_env_files_and_pythonpath(tmp_path, monkeypatch)
     }
 
 
+def test_ds_env_file_renames_deepspeeds_env_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "nohome"))
+    (tmp_path / "my_env").write_text("A=1\n")
+    (tmp_path / ".deepspeed_env").write_text("B=2\n")
+    environ = {"DS_ENV_FILE": "my_env"}
+    assert multinode.propagated_env(environ, str(tmp_path)) == {
+        "A": "1",
+        "PYTHONPATH": str(tmp_path),
+    }
+
+
 def test_a_bad_env_file_line_is_named(tmp_path):
     path = tmp_path / ".deepspeed_env"
     path.write_text("A=1\nexport B=2\n")
@@ -234,7 +245,7 @@ def test_ssh_runs_one_launcher_per_node(job):
 
 def test_launcher_flags_reach_every_node(job):
     argv = ["--launcher_args", "-o StrictHostKeyChecking=no", "--master_addr", "10.0.0.1"]
-    argv += ["--master_port", "1234", "--log_dir", "logs", "--max_restarts", "2"]
+    argv += ["--master_port", "1234", "--enable_each_rank_log", "logs", "--max_restarts", "2"]
     argv += ["--as_deepspeed", "--no_local_rank", "-m", "pkg.train", "x"]
     (first, _) = _plan(*argv).commands
     ssh, remote = first.argv[:4], shlex.split(first.argv[4])

@@ -89,6 +89,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--log_dir",
         "--log-dir",
+        "--enable_each_rank_log",
         dest="log_dir",
         metavar="DIR",
         default=None,

@@ -12,11 +12,12 @@ numbering, prefixed output, failure summaries and restarts are the same everywhe
 
 ``COMMAND`` (ssh, pdsh) is one shell string built only from ``shlex.quote``-d words: it changes
 to the launching node's working directory, exports the propagated environment (``NCCL_*``,
-``PYTHON*``, ``CUDA_*``, ``ZEROTRON_*`` and the ``KEY=VALUE`` lines of ``.deepspeed_env`` /
-``.zerotron_env`` in the home and working directories, taken literally), and runs the same Python
-executable. ``CUDA_VISIBLE_DEVICES`` is the node's selected slots. :func:`plan` returns the
-commands, which ``--dry-run`` prints; with ``--no_ssh`` this host runs its own share. Starting the
-other nodes (and watching them) is not done yet.
+``PYTHON*``, ``CUDA_*``, ``ZEROTRON_*`` and the ``KEY=VALUE`` lines of ``.deepspeed_env`` (or
+``$DS_ENV_FILE``) and ``.zerotron_env`` in the home and working directories, taken literally),
+and runs the same Python executable. ``CUDA_VISIBLE_DEVICES`` is the node's selected slots.
+:func:`plan` returns the commands, which ``--dry-run`` prints; with ``--no_ssh``, or for a job on
+this host alone, this host runs its own share. Starting other nodes (and watching them) is not
+done yet.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from zerotron.launcher.flags import DEFAULT_MASTER_PORT
 from zerotron.launcher.hostfile import read_hostfile, select_resources
 
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "CUDA_", "ZEROTRON_")
-ENV_FILES = (".deepspeed_env", ".zerotron_env")  # read from ~ then the working directory
 PDSH_FAN_OUT = 1024
 # Where each back end tells a node's launcher its node rank.
 NODE_RANK_ENV = {"openmpi": "OMPI_COMM_WORLD_RANK", "mpich": "PMI_RANK", "slurm": "SLURM_NODEID"}
@@ -266,8 +266,9 @@ def propagated_env(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
         if k.startswith(EXPORT_PREFIXES) and k != "CUDA_VISIBLE_DEVICES"
     }
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, environ.get("PYTHONPATH")) if p)
+    names = (environ.get("DS_ENV_FILE", ".deepspeed_env"), ".zerotron_env")  # DeepSpeed's name
     for directory in (os.path.expanduser("~"), cwd):
-        for name in ENV_FILES:
+        for name in names:
             path = os.path.join(directory, name)
             if os.path.isfile(path):
                 env.update(read_env_file(path))
