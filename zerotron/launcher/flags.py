@@ -161,14 +161,15 @@ def _multinode_flags(p: ArgumentParser) -> None:
         "--include",
         metavar="SPEC",
         default="",
-        help='hosts and slots to use, e.g. "w0@w1:0,2" (all of w0, slots 0 and 2 of w1)',
+        help='hosts and slots to use (default: all), e.g. "w0@w1:0,2": all of w0, slots 0 and 2 '
+        "of w1",
     )
     p.add_argument(
         "-e",
         "--exclude",
         metavar="SPEC",
         default="",
-        help='hosts and slots not to use, e.g. "w1:0"',
+        help='hosts and slots not to use (default: none), e.g. "w1:0"',
     )
     p.add_argument(
         "--launcher",
@@ -183,7 +184,7 @@ def _multinode_flags(p: ArgumentParser) -> None:
         dest="launcher_args",
         metavar="ARGS",
         default="",
-        help="extra arguments for ssh, pdsh, mpirun or srun, as one quoted string",
+        help="extra arguments for ssh, pdsh, mpirun or srun, as one quoted string (default: none)",
     )
     p.add_argument(
         "--no_ssh",
@@ -193,7 +194,15 @@ def _multinode_flags(p: ArgumentParser) -> None:
         help="start nothing remotely: run this host's share (--node_rank) of the hostfile's job; "
         "run the same command on every host",
     )
-    p.add_argument("--ssh_port", "--ssh-port", dest="ssh_port", type=int, default=None)
+    p.add_argument(
+        "--ssh_port",
+        "--ssh-port",
+        dest="ssh_port",
+        metavar="PORT",
+        type=int,
+        default=None,
+        help="port of sshd on every host (ssh and pdsh; default: ssh's own)",
+    )
     p.add_argument(
         "--node_rank_env",
         "--node-rank-env",
