@@ -176,6 +176,7 @@ def test_propagated_env_prefixes_env_files_and_pythonpath(tmp_path, monkeypatch)
         "HOME": str(home),
         "SECRET_TOKEN": "no",
         "OMP_NUM_THREADS": "4",
+        "NCCL_X;rm": "not a name a shell exports",
     }
     assert multinode.propagated_env(environ, str(cwd)) == {
         "A": "home",
@@ -384,12 +385,15 @@ def test_hostile_text_stays_quoted(job, monkeypatch, launcher):
     (weird / "t; rm -rf ~.py").write_text("")
     monkeypatch.chdir(weird)
     monkeypatch.setenv("NCCL_X", "a; rm -rf / `id` $(x) 'q' \"d\"")
-    argv = ["--hostfile", "hosts", "--launcher", launcher, "t; rm -rf ~.py", *HOSTILE]
+    argv = ["--hostfile", "hosts", "--launcher", launcher, "--master_addr", "$(x);y"]
+    argv += ["--log_dir", "l'; z", "t; rm -rf ~.py", *HOSTILE]
     (command,) = multinode.plan(launch._parse(argv)).commands
     printed = shlex.split(command.line())
     assert printed[printed.index(command.argv[0]) :] == command.argv
     remote = shlex.split(command.argv[-1])
     assert remote[:2] == ["cd", str(weird)]
+    assert remote[remote.index("--master_addr") + 1] == "$(x);y"
+    assert remote[remote.index("--log_dir") + 1] == "l'; z"
     assert "NCCL_X=a; rm -rf / `id` $(x) 'q' \"d\"" in remote
     assert remote[-len(HOSTILE) - 1 :] == ["t; rm -rf ~.py", *HOSTILE]
 

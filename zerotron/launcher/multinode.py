@@ -258,12 +258,13 @@ def propagated_env(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
     """What every node's environment gets from here, sorted by name.
 
     ``PYTHONPATH`` starts with the working directory (as DeepSpeed's launcher does), and
-    ``CUDA_VISIBLE_DEVICES`` is left out: each node's is its selected slots.
+    ``CUDA_VISIBLE_DEVICES`` is left out: each node's is its selected slots. Names a shell could
+    not export (possible in an environment) are left out too.
     """
     env = {
         k: v
         for k, v in environ.items()
-        if k.startswith(EXPORT_PREFIXES) and k != "CUDA_VISIBLE_DEVICES"
+        if k.startswith(EXPORT_PREFIXES) and k != "CUDA_VISIBLE_DEVICES" and _ENV_KEY.match(k)
     }
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, environ.get("PYTHONPATH")) if p)
     names = (environ.get("DS_ENV_FILE", ".deepspeed_env"), ".zerotron_env")  # DeepSpeed's name
