@@ -2,6 +2,7 @@
 
     zerotron launch --nproc_per_node 8 -m zerotron pretrain --tensor-model-parallel-size 2 ...
     zerotron launch --nnodes 2 --node_rank 0 --master_addr node0 --master_port 29500 train.py ...
+    zerotron launch --hostfile hosts --include "w0@w1:0,2" --dry-run train.py ...
 
 Each node runs one launcher. It starts PyTorch's elastic agent (the engine behind ``torchrun``)
 with a static rendezvous: node ``i`` of ``N`` gets global ranks ``i*P .. i*P+P-1``, and every
@@ -11,6 +12,9 @@ worker finds its peers through the environment that ``torch.distributed``'s ``en
 - every output line carries its rank (``[rank3]: ...``) and ``--log_dir`` keeps one file per rank
   (:mod:`zerotron.launcher.output`);
 - ``OMP_NUM_THREADS`` defaults to cores / local processes, so ranks do not fight over cores;
+- with ``--hostfile``, the hosts and slots are selected as DeepSpeed's launcher does
+  (:mod:`zerotron.launcher.hostfile`) and each node's command is built per back end
+  (:mod:`zerotron.launcher.multinode`);
 - when a rank fails, the agent stops the others at once (SIGTERM, then SIGKILL after
   ``--shutdown_timeout``), and the launcher names the rank that failed *first*, shows its
   traceback and exits with its exit code.
@@ -23,6 +27,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -31,11 +36,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
-from zerotron.config.args import ArgumentParser
 from zerotron.errors import ConfigError, LaunchError
 from zerotron.fileio import check_writable_dir
+from zerotron.launcher import multinode
+from zerotron.launcher.flags import DEFAULT_MASTER_PORT, build_parser
 
-DEFAULT_MASTER_PORT = 29500
 RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
 # Commands of zerotron's own CLI read LOCAL_RANK from the environment; their first argument is a
 # subcommand, so a --local_rank in front of it would not parse.
@@ -69,141 +74,27 @@ class LaunchPlan:
         return self.nnodes * self.nproc_per_node
 
 
-def build_parser() -> ArgumentParser:
-    p = ArgumentParser(
-        prog="zerotron launch",
-        description="Start a training program on several processes (and nodes) with "
-        "torch.distributed's environment set, built on the elastic agent of torchrun. "
-        "Everything after the script (or -m module) is passed to it untouched.",
-    )
-    p.add_argument(
-        "--nproc_per_node",
-        "--nproc-per-node",
-        "--num_gpus",
-        "--num-gpus",
-        dest="nproc_per_node",
-        metavar="N",
-        type=int,
-        default=None,
-        help="processes on this node (default: the number of GPUs, or 1 without CUDA)",
-    )
-    p.add_argument(
-        "--nnodes",
-        "--num_nodes",
-        "--num-nodes",
-        dest="nnodes",
-        metavar="N",
-        type=int,
-        default=1,
-        help="number of nodes; start one launcher per node",
-    )
-    p.add_argument(
-        "--node_rank",
-        "--node-rank",
-        dest="node_rank",
-        metavar="I",
-        type=int,
-        default=0,
-        help="this node's index, 0 .. nnodes-1 (node 0 hosts the rendezvous)",
-    )
-    p.add_argument(
-        "--master_addr",
-        "--master-addr",
-        dest="master_addr",
-        metavar="ADDR",
-        default="127.0.0.1",
-        help="address of node 0, reachable from every node",
-    )
-    p.add_argument(
-        "--master_port",
-        "--master-port",
-        dest="master_port",
-        metavar="PORT",
-        type=int,
-        default=None,
-        help=f"port on node 0 (default: a free port on one node, {DEFAULT_MASTER_PORT} on many)",
-    )
-    p.add_argument(
-        "-m",
-        "--module",
-        action="store_true",
-        help="SCRIPT is a module name, run as python -m MODULE",
-    )
-    p.add_argument(
-        "--no_local_rank",
-        "--no-local-rank",
-        dest="no_local_rank",
-        action="store_true",
-        help="do not pass --local_rank=N to the program (LOCAL_RANK is always in its "
-        "environment; zerotron's own commands never get the flag)",
-    )
-    p.add_argument(
-        "--log_dir",
-        "--log-dir",
-        dest="log_dir",
-        metavar="DIR",
-        default=None,
-        help="also write each rank's stdout and stderr to DIR/rank{N}.log",
-    )
-    p.add_argument(
-        "--max_restarts",
-        "--max-restarts",
-        dest="max_restarts",
-        metavar="N",
-        type=int,
-        default=0,
-        help="restart all local workers this many times after a failure",
-    )
-    p.add_argument(
-        "--shutdown_timeout",
-        "--shutdown-timeout",
-        dest="shutdown_timeout",
-        metavar="S",
-        type=int,
-        default=15,
-        help="after a rank fails, seconds the others get to exit on SIGTERM before SIGKILL",
-    )
-    p.add_argument(
-        "--rdzv_timeout",
-        "--rdzv-timeout",
-        dest="rdzv_timeout",
-        metavar="S",
-        type=int,
-        default=900,
-        help="seconds to wait for all nodes to join",
-    )
-    p.add_argument(
-        "--as_deepspeed",
-        "--as-deepspeed",
-        dest="as_deepspeed",
-        action="store_true",
-        help="in the program, `import deepspeed` is zerotron, with the distribution metadata "
-        "that Hugging Face transformers and accelerate check (nothing is installed; a real "
-        "DeepSpeed stays untouched)",
-    )
-    p.add_argument(
-        "--verbose", action="store_true", help="show the elastic agent's own log messages"
-    )
-    p.add_argument(
-        "script",
-        metavar="SCRIPT",
-        nargs="?",  # checked in plan_from_args, for a message that says what to do
-        help="the training script (or, with -m, the module) to run",
-    )
-    p.add_argument(
-        "script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script"
-    )
-    return p
-
-
 def plan_from_args(argv: list[str]) -> LaunchPlan:
     """Parse and check the flags; raises ConfigError (bad values) or LaunchError (no program)."""
+    return _plan(_parse(argv))
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.script is None:
         raise ConfigError(
             "no program to run",
             fix="end the command with a script and its arguments, or -m MODULE and its arguments",
         )
+    return args
+
+
+def _plan(args: argparse.Namespace) -> LaunchPlan:
+    if args.node_rank_env is not None:
+        args.node_rank = multinode.node_rank_from(args.node_rank_env)
+    args.nnodes = 1 if args.nnodes is None else args.nnodes
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
+    args.master_addr = args.master_addr or "127.0.0.1"
     nproc = args.nproc_per_node if args.nproc_per_node is not None else _default_nproc()
     if nproc < 1:
         raise ConfigError(
@@ -478,7 +369,17 @@ def _launcher_state(plan: LaunchPlan) -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     """``zerotron launch [flags] script.py|-m module [args...]``; returns the job's exit code."""
-    plan = plan_from_args(list(sys.argv[1:] if argv is None else argv))
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    if multinode.wanted(args):
+        _check_program(args.script, args.module)
+        run_node = lambda node_argv: run(plan_from_args(node_argv))  # noqa: E731
+        local = _default_nproc() if args.hostfile is None else 1
+        return multinode.run_job(args, run_node, local)
+    plan = _plan(args)
+    if args.dry_run:
+        _say(_banner(plan) + f", {plan.nproc_per_node} process(es) running:")
+        print(shlex.join([plan.entrypoint, *plan.worker_args]), flush=True)
+        return 0
     return run(plan)
 
 
