@@ -38,7 +38,7 @@ from functools import partial
 
 from zerotron.errors import ConfigError, LaunchError
 from zerotron.fileio import check_writable_dir
-from zerotron.launcher import multinode
+from zerotron.launcher import multinode, network
 from zerotron.launcher.flags import DEFAULT_MASTER_PORT, build_parser
 
 RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
@@ -68,6 +68,7 @@ class LaunchPlan:
     omp_num_threads: int | None  # None: OMP_NUM_THREADS is already set and left alone
     verbose: bool = False
     as_deepspeed: bool = False  # workers' `import deepspeed` is zerotron (compat/as_deepspeed.py)
+    socket_ifname: str | None = None  # many nodes: the interface that reaches master_addr
 
     @property
     def world_size(self) -> int:
@@ -118,6 +119,7 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
     if not 1 <= port <= 65535:
         raise ConfigError(f"--master_port must be in 1 .. 65535, got {port}")
     _check_resolves(args.master_addr, port)
+    ifname = network.plan_ifname(args.master_addr, port, args.nnodes)
     if args.max_restarts < 0:
         raise ConfigError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.shutdown_timeout < 0 or args.rdzv_timeout < 1:
@@ -146,6 +148,7 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
         omp_num_threads=omp,
         verbose=args.verbose,
         as_deepspeed=args.as_deepspeed,
+        socket_ifname=ifname,
     )
 
 
@@ -313,9 +316,13 @@ def _banner(plan: LaunchPlan) -> str:
         else (f"ranks {first}-{first + plan.nproc_per_node - 1}")
     )
     omp = os.environ["OMP_NUM_THREADS"] if plan.omp_num_threads is None else plan.omp_num_threads
+    ifname = ""
+    if plan.socket_ifname is not None:
+        names = "/".join(v for v in network.IFNAME_VARS if v not in os.environ)
+        ifname = f", {names}={plan.socket_ifname}"
     return (
         f"node {plan.node_rank} of {plan.nnodes}: {ranks} of {plan.world_size}, "
-        f"rendezvous at {plan.master_addr}:{plan.master_port}, OMP_NUM_THREADS={omp}"
+        f"rendezvous at {plan.master_addr}:{plan.master_port}, OMP_NUM_THREADS={omp}{ifname}"
     )
 
 
@@ -331,14 +338,17 @@ def _say(text: str) -> None:
 def _launcher_state(plan: LaunchPlan) -> Iterator[None]:
     """Set what the agent reads from the launcher's process, and put it back afterwards.
 
-    The agent passes OMP_NUM_THREADS (and PYTHONPATH, which ``--as-deepspeed`` extends) on from
-    os.environ and installs its own signal handlers; restoring them keeps ``run`` safe to call
-    from a longer-lived Python program (the tuner).
+    The agent passes OMP_NUM_THREADS, GLOO/NCCL_SOCKET_IFNAME (and PYTHONPATH, which
+    ``--as-deepspeed`` extends) on from os.environ and installs its own signal handlers;
+    restoring them keeps ``run`` safe to call from a longer-lived Python program (the tuner).
     """
-    saved_env = os.environ.get("OMP_NUM_THREADS")
-    saved_path = os.environ.get("PYTHONPATH")
+    keys = ("OMP_NUM_THREADS", "PYTHONPATH", *network.IFNAME_VARS)
+    saved_env = {key: os.environ.get(key) for key in keys}
     if plan.omp_num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(plan.omp_num_threads)
+    if plan.socket_ifname is not None:  # what the user set stays
+        for var in network.IFNAME_VARS:
+            os.environ.setdefault(var, plan.socket_ifname)
     if plan.as_deepspeed:
         from zerotron.compat import as_deepspeed
 
@@ -360,7 +370,7 @@ def _launcher_state(plan: LaunchPlan) -> Iterator[None]:
         elastic_log.propagate, elastic_log.handlers = saved_log
         for name, handler in saved_handlers.items():
             signal.signal(getattr(signal, name), handler)
-        for key, value in (("OMP_NUM_THREADS", saved_env), ("PYTHONPATH", saved_path)):
+        for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
