@@ -9,12 +9,12 @@ refuses namespaces.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -55,11 +55,14 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def _start(ns: str, node_rank: int, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+def _start(
+    ns: str, node_rank: int, env_extra: dict[str, str] | None = None, sink=None
+) -> subprocess.Popen:
+    """One launcher in namespace ``ns``; its output piped, or written to the file ``sink``."""
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
     env.update(env_extra or {})
     args = ["--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", "1"]
-    args += ["--master_addr", MASTER, "--master_port", PORT, "--rdzv_timeout", "60"]
+    args += ["--master_addr", MASTER, "--master_port", PORT, "--rdzv_timeout", "120"]
     return subprocess.Popen(
         [
             "ip",
@@ -74,8 +77,8 @@ def _start(ns: str, node_rank: int, env_extra: dict[str, str] | None = None) -> 
         ],
         cwd=REPO,
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=sink or subprocess.PIPE,
+        stderr=subprocess.STDOUT if sink else subprocess.PIPE,
         text=True,
     )
 
@@ -116,21 +119,25 @@ def test_a_remote_master_reached_only_through_loopback_is_refused(two_hosts):
     assert "GLOO_SOCKET_IFNAME" in err and "/etc/hosts" in err
 
 
-def test_without_the_veth_interface_gloo_advertises_loopback_and_fails(two_hosts):
+def test_without_the_veth_interface_gloo_advertises_loopback_and_fails(two_hosts, tmp_path):
     # The bug of issue 15, forced: both hosts talk on lo, as they did when gloo went by the host
     # name (127.x). Node 1 cannot reach node 0's advertised 127.0.0.1: gloo gives up after a few
     # retries (the launchers themselves would then wait for each other, so they are stopped).
     names, _ = two_hosts
     lo = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
-    procs = [_start(names[0], 0, lo), _start(names[1], 1, lo)]
+    log = tmp_path / "node1.log"
+    procs = []
     try:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            procs[1].wait(timeout=45)
-        for p in procs:
-            p.terminate()
-        out, err = procs[1].communicate(timeout=30)
-        procs[0].communicate(timeout=30)
+        with open(log, "w") as sink:
+            procs = [_start(names[0], 0, lo), _start(names[1], 1, lo, sink)]
+            deadline = time.monotonic() + 150  # the rendezvous is slow on a busy machine
+            while "connectFullMesh failed" not in log.read_text():
+                if time.monotonic() > deadline or procs[1].poll() is not None:
+                    break  # the assertion below shows what node 1 said instead
+                time.sleep(0.5)
     finally:
         for p in procs:
             p.kill()
-    assert "Gloo connectFullMesh failed" in out + err and "remote=[127.0.0.1]" in out + err
+            p.communicate()
+    text = log.read_text()
+    assert "Gloo connectFullMesh failed" in text and "remote=[127.0.0.1]" in text, text
