@@ -16,16 +16,16 @@ raw gradient (not the decayed one) by the root, which differs only with weight d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.optim.adagrad import adagrad as _adagrad_kernel
 
-from zerotron.optim.elementwise import check_hyper, gather_group
+from zerotron.optim.elementwise import ElementwiseOptimizer, GroupTensors, check_hyper
 
 
-class Adagrad(torch.optim.Optimizer):
+class Adagrad(ElementwiseOptimizer):
     """DeepSpeed's Adagrad (see the module docstring), a drop-in torch optimizer.
 
     Args:
@@ -38,7 +38,7 @@ class Adagrad(torch.optim.Optimizer):
             device torch has it for), else the foreach kernel; True/False force it.
     """
 
-    zero_elementwise = True  # each element's update reads only that element: ZeRO may shard it
+    STATE_NAMES = ("exp_avg_sq",)
 
     def __init__(
         self,
@@ -55,36 +55,24 @@ class Adagrad(torch.optim.Optimizer):
         self.fp32_states = fp32_states
         self.fused = fused
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One Adagrad step over every parameter that has a gradient; returns ``closure()``."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            t = gather_group(self, group, ("exp_avg_sq",), self.fp32_states)
-            ps = t.params
-            if not ps:
-                continue
-            fused = self.fused if self.fused is not None else all(p.is_cpu for p in ps)
-            _adagrad_kernel(
-                ps,
-                t.grads,
-                t.states["exp_avg_sq"],
-                t.steps,
-                fused=fused or None,
-                foreach=None if fused else True,
-                grad_scale=None,
-                found_inf=None,
-                has_sparse_grad=False,
-                differentiable=False,
-                has_complex=False,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                lr_decay=0.0,
-                eps=group["eps"],
-                maximize=False,
-            )
-            t.copy_back()
-        return loss
+    def _step_group(self, group: dict[str, Any], t: GroupTensors) -> None:
+        ps = t.params
+        fused = self.fused if self.fused is not None else all(p.is_cpu for p in ps)
+        _adagrad_kernel(
+            ps,
+            t.grads,
+            t.states["exp_avg_sq"],
+            t.steps,
+            fused=fused or None,
+            foreach=None if fused else True,
+            grad_scale=None,
+            found_inf=None,
+            has_sparse_grad=False,
+            differentiable=False,
+            has_complex=False,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            lr_decay=0.0,
+            eps=group["eps"],
+            maximize=False,
+        )

@@ -25,7 +25,7 @@ treat it as they treat torch's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -33,10 +33,10 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.adamw import adamw as _adamw_kernel
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-from zerotron.optim.elementwise import check_hyper, gather_group
+from zerotron.optim.elementwise import ElementwiseOptimizer, GroupTensors, check_hyper
 
 
-class Adam(torch.optim.Optimizer):
+class Adam(ElementwiseOptimizer):
     """Adam/AdamW (see the module docstring), a drop-in torch optimizer.
 
     Args:
@@ -51,7 +51,8 @@ class Adam(torch.optim.Optimizer):
             foreach kernel; True/False force it.
     """
 
-    zero_elementwise = True  # each element's update reads only that element: ZeRO may shard it
+    STATE_NAMES = ("exp_avg", "exp_avg_sq")
+    STEPS_ON_PARAM_DEVICE = True
 
     def __init__(
         self,
@@ -79,51 +80,39 @@ class Adam(torch.optim.Optimizer):
         self.fp32_states = fp32_states
         self.fused = fused
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One Adam step over every parameter that has a gradient; returns ``closure()``."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            t = gather_group(self, group, ("exp_avg", "exp_avg_sq"), self.fp32_states, True)
-            ps, steps = t.params, t.steps
-            if not ps:
-                continue
-            b1, b2 = group["betas"]
-            kernel = _adamw_kernel if group["adam_w_mode"] else _adam_kernel
-            fused = self._use_fused(ps)
-            if group["bias_correction"]:
-                kernel_steps = steps  # the kernel advances them
-            else:
-                torch._foreach_add_(steps, 1)
-                inf = {p.device: torch.tensor(float("inf"), device=p.device) for p in ps}
-                kernel_steps = [inf[p.device] for p in ps]
-            kernel(
-                ps,
-                t.grads,
-                t.states["exp_avg"],
-                t.states["exp_avg_sq"],
-                [],
-                kernel_steps,
-                foreach=None if fused else True,
-                fused=fused or None,
-                capturable=False,
-                differentiable=False,
-                grad_scale=None,
-                found_inf=None,
-                has_complex=False,
-                amsgrad=False,
-                beta1=b1,
-                beta2=b2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=False,
-            )
-            t.copy_back()
-        return loss
+    def _step_group(self, group: dict[str, Any], t: GroupTensors) -> None:
+        ps, steps = t.params, t.steps
+        b1, b2 = group["betas"]
+        kernel = _adamw_kernel if group["adam_w_mode"] else _adam_kernel
+        fused = self._use_fused(ps)
+        if group["bias_correction"]:
+            kernel_steps = steps  # the kernel advances them
+        else:
+            torch._foreach_add_(steps, 1)
+            inf = {p.device: torch.tensor(float("inf"), device=p.device) for p in ps}
+            kernel_steps = [inf[p.device] for p in ps]
+        kernel(
+            ps,
+            t.grads,
+            t.states["exp_avg"],
+            t.states["exp_avg_sq"],
+            [],
+            kernel_steps,
+            foreach=None if fused else True,
+            fused=fused or None,
+            capturable=False,
+            differentiable=False,
+            grad_scale=None,
+            found_inf=None,
+            has_complex=False,
+            amsgrad=False,
+            beta1=b1,
+            beta2=b2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
     def _use_fused(self, params: list[torch.Tensor]) -> bool:
         if self.fused is not None:

@@ -1,7 +1,8 @@
 """What zerotron's elementwise optimizers (:class:`~zerotron.optim.adam.Adam`,
-:class:`~zerotron.optim.lion.Lion`, :class:`~zerotron.optim.adagrad.Adagrad`) share: checking
-hyperparameters, refusing sparse gradients, and collecting a param group's tensors for one
-multi-tensor kernel call.
+:class:`~zerotron.optim.lion.Lion`, :class:`~zerotron.optim.adagrad.Adagrad`) share: their
+``step`` (:class:`ElementwiseOptimizer`: each says only how one group's tensors are updated),
+checking hyperparameters, refusing sparse gradients, and collecting a param group's tensors for
+one multi-tensor kernel call.
 
 A 16-bit parameter with fp32 states (``fp32_states=True``, DeepSpeed's default) is stepped as an
 fp32 copy and rounded back after the kernel (:meth:`GroupTensors.copy_back`); the states are
@@ -11,7 +12,7 @@ flat partitions before any step and refuses an optimizer that already has state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,40 @@ class GroupTensors:
         """Round the stepped fp32 copies into their 16-bit parameters."""
         for p, p32 in self.back:
             p.copy_(p32)
+
+
+class ElementwiseOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose step updates each group's gathered tensors in one kernel call.
+
+    Subclasses set :attr:`STATE_NAMES` (the per-parameter state tensors, created as zeros at
+    the first step) and implement :meth:`_step_group`; ``self.fp32_states`` says whether 16-bit
+    parameters keep fp32 states.
+    """
+
+    zero_elementwise = True  # each element's update reads only that element: ZeRO may shard it
+    STATE_NAMES: tuple[str, ...] = ()
+    STEPS_ON_PARAM_DEVICE = False  # where the step counters live (torch's kernels differ)
+    fp32_states: bool
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step over every parameter that has a gradient; returns ``closure()``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            t = gather_group(
+                self, group, self.STATE_NAMES, self.fp32_states, self.STEPS_ON_PARAM_DEVICE
+            )
+            if t.params:
+                self._step_group(group, t)
+                t.copy_back()
+        return loss
+
+    def _step_group(self, group: dict[str, Any], t: GroupTensors) -> None:
+        """Update ``t``'s parameters, states and step counters in place."""
+        raise NotImplementedError
 
 
 def gather_group(

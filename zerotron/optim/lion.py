@@ -16,15 +16,15 @@ ZeRO's zero padding relies on such elements staying zero.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from zerotron.optim.elementwise import check_hyper, gather_group
+from zerotron.optim.elementwise import ElementwiseOptimizer, GroupTensors, check_hyper
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(ElementwiseOptimizer):
     """Lion (see the module docstring), a drop-in torch optimizer.
 
     Args:
@@ -34,7 +34,7 @@ class Lion(torch.optim.Optimizer):
             fp32 and rounded into the parameter); False keeps it in the parameter's dtype.
     """
 
-    zero_elementwise = True  # each element's update reads only that element: ZeRO may shard it
+    STATE_NAMES = ("exp_avg",)
 
     def __init__(
         self,
@@ -49,25 +49,12 @@ class Lion(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
         self.fp32_states = fp32_states
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One Lion step over every parameter that has a gradient; returns ``closure()``."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            t = gather_group(self, group, ("exp_avg",), self.fp32_states)
-            ps = t.params
-            if not ps:
-                continue
-            lion_step(
-                ps, t.grads, t.states["exp_avg"], group["lr"], *group["betas"],
-                group["weight_decay"],
-            )  # fmt: skip
-            torch._foreach_add_(t.steps, 1)
-            t.copy_back()
-        return loss
+    def _step_group(self, group: dict[str, Any], t: GroupTensors) -> None:
+        lion_step(
+            t.params, t.grads, t.states["exp_avg"], group["lr"], *group["betas"],
+            group["weight_decay"],
+        )  # fmt: skip
+        torch._foreach_add_(t.steps, 1)
 
 
 BLOCK = 1 << 17
