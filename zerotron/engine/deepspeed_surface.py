@@ -25,7 +25,6 @@ Engine has none either.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from torch import Tensor, nn
 
 from zerotron.checkpoint.layout import GATHERED_16BIT_FILE
 from zerotron.distributed.init import get_world_size
+from zerotron.distributed.init import local_rank as node_local_rank
 from zerotron.distributed.state import state
 from zerotron.engine import checkpoint_io
 from zerotron.engine.timers import ThroughputTimer
@@ -137,7 +137,7 @@ class DeepSpeedSurface:
     @property
     def local_rank(self) -> int:
         """This process's index on its node (the launcher's ``LOCAL_RANK``; 0 without one)."""
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        return node_local_rank()
 
     @property
     def global_rank(self) -> int:

@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from zerotron.compat.accelerator.abstract_accelerator import DeepSpeedAccelerator
+from zerotron.distributed.init import local_rank
 
 
 class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's name
@@ -42,7 +43,7 @@ class CPU_Accelerator(DeepSpeedAccelerator):  # noqa: N801 - DeepSpeed's name
 
     def current_device(self) -> int:
         """The process's local rank: each process is "its" CPU device."""
-        return int(os.environ.get("LOCAL_RANK") or 0)
+        return local_rank()
 
     def current_device_name(self) -> str:
         return "cpu"
