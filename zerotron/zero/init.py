@@ -283,10 +283,9 @@ def _as_group(group: Any) -> Group:
         return state().dp
     if isinstance(group, Group):
         return group
-    import torch.distributed as dist
+    from zerotron.distributed.state import group_of
 
-    ranks = tuple(dist.get_process_group_ranks(group))
-    return Group("dp", ranks, ranks.index(dist.get_rank()), group if len(ranks) > 1 else None)
+    return dataclasses.replace(group_of(group), name="dp")  # the ledger's name for it
 
 
 def _read_config(config: Mapping[str, Any] | str | Path | None) -> Mapping[str, Any]:
