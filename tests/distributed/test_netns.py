@@ -1,6 +1,6 @@
-"""Two hosts on one machine: two network namespaces joined by a veth pair (10.213.8.1 and
-10.213.8.2), one ``zerotron launch`` in each (issue 15). Without the launcher naming the veth
-interface, each host's gloo advertised the address its host name resolves to (127.x) and the
+"""Two hosts on one machine: two network namespaces on one bridge (10.213.8.1 and 10.213.8.2;
+tests/multihost.py), one ``zerotron launch`` in each (issue 15). Without the launcher naming the
+veth interface, each host's gloo advertised the address its host name resolves to (127.x) and the
 job failed with ``Gloo connectFullMesh failed ... remote=[127.0.0.1]``.
 
 Needs root (or CAP_NET_ADMIN) and the ``ip`` tool; skipped with the reason where the kernel
@@ -11,47 +11,23 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.multihost import REPO, hosts, ip
+
 ALLREDUCE = os.path.join(REPO, "tests", "distributed", "launch_scripts", "allreduce.py")
-MASTER, WORKER = "10.213.8.1", "10.213.8.2"
+MASTER = "10.213.8.1"
 PORT = "29517"  # each namespace has its own ports: no collision with the host's
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
 @pytest.fixture
 def two_hosts():
-    """Namespaces (names, interfaces) = (["zt<pid>a", "zt<pid>b"], ["zv<pid>a", "zv<pid>b"])."""
-    if shutil.which("ip") is None:
-        pytest.skip("the ip tool (iproute2) is not installed")
-    tag = str(os.getpid())
-    names, links = [f"zt{tag}a", f"zt{tag}b"], [f"zv{tag}a", f"zv{tag}b"]
-    made: list[str] = []
-    try:
-        for ns in names:
-            try:
-                _ip("netns", "add", ns)
-            except subprocess.CalledProcessError as e:
-                pytest.skip(f"network namespaces refused here (ip netns add: {e.stderr.strip()})")
-            made.append(ns)
-        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
-        for ns, link, addr in zip(names, links, (MASTER, WORKER)):
-            _ip("link", "set", link, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
-            _ip("-n", ns, "link", "set", link, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield names, links
-    finally:
-        for ns in made:  # deleting a namespace deletes the veth end inside it, and so the pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    """Namespaces (names, interfaces) of two hosts on one bridge (tests/multihost.py)."""
+    with hosts(2) as made:
+        yield [h.netns for h in made], [h.link for h in made]
 
 
 def _start(
@@ -110,7 +86,7 @@ def test_a_remote_master_reached_only_through_loopback_is_refused(two_hosts):
     names, _ = two_hosts
     # Make node 1's route to the master go out through lo with a 127.x source: what a host
     # whose name resolves to 127.x and whose traffic to node 0 stays local looks like.
-    _ip("-n", names[1], "route", "replace", f"{MASTER}/32", "dev", "lo", "src", "127.0.0.1")
+    ip("-n", names[1], "route", "replace", f"{MASTER}/32", "dev", "lo", "src", "127.0.0.1")
     ((p, out, err),) = _finish([_start(names[1], 1)], timeout=60)
     assert p.returncode == 2, out + err
     assert "Traceback" not in err
