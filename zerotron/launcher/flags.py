@@ -135,6 +135,7 @@ def build_parser() -> ArgumentParser:
         "--verbose", action="store_true", help="show the elastic agent's own log messages"
     )
     _multinode_flags(p)
+    _process_flags(p)
     p.add_argument(
         "script",
         metavar="SCRIPT",
@@ -217,4 +218,37 @@ def _multinode_flags(p: ArgumentParser) -> None:
         dest="dry_run",
         action="store_true",
         help="print each node's command and exit without starting anything",
+    )
+
+
+def _process_flags(p: ArgumentParser) -> None:
+    """Core binding of the ranks and the launcher's PID file (DeepSpeed's names)."""
+    p.add_argument(
+        "--bind_cores_to_rank",
+        "--bind-cores-to-rank",
+        dest="bind_cores_to_rank",
+        action="store_true",
+        help="bind each local rank to an even, disjoint share of the node's cores (and its "
+        "memory to their NUMA node, with numactl); OMP_NUM_THREADS is the share",
+    )
+    p.add_argument(
+        "--bind_core_list",
+        "--bind-core-list",
+        dest="bind_core_list",
+        metavar="CPUS",
+        default=None,
+        help='the CPUs to share out, e.g. "0-7,16-23" (implies --bind_cores_to_rank; default: '
+        "every core the launcher may use)",
+    )
+    p.add_argument(
+        "--save_pid",
+        "--save-pid",
+        dest="save_pid",
+        action="store_true",
+        help="write the PID of each node's launcher to /tmp/<PID>.zerotron, where <PID> is the "
+        "process you started; removed when the launcher exits",
+    )
+    # Internal: the <PID> of --save_pid, given by the launching node to every node's launcher.
+    p.add_argument(
+        "--save_pid_as", dest="save_pid_as", type=int, default=None, help=argparse.SUPPRESS
     )

@@ -38,7 +38,7 @@ from functools import partial
 
 from zerotron.errors import ConfigError, LaunchError
 from zerotron.fileio import check_writable_dir
-from zerotron.launcher import multinode, network
+from zerotron.launcher import binding, multinode, network, pidfile
 from zerotron.launcher.flags import DEFAULT_MASTER_PORT, build_parser
 
 RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
@@ -69,6 +69,8 @@ class LaunchPlan:
     verbose: bool = False
     as_deepspeed: bool = False  # workers' `import deepspeed` is zerotron (compat/as_deepspeed.py)
     socket_ifname: str | None = None  # many nodes: the interface that reaches master_addr
+    bind: binding.Binding | None = None  # --bind_cores_to_rank: each local rank's CPUs
+    pid_key: int | None = None  # --save_pid: this launcher's PID goes to /tmp/<pid_key>.zerotron
 
     @property
     def world_size(self) -> int:
@@ -127,9 +129,15 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
     if args.log_dir is not None:  # found now, not when the first rank writes its log
         check_writable_dir(args.log_dir, "--log_dir")
     _check_program(args.script, args.module)
+    bound = None
+    if args.bind_cores_to_rank or args.bind_core_list is not None:
+        bound = binding.rank_cpus(nproc, args.bind_core_list)
     omp = None
-    if "OMP_NUM_THREADS" not in os.environ:
-        omp = max(1, _cores() // nproc)
+    if "OMP_NUM_THREADS" not in os.environ:  # the user's setting stays
+        omp = bound.cores_per_rank if bound else max(1, _cores() // nproc)
+    pid_key = args.save_pid_as if args.save_pid_as is not None else None
+    if args.save_pid and pid_key is None:
+        pid_key = os.getpid()
     return LaunchPlan(
         nproc_per_node=nproc,
         nnodes=args.nnodes,
@@ -149,6 +157,8 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
         verbose=args.verbose,
         as_deepspeed=args.as_deepspeed,
         socket_ifname=ifname,
+        bind=bound,
+        pid_key=pid_key,
     )
 
 
@@ -265,13 +275,12 @@ def run(plan: LaunchPlan) -> int:
         local_world_size=plan.nproc_per_node,
         rdzv_handler=rdzv,
         entrypoint=plan.entrypoint,
-        args=tuple(plan.worker_args),
+        args=(*_bootstrap(plan), *plan.worker_args),
         max_restarts=plan.max_restarts,
         monitor_interval=0.1,  # master_addr/port: the rendezvous gives them, per attempt
     )
-    streams = RankStreams(log_dir=plan.log_dir)
+    streams = RankStreams(log_dir=plan.log_dir, on_start=_Announcer(plan))
     agent = LocalElasticAgent(spec, logs_specs=streams, shutdown_timeout=plan.shutdown_timeout)
-    _say(_banner(plan))
     where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}"
     with _launcher_state(plan), streams, Watchdog(agent, plan.shutdown_timeout) as watchdog:
         try:
@@ -308,22 +317,53 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _banner(plan: LaunchPlan) -> str:
-    first = plan.node_rank * plan.nproc_per_node
-    ranks = (
-        f"rank {first}"
-        if plan.nproc_per_node == 1
-        else (f"ranks {first}-{first + plan.nproc_per_node - 1}")
-    )
+def _bootstrap(plan: LaunchPlan) -> list[str]:
+    """The interpreter arguments that run :mod:`zerotron.launcher.bootstrap` before the program:
+    the worker dies with this process and binds its cores, then execs ``plan.worker_args``."""
+    options = ["--parent", str(os.getpid())]
+    if plan.bind is not None:
+        options += binding.bootstrap_options(plan.bind.cpus)
+    return ["-m", "zerotron.launcher.bootstrap", *options, "--"]
+
+
+def _banner(plan: LaunchPlan, envs: dict[int, dict[str, str]] | None = None) -> str:
+    """What this node runs: its global ranks from the workers' ``envs`` as the agent numbered
+    them (nodes may run different numbers of ranks), or from the plan alone: exact for one node,
+    only the local count for many."""
+    if envs:
+        any_env = next(iter(envs.values()))
+        node, nnodes = int(any_env["GROUP_RANK"]), int(any_env["GROUP_WORLD_SIZE"])
+        first, last = (f(int(env["RANK"]) for env in envs.values()) for f in (min, max))
+        world, where = any_env["WORLD_SIZE"], f"{any_env['MASTER_ADDR']}:{any_env['MASTER_PORT']}"
+        ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+        ranks += f" of {world}"
+    else:
+        node, nnodes, n = plan.node_rank, plan.nnodes, plan.nproc_per_node
+        ranks = "rank 0 of 1" if n == 1 else f"ranks 0-{n - 1} of {n}"
+        ranks = ranks if nnodes == 1 else f"{n} local rank(s)"
+        where = f"{plan.master_addr}:{plan.master_port}"
     omp = os.environ["OMP_NUM_THREADS"] if plan.omp_num_threads is None else plan.omp_num_threads
-    ifname = ""
+    text = f"node {node} of {nnodes}: {ranks}, rendezvous at {where}, OMP_NUM_THREADS={omp}"
     if plan.socket_ifname is not None:
         names = "/".join(v for v in network.IFNAME_VARS if v not in os.environ)
-        ifname = f", {names}={plan.socket_ifname}"
-    return (
-        f"node {plan.node_rank} of {plan.nnodes}: {ranks} of {plan.world_size}, "
-        f"rendezvous at {plan.master_addr}:{plan.master_port}, OMP_NUM_THREADS={omp}{ifname}"
-    )
+        text += f", {names}={plan.socket_ifname}"
+    if plan.bind is not None:
+        text += f", {plan.bind.describe()}"
+    return text
+
+
+class _Announcer:
+    """Says the banner when the agent starts the workers (it knows their ranks only then), once
+    per new layout: restarts on another port or with other nodes say it again."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.plan, self.said = plan, ""
+
+    def __call__(self, envs: dict[int, dict[str, str]]) -> None:
+        text = _banner(self.plan, envs)
+        if text != self.said:
+            _say(text)
+            self.said = text
 
 
 def _say(text: str) -> None:
@@ -382,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     if multinode.wanted(args):
         _check_program(args.script, args.module)
-        run_node = lambda node_argv: run(plan_from_args(node_argv))  # noqa: E731
+        run_node = lambda node_argv: _run_node(plan_from_args(node_argv))  # noqa: E731
         local = _default_nproc() if args.hostfile is None else 1
         return multinode.run_job(args, run_node, local)
     plan = _plan(args)
@@ -390,7 +430,15 @@ def main(argv: list[str] | None = None) -> int:
         _say(_banner(plan) + f", {plan.nproc_per_node} process(es) running:")
         print(shlex.join([plan.entrypoint, *plan.worker_args]), flush=True)
         return 0
-    return run(plan)
+    return _run_node(plan)
+
+
+def _run_node(plan: LaunchPlan) -> int:
+    """:func:`run`, with ``--save_pid``'s file there while it runs."""
+    with pidfile.saved(plan.pid_key) as path:
+        if path is not None:
+            _say(f"launcher PID {os.getpid()} saved in {path}")
+        return run(plan)
 
 
 if __name__ == "__main__":

@@ -244,9 +244,13 @@ def _passed_on(a: argparse.Namespace) -> list[str]:
         out += ["--log_dir", a.log_dir]
     out += ["--max_restarts", str(a.max_restarts), "--shutdown_timeout", str(a.shutdown_timeout)]
     out += ["--rdzv_timeout", str(a.rdzv_timeout)]
-    for flag in ("no_local_rank", "as_deepspeed", "verbose"):
+    for flag in ("no_local_rank", "as_deepspeed", "verbose", "bind_cores_to_rank"):
         if getattr(a, flag):
             out.append(f"--{flag}")
+    if a.bind_core_list is not None:
+        out += ["--bind_core_list", a.bind_core_list]
+    if a.save_pid:  # every node's file is named by this process's PID, as in DeepSpeed
+        out += ["--save_pid_as", str(a.save_pid_as or os.getpid())]
     return out
 
 

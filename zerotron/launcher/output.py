@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO, TextIO
 
@@ -53,9 +54,16 @@ class RankStreams(LogsSpecs):
     """
 
     def __init__(
-        self, log_dir: str | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None
+        self,
+        log_dir: str | None = None,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        on_start: Callable[[dict[int, dict[str, str]]], None] | None = None,
     ):
+        """``on_start(envs)`` is called with every attempt's worker environments, by local rank,
+        before the agent starts them (the launcher's banner)."""
         super().__init__(log_dir=log_dir)
+        self._on_start = on_start
         if log_dir is not None:
             os.makedirs(log_dir, exist_ok=True)
         self._log_dir = log_dir
@@ -82,6 +90,8 @@ class RankStreams(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """Make the pipes of one attempt's workers (called by the agent before it starts them)."""
+        if self._on_start is not None:
+            self._on_start(envs)
         dest = LogsDest()
         attempt = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
         for local_rank, env in envs.items():
