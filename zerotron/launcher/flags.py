@@ -252,3 +252,4 @@ def _process_flags(p: ArgumentParser) -> None:
     p.add_argument(
         "--save_pid_as", dest="save_pid_as", type=int, default=None, help=argparse.SUPPRESS
     )
+    p.set_defaults(allocation=None)  # hosts and slots of a SLURM allocation (launcher/slurm.py)

@@ -33,6 +33,11 @@ _SLOTS = re.compile(r"[0-9]+\Z")
 _LINE_FIX = "write one host per line as 'HOST slots=N' (N >= 1); '#' starts a comment"
 
 
+def valid_host(name: str) -> bool:
+    """Whether ``name`` is a host name zerotron accepts (nothing a shell or ssh could misread)."""
+    return bool(_HOST.match(name))
+
+
 def read_hostfile(path: str) -> dict[str, int]:
     """The hosts of a hostfile and their slot counts, in file order; ConfigError if unusable."""
     try:

@@ -38,7 +38,7 @@ from functools import partial
 
 from zerotron.errors import ConfigError, LaunchError
 from zerotron.fileio import check_writable_dir
-from zerotron.launcher import binding, multinode, network, pidfile
+from zerotron.launcher import binding, multinode, network, pidfile, slurm
 from zerotron.launcher.flags import DEFAULT_MASTER_PORT, build_parser
 
 RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
@@ -420,6 +420,7 @@ def _launcher_state(plan: LaunchPlan) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     """``zerotron launch [flags] script.py|-m module [args...]``; returns the job's exit code."""
     args = _parse(list(sys.argv[1:] if argv is None else argv))
+    slurm.fill_in(args, os.environ)  # hosts, slots, node rank of a SLURM allocation
     if multinode.wanted(args):
         _check_program(args.script, args.module)
         run_node = lambda node_argv: _run_node(plan_from_args(node_argv))  # noqa: E731

@@ -70,7 +70,11 @@ class MultiNodePlan:
 def wanted(args: argparse.Namespace) -> bool:
     """Whether ``args`` select hosts or slots (a hostfile, or ``--include``/``--exclude`` of
     this host's slots, named ``localhost``, as DeepSpeed does without a hostfile)."""
-    return args.hostfile is not None or bool(args.include or args.exclude)
+    return (
+        args.hostfile is not None
+        or bool(args.include or args.exclude)
+        or args.allocation is not None
+    )
 
 
 def node_rank_from(var: str) -> int:
@@ -91,10 +95,12 @@ def plan(args: argparse.Namespace, local_slots: int = 1, cwd: str | None = None)
     only host is ``localhost``, a loopback address or this host's name) runs here, as does
     ``--no_ssh``: one command, this node's own launcher.
     """
-    if args.hostfile is None:
-        pool = {"localhost": local_slots}
-    else:
+    if args.hostfile is not None:
         pool = read_hostfile(args.hostfile)
+    elif args.allocation is not None:  # a SLURM allocation's hosts (launcher/slurm.py)
+        pool = args.allocation
+    else:
+        pool = {"localhost": local_slots}
     resources = select_resources(pool, args.include, args.exclude, args.nnodes, args.nproc_per_node)
     master_addr = args.master_addr or next(iter(resources))
     port = args.master_port
