@@ -55,3 +55,8 @@ def test_two_hosts_with_no_ssh_form_one_job(tmp_path):
     outs = [node.communicate(timeout=120) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [err for _, err in outs]
     assert _reports(outs[0][0] + outs[1][0]) == [("0", "3", "6"), ("1", "3", "6"), ("2", "3", "6")]
+    # the nodes run 1 and 2 ranks: each banner says the ranks the agent gave it
+    banners = [
+        re.findall(r"zerotron launch: (node \d of 2: ranks? [-\d]+ of 3),", e) for _, e in outs
+    ]
+    assert banners == [["node 0 of 2: rank 0 of 3"], ["node 1 of 2: ranks 1-2 of 3"]]

@@ -5,13 +5,16 @@
     zerotron launch --hostfile hosts --include "w0@w1:0,2" --dry-run train.py ...
 
 Each node runs one launcher. It starts PyTorch's elastic agent (the engine behind ``torchrun``)
-with a static rendezvous: node ``i`` of ``N`` gets global ranks ``i*P .. i*P+P-1``, and every
-worker finds its peers through the environment that ``torch.distributed``'s ``env://`` reads
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). On top of the agent:
+with a static rendezvous: the agent numbers the ranks node by node (node 0's first; nodes may run
+different numbers of them), and every worker finds its peers through the environment that
+``torch.distributed``'s ``env://`` reads (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT). On top of the agent:
 
 - every output line carries its rank (``[rank3]: ...``) and ``--log_dir`` keeps one file per rank
   (:mod:`zerotron.launcher.output`);
 - ``OMP_NUM_THREADS`` defaults to cores / local processes, so ranks do not fight over cores;
+- every worker starts through :mod:`zerotron.launcher.bootstrap`, which has the kernel kill it
+  when this launcher dies (even by SIGKILL) and binds its cores (``--bind_cores_to_rank``);
 - with ``--hostfile``, the hosts and slots are selected as DeepSpeed's launcher does
   (:mod:`zerotron.launcher.hostfile`) and each node's command is built per back end
   (:mod:`zerotron.launcher.multinode`);
