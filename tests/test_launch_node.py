@@ -180,6 +180,20 @@ def test_banner_names_each_local_ranks_cores(monkeypatch):
     )
 
 
+def test_the_banner_names_the_interface_variables_the_user_left_unset(monkeypatch):
+    said = []
+    monkeypatch.setattr(launch, "_say", said.append)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    announce = launch._Announcer(_plan(socket_ifname="eth0"))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # as the launcher sets it for its workers
+    announce(_envs([1, 2], 3))
+    assert said == [
+        "node 1 of 2: ranks 1-2 of 3, rendezvous at 10.0.0.1:29501, OMP_NUM_THREADS=3, "
+        "GLOO_SOCKET_IFNAME=eth0"
+    ]
+
+
 def test_the_banner_is_said_again_only_when_it_changes(monkeypatch):
     said = []
     monkeypatch.setattr(launch, "_say", said.append)
@@ -193,6 +207,14 @@ def test_the_banner_is_said_again_only_when_it_changes(monkeypatch):
 
 
 # -- every node's launcher ----------------------------------------------------------------------
+
+
+def test_a_bad_core_list_stops_a_multinode_job_before_it_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts").write_text("w0 slots=2\nw1 slots=2\n")
+    (tmp_path / "t.py").write_text("")
+    with pytest.raises(ConfigError, match="--bind_core_list '0-': '0-' is not a CPU"):
+        launch.main(["--hostfile", "hosts", "--bind_core_list", "0-", "--dry-run", "t.py"])
 
 
 def test_binding_and_save_pid_reach_every_nodes_launcher(tmp_path, monkeypatch):

@@ -329,10 +329,15 @@ def _bootstrap(plan: LaunchPlan) -> list[str]:
     return ["-m", "zerotron.launcher.bootstrap", *options, "--"]
 
 
-def _banner(plan: LaunchPlan, envs: dict[int, dict[str, str]] | None = None) -> str:
+def _banner(
+    plan: LaunchPlan,
+    envs: dict[int, dict[str, str]] | None = None,
+    ifname_vars: list[str] | None = None,
+) -> str:
     """What this node runs: its global ranks from the workers' ``envs`` as the agent numbered
     them (nodes may run different numbers of ranks), or from the plan alone: exact for one node,
-    only the local count for many."""
+    only the local count for many. ``ifname_vars``: the socket variables the launcher sets
+    (default: those not set now)."""
     if envs:
         any_env = next(iter(envs.values()))
         node, nnodes = int(any_env["GROUP_RANK"]), int(any_env["GROUP_WORLD_SIZE"])
@@ -348,8 +353,9 @@ def _banner(plan: LaunchPlan, envs: dict[int, dict[str, str]] | None = None) -> 
     omp = os.environ["OMP_NUM_THREADS"] if plan.omp_num_threads is None else plan.omp_num_threads
     text = f"node {node} of {nnodes}: {ranks}, rendezvous at {where}, OMP_NUM_THREADS={omp}"
     if plan.socket_ifname is not None:
-        names = "/".join(v for v in network.IFNAME_VARS if v not in os.environ)
-        text += f", {names}={plan.socket_ifname}"
+        if ifname_vars is None:
+            ifname_vars = [v for v in network.IFNAME_VARS if v not in os.environ]
+        text += f", {'/'.join(ifname_vars)}={plan.socket_ifname}"
     if plan.bind is not None:
         text += f", {plan.bind.describe()}"
     return text
@@ -361,9 +367,11 @@ class _Announcer:
 
     def __init__(self, plan: LaunchPlan) -> None:
         self.plan, self.said = plan, ""
+        # Made before the launcher sets them: the banner names only what the user left unset.
+        self.ifname_vars = [v for v in network.IFNAME_VARS if v not in os.environ]
 
     def __call__(self, envs: dict[int, dict[str, str]]) -> None:
-        text = _banner(self.plan, envs)
+        text = _banner(self.plan, envs, self.ifname_vars)
         if text != self.said:
             _say(text)
             self.said = text
@@ -426,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     slurm.fill_in(args, os.environ)  # hosts, slots, node rank of a SLURM allocation
     if multinode.wanted(args):
         _check_program(args.script, args.module)
+        if args.bind_core_list is not None:  # each node shares it out; its text is checked here
+            binding.parse_cpu_list(args.bind_core_list)
         run_node = lambda node_argv: _run_node(plan_from_args(node_argv))  # noqa: E731
         local = _default_nproc() if args.hostfile is None else 1
         return multinode.run_job(args, run_node, local)
