@@ -107,6 +107,11 @@ class Binding:
 
 def rank_cpus(nproc: int, core_list: str | None = None) -> Binding:
     """Each local rank's CPUs on this machine (see the module docstring)."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError(
+            "--bind_cores_to_rank needs Linux (os.sched_setaffinity)",
+            fix="leave out --bind_cores_to_rank/--bind_core_list on this system",
+        )
     allowed = sorted(os.sched_getaffinity(0))
     if core_list is None:
         cores = physical_cores(allowed, read_siblings(allowed))
