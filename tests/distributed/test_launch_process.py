@@ -42,9 +42,10 @@ def job(tmp_path_factory):
     env.pop("OMP_NUM_THREADS", None)  # the launcher sets it to each rank's share
     argv = [sys.executable, "-m", "zerotron", "launch", "--nproc_per_node", "2", "--save_pid"]
     argv += ["--bind_core_list", ",".join(map(str, cpus)), "--no_local_rank", SCRIPT, str(out)]
-    launcher = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                                stderr=open(out / "launcher.err", "w"))  # fmt: skip
+    with open(out / "launcher.err", "w") as err:
+        launcher = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
     pid_path = f"/tmp/{launcher.pid}.zerotron"
+    ranks: dict[int, dict] = {}
     try:
         deadline = time.monotonic() + 120
         while not all((out / f"rank{r}.json").exists() for r in (0, 1)):
@@ -62,7 +63,7 @@ def job(tmp_path_factory):
             time.sleep(0.05)
         alive = [pid for pid in pids if not _gone(pid)]
     finally:
-        for pid in [launcher.pid] + [r["pid"] for r in locals().get("ranks", {}).values()]:
+        for pid in [launcher.pid] + [r["pid"] for r in ranks.values()]:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)  # only what this test started
         if os.path.exists(pid_path):
