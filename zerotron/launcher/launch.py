@@ -28,9 +28,11 @@ import importlib.util
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,6 +71,8 @@ class LaunchPlan:
     verbose: bool = False
     as_deepspeed: bool = False  # workers' `import deepspeed` is zerotron (compat/as_deepspeed.py)
     socket_ifname: str | None = None  # many nodes: the interface that reaches master_addr
+    watchdog_timeout: float | None = None  # None: the ranks' default (see distributed.watchdog)
+    watchdog_action: str = "abort"  # or "wait" (see launcher.hangs)
 
     @property
     def world_size(self) -> int:
@@ -127,6 +131,7 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
     if args.log_dir is not None:  # found now, not when the first rank writes its log
         check_writable_dir(args.log_dir, "--log_dir")
     _check_program(args.script, args.module)
+    watchdog_timeout, watchdog_action = _watchdog_options(args)
     omp = None
     if "OMP_NUM_THREADS" not in os.environ:
         omp = max(1, _cores() // nproc)
@@ -149,7 +154,37 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
         verbose=args.verbose,
         as_deepspeed=args.as_deepspeed,
         socket_ifname=ifname,
+        watchdog_timeout=watchdog_timeout,
+        watchdog_action=watchdog_action,
     )
+
+
+def _watchdog_options(args: argparse.Namespace) -> tuple[float | None, str]:
+    """--watchdog-timeout and --watchdog-action, or their environment variables."""
+    from zerotron.launcher import hangs
+
+    timeout = args.watchdog_timeout
+    if timeout is None and os.environ.get(hangs.ENV_TIMEOUT, "").strip():
+        raw = os.environ[hangs.ENV_TIMEOUT]
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{hangs.ENV_TIMEOUT}={raw!r} is not a number of seconds",
+                fix="give seconds (0 turns the watchdog off), or unset it",
+            ) from None
+    if timeout is not None and timeout < 0:
+        raise ConfigError(
+            f"--watchdog-timeout must be >= 0 seconds (0: off), got {timeout:g}",
+            fix="give seconds, well under --distributed-timeout-minutes",
+        )
+    action = args.watchdog_action or os.environ.get(hangs.ENV_ACTION, "").strip() or "abort"
+    if action not in hangs.ACTIONS:
+        raise ConfigError(
+            f"watchdog action {action!r} is not one of {', '.join(hangs.ACTIONS)}",
+            where=f"--watchdog-action / {hangs.ENV_ACTION}",
+        )
+    return timeout, action
 
 
 def worker_args(
@@ -248,6 +283,7 @@ def run(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from zerotron.launcher.failures import Watchdog, summarize_failures
+    from zerotron.launcher.hangs import HANG_EXIT_CODE, HangWatch
     from zerotron.launcher.output import RankStreams
     from zerotron.launcher.rendezvous import StaticRendezvous
 
@@ -273,7 +309,12 @@ def run(plan: LaunchPlan) -> int:
     agent = LocalElasticAgent(spec, logs_specs=streams, shutdown_timeout=plan.shutdown_timeout)
     _say(_banner(plan))
     where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}"
-    with _launcher_state(plan), streams, Watchdog(agent, plan.shutdown_timeout) as watchdog:
+    hangs = HangWatch(_reports_dir(plan), plan.watchdog_action, _say)
+    with (
+        _launcher_state(plan, hangs.directory),
+        streams,
+        Watchdog(agent, plan.shutdown_timeout, hangs) as watchdog,
+    ):
         try:
             result = agent.run()
         except SignalException as e:
@@ -286,13 +327,27 @@ def run(plan: LaunchPlan) -> int:
                 fix="on node 0 pick a free --master_port; on the others check that node 0 is "
                 "up and --master_addr/--master_port reach it",
             ) from e
+    if plan.log_dir is None:
+        shutil.rmtree(hangs.directory, ignore_errors=True)
     if result is None or not result.is_failed():  # None: the rendezvous closed gracefully
         return 0
+    if hangs.aborted:  # the watchdog's summary said it all
+        return HANG_EXIT_CODE
     code, report = summarize_failures(
         result.failures, watchdog.exit_times, streams, watchdog.finished
     )
     _say(report)
     return code
+
+
+def _reports_dir(plan: LaunchPlan) -> str:
+    """Where the ranks' watchdog reports go: ``<log_dir>/watchdog``, kept, or a temporary
+    directory removed at the end."""
+    from zerotron.launcher.hangs import prepare_dir
+
+    if plan.log_dir is not None:
+        return prepare_dir(os.path.join(plan.log_dir, "watchdog"))
+    return tempfile.mkdtemp(prefix="zerotron-watchdog-")
 
 
 def _port_of_attempt(plan: LaunchPlan, attempt: int) -> int:
@@ -335,15 +390,21 @@ def _say(text: str) -> None:
 
 
 @contextlib.contextmanager
-def _launcher_state(plan: LaunchPlan) -> Iterator[None]:
+def _launcher_state(plan: LaunchPlan, reports_dir: str | None = None) -> Iterator[None]:
     """Set what the agent reads from the launcher's process, and put it back afterwards.
 
     The agent passes OMP_NUM_THREADS, GLOO/NCCL_SOCKET_IFNAME (and PYTHONPATH, which
     ``--as-deepspeed`` extends) on from os.environ and installs its own signal handlers;
     restoring them keeps ``run`` safe to call from a longer-lived Python program (the tuner).
     """
-    keys = ("OMP_NUM_THREADS", "PYTHONPATH", *network.IFNAME_VARS)
+    from zerotron.launcher import hangs
+
+    keys = ("OMP_NUM_THREADS", "PYTHONPATH", *network.IFNAME_VARS, hangs.ENV_DIR, hangs.ENV_TIMEOUT)
     saved_env = {key: os.environ.get(key) for key in keys}
+    if reports_dir is not None:
+        os.environ[hangs.ENV_DIR] = reports_dir
+    if plan.watchdog_timeout is not None:
+        os.environ[hangs.ENV_TIMEOUT] = f"{plan.watchdog_timeout:g}"
     if plan.omp_num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(plan.omp_num_threads)
     if plan.socket_ifname is not None:  # what the user set stays
