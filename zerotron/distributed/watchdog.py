@@ -173,13 +173,19 @@ def describe(report: dict[str, Any]) -> str:
     who = f"rank {report['rank']}"
     if w is None:
         return f"{who} is not waiting in a collective"
+    return f"{who} has waited {w['waited_s']:.1f} s in {where(w)}"
+
+
+def where(w: dict[str, Any]) -> str:
+    """A reported wait in words: op, group (or peers), call number, bytes."""
     if w["peers"] is not None:
         plural = "s" if len(w["peers"]) > 1 else ""
-        where = f"{w['op']} with rank{plural} {', '.join(map(str, w['peers']))} ({w['bytes']} bytes)"
-    else:
-        where = f"{w['op']} on the {w['group']} group {w['ranks']} (call {w['seq']} on the group"
-        where += f", {w['bytes']} bytes)"
-    return f"{who} has waited {w['waited_s']:.1f} s in {where}"
+        peers = ", ".join(map(str, w["peers"]))
+        return f"{w['op']} with rank{plural} {peers} ({w['bytes']} bytes)"
+    return (
+        f"{w['op']} on the {w['group']} group {w['ranks']} (call {w['seq']} on the group, "
+        f"{w['bytes']} bytes)"
+    )
 
 
 def stacks() -> dict[str, str]:

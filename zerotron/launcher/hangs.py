@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerotron.distributed.watchdog import ENV_DIR, ENV_TIMEOUT, REQUEST, describe
+from zerotron.distributed.watchdog import ENV_DIR, ENV_TIMEOUT, REQUEST, describe, where
 
 HANG_EXIT_CODE = 124  # as coreutils' timeout: the job did not finish, it was stopped
 ACTIONS = ("abort", "wait")
@@ -131,7 +131,7 @@ def summarize(
     for waiters in waits.values():
         w = reports[waiters[0]]["waiting"]
         lines.append(f"{_who(waiters)} waited {max(_waited(reports, waiters)):.1f} s in "
-                     f"{_where(w)}")  # fmt: skip
+                     f"{where(w)}")  # fmt: skip
         members = w["peers"] + waiters if w["peers"] is not None else w["ranks"]
         for m in sorted(set(members) - set(waiters)):
             why = _absence(m, w, waiters, reports.get(m), m in answered, m in local)
@@ -176,7 +176,7 @@ def _absence(
             return f"is ahead: it waits in call {mine['seq']} ({mine['op']}) on that group"
     if w["peers"] is not None and mine["peers"] is not None and set(mine["peers"]) & {*waiters}:
         return None
-    return f"waits elsewhere: in {_where(mine)}; its stack:"
+    return f"waits elsewhere: in {where(mine)}; its stack:"
 
 
 def _mutual_p2p(waits: dict[tuple, list[int]], reports: dict[int, dict[str, Any]]) -> list[int]:
@@ -203,15 +203,6 @@ def _key(rep: dict[str, Any]) -> tuple:
 
 def _waited(reports: dict[int, dict[str, Any]], ranks: list[int]) -> list[float]:
     return [reports[r]["waiting"]["waited_s"] for r in ranks]
-
-
-def _where(w: dict[str, Any]) -> str:
-    if w["peers"] is not None:
-        peers = ", ".join(map(str, w["peers"]))
-        plural = "s" if len(w["peers"]) > 1 else ""
-        return f"{w['op']} with rank{plural} {peers} ({w['bytes']} bytes)"
-    return (f"{w['op']} on the {w['group']} group {w['ranks']} (call {w['seq']} on the group, "
-            f"{w['bytes']} bytes)")  # fmt: skip
 
 
 def _who(ranks: list[int]) -> str:
