@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import traceback
+from threading import get_ident
 from typing import Any
 
 from zerotron.fileio import atomic_write_text
@@ -55,43 +56,43 @@ _dog: _Dog | None = None
 
 
 class Wait:
-    """What one thread waits in, since when (``time.monotonic()``)."""
+    """What one thread waits in (a :class:`~.failures.Call`), since when (``time.monotonic()``).
 
-    __slots__ = ("op", "group", "ranks", "seq", "nbytes", "peers", "since", "previous", "told")
+    Only a reference to the call is kept: reading its fields is the watchdog thread's work.
+    """
+
+    __slots__ = ("call", "since", "previous", "told")
 
     def __init__(self, call: Any, previous: Wait | None) -> None:
-        self.op: str = call.op
-        self.group: str = call.group.name
-        self.ranks: tuple[int, ...] = call.group.ranks
-        self.seq: int = call.number
-        self.nbytes: int = getattr(call, "nbytes", 0)
-        self.peers: tuple[int, ...] | None = call.peers
+        self.call = call
         self.since = time.monotonic()
         self.previous = previous
         self.told = False
 
     def describe(self, now: float) -> dict[str, Any]:
+        call = self.call
+        peers = call.peers
         return {
-            "op": self.op,
-            "group": self.group,
-            "ranks": list(self.ranks),
-            "seq": self.seq,
-            "bytes": self.nbytes,
-            "peers": None if self.peers is None else list(self.peers),
+            "op": call.op,
+            "group": call.group.name,
+            "ranks": list(call.group.ranks),
+            "seq": call.number,
+            "bytes": getattr(call, "nbytes", 0),
+            "peers": None if peers is None else list(peers),
             "waited_s": round(now - self.since, 3),
         }
 
 
 def enter(call: Any) -> Wait:
     """Mark the calling thread as waiting in ``call`` (a :class:`~.failures.Call`)."""
-    tid = threading.get_ident()
+    tid = get_ident()
     wait = _waits[tid] = Wait(call, _waits.get(tid))
     return wait
 
 
 def leave(wait: Wait) -> None:
     """The wait of :func:`enter` is over (finished or failed)."""
-    tid = threading.get_ident()
+    tid = get_ident()
     if wait.previous is None:
         _waits.pop(tid, None)
     else:
