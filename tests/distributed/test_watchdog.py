@@ -175,3 +175,25 @@ def test_hang_watch_asks_every_rank_then_acts(tmp_path, action):
     else:
         assert said[-1] == "watchdog: --watchdog-action wait: the job keeps waiting"
         assert watch.poll(workers) is False  # the same wait is not reported twice
+
+
+def test_launch_flags_and_environment(monkeypatch):
+    from zerotron.errors import ConfigError
+    from zerotron.launcher.launch import plan_from_args
+
+    script = os.path.join(os.path.dirname(__file__), "launch_scripts", "hang.py")
+    monkeypatch.delenv("ZEROTRON_WATCHDOG_TIMEOUT", raising=False)
+    monkeypatch.delenv("ZEROTRON_WATCHDOG_ACTION", raising=False)
+    plan = plan_from_args([script])
+    assert (plan.watchdog_timeout, plan.watchdog_action) == (None, "abort")
+    plan = plan_from_args(["--watchdog-timeout", "30", "--watchdog-action", "wait", script])
+    assert (plan.watchdog_timeout, plan.watchdog_action) == (30.0, "wait")
+    monkeypatch.setenv("ZEROTRON_WATCHDOG_TIMEOUT", "45")
+    monkeypatch.setenv("ZEROTRON_WATCHDOG_ACTION", "wait")
+    plan = plan_from_args([script])
+    assert (plan.watchdog_timeout, plan.watchdog_action) == (45.0, "wait")
+    with pytest.raises(ConfigError, match="--watchdog-timeout must be >= 0 seconds"):
+        plan_from_args(["--watchdog-timeout", "-1", script])
+    monkeypatch.setenv("ZEROTRON_WATCHDOG_ACTION", "explode")
+    with pytest.raises(ConfigError, match="watchdog action 'explode' is not one of abort, wait"):
+        plan_from_args([script])

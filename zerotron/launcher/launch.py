@@ -329,6 +329,9 @@ def run(plan: LaunchPlan) -> int:
             ) from e
     if plan.log_dir is None:
         shutil.rmtree(hangs.directory, ignore_errors=True)
+    else:  # kept only when a rank reported
+        with contextlib.suppress(OSError):
+            os.rmdir(hangs.directory)
     if result is None or not result.is_failed():  # None: the rendezvous closed gracefully
         return 0
     if hangs.aborted:  # the watchdog's summary said it all
