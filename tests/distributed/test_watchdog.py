@@ -89,6 +89,7 @@ def test_a_wait_past_the_threshold_is_reported_with_the_stacks(tmp_path, capsys)
         "(call 2 on the group, 16 bytes)"
     )
     assert answer["kind"] == "answer" and answer["waiting"] is None
+    assert report["heard"] == {}  # no heartbeat in this process to read the members' counts
 
 
 # -- the launcher's summary --------------------------------------------------------------------
@@ -134,6 +135,22 @@ def test_summary_names_a_rank_behind_in_another_op_or_silent():
     )
     lines = summarize({0: _report(0, _w(ranks=(0, 7)))}, {0}, [0])
     assert lines[-1] == "rank 7 is on another node (its own launcher reports on it)"
+
+
+def test_summary_judges_a_member_on_another_node_by_its_heartbeat():
+    behind = _report(0, _w(ranks=(0, 7)))
+    behind["heard"] = {"7": 4}  # rank 7 entered 4 calls on the group; this is call 5
+    lines = summarize({0: behind}, {0}, [0])
+    assert lines[1:] == [
+        "never arrived: rank 7",
+        "rank 7 is on another node, and behind: its heartbeat says it entered 4 calls on that "
+        "group",
+    ]
+    there = _report(0, _w(ranks=(0, 7)))
+    there["heard"] = {"7": 5}  # in this call too, waiting on its own node
+    assert summarize({0: there}, {0}, [0])[-1] == (
+        "no rank could be named as missing: every member is waiting"
+    )
 
 
 def test_summary_of_point_to_point_names_the_peer_or_an_ordering_deadlock():

@@ -15,7 +15,10 @@ looks every ``period`` seconds. When a wait has lasted ``threshold`` seconds it 
   no launcher collects the reports;
 - when ``ZEROTRON_WATCHDOG_DIR`` names a directory (``zerotron launch`` sets it), the whole
   report as JSON in ``<dir>/rank<R>.<pid>.json`` (written atomically): rank, pid, host, what it
-  waits in, for how long, and every thread's stack. :mod:`zerotron.launcher.hangs` reads these.
+  waits in, for how long, every thread's stack, and for a collective how many calls on the group
+  each other member had entered at its last heartbeat (:mod:`~zerotron.distributed.liveness`:
+  read from the job's store, so it covers members on other nodes too).
+  :mod:`zerotron.launcher.hangs` reads these.
 
 The launcher, once one rank reported, asks every rank where it is by writing
 ``<dir>/request``; each rank's thread answers within a period with the same report, also when
@@ -43,6 +46,7 @@ import traceback
 from threading import get_ident
 from typing import Any
 
+from zerotron.distributed import liveness
 from zerotron.fileio import atomic_write_text
 
 ENV_TIMEOUT = "ZEROTRON_WATCHDOG_TIMEOUT"
@@ -148,6 +152,13 @@ class _Dog:
                     self._report(waits[0] if waits else None, now, "answer")
 
     def _report(self, wait: Wait | None, now: float, kind: str) -> None:
+        heard: dict[int, int] = {}
+        if wait is not None and wait.call.peers is None:
+            # The members' own count of calls on the group, from their heartbeats: tells a member
+            # on another node that is behind from one that is waiting too.
+            group = wait.call.group
+            key = f"{group.name}{list(group.ranks)}"  # as distributed.failures.key names it
+            heard = liveness.calls_of(key, [r for r in group.ranks if r != self.rank])
         report = {
             "kind": kind,
             "rank": self.rank,
@@ -155,6 +166,7 @@ class _Dog:
             "host": socket.gethostname(),
             "threshold_s": self.threshold,
             "waiting": None if wait is None else wait.describe(now),
+            "heard": {str(r): n for r, n in heard.items()},
             "stacks": stacks(),
         }
         if wait is not None and kind == "stuck":

@@ -17,8 +17,10 @@ threshold. :class:`HangWatch` (polled by the launcher's process watchdog,
    :data:`HANG_EXIT_CODE`), or keeps waiting (``--watchdog-action wait``; the process group's
    own timeout still bounds the wait).
 
-Across nodes each node's launcher sees its own ranks; a member on another node is said to be
-there, and that node's launcher reports on it when its own ranks' waits pass the threshold.
+Across nodes each node's launcher sees its own ranks' reports. A member on another node is
+judged by its heartbeat, which the waiting ranks read from the job's store: behind (fewer calls
+entered on the group than this one's number: named) or in the call too (not named); without a
+heartbeat it is said to be on another node, whose launcher reports on its own ranks.
 """
 
 from __future__ import annotations
@@ -133,8 +135,14 @@ def summarize(
         lines.append(f"{_who(waiters)} waited {max(_waited(reports, waiters)):.1f} s in "
                      f"{where(w)}")  # fmt: skip
         members = w["peers"] + waiters if w["peers"] is not None else w["ranks"]
+        heard = _heard(reports, waiters)
         for m in sorted(set(members) - set(waiters)):
+            if m not in reports and m not in local and heard.get(m, -1) >= w["seq"]:
+                continue  # on another node, and its heartbeat says it is in this call too
             why = _absence(m, w, waiters, reports.get(m), m in answered, m in local)
+            if why is not None and m not in reports and m not in local and m in heard:
+                why = (f"is on another node, and behind: its heartbeat says it entered "
+                       f"{heard[m]} calls on that group")  # fmt: skip
             if why is not None:
                 missing.setdefault(m, why)
     mutual = _mutual_p2p(waits, reports)
@@ -187,6 +195,15 @@ def _mutual_p2p(waits: dict[tuple, list[int]], reports: dict[int, dict[str, Any]
         return reports[r]["waiting"]["peers"]
 
     return sorted(r for r in p2p if any(p in p2p and r in peers(p) for p in peers(r)))
+
+
+def _heard(reports: dict[int, dict[str, Any]], waiters: list[int]) -> dict[int, int]:
+    """The members' call counts on the group as the waiters' reports heard them (the highest)."""
+    out: dict[int, int] = {}
+    for r in waiters:
+        for member, calls in reports[r].get("heard", {}).items():
+            out[int(member)] = max(out.get(int(member), -1), calls)
+    return out
 
 
 def _stuck(rep: dict[str, Any]) -> bool:
