@@ -61,6 +61,7 @@ class HangWatch:
     request_time: float = 0.0  # the request file's mtime (answers newer than it count)
     told: set[tuple] = field(default_factory=set)  # stuck waits already summarized
     aborted: bool = False
+    _period: float = 1.0  # the reporting ranks' watchdog period (they answer within it)
 
     def poll(self, workers: dict[int, int]) -> bool:
         reports = read_reports(self.directory, workers)
