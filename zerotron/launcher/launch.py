@@ -17,7 +17,10 @@ worker finds its peers through the environment that ``torch.distributed``'s ``en
   (:mod:`zerotron.launcher.multinode`);
 - when a rank fails, the agent stops the others at once (SIGTERM, then SIGKILL after
   ``--shutdown_timeout``), and the launcher names the rank that failed *first*, shows its
-  traceback and exits with its exit code.
+  traceback and exits with its exit code;
+- when a rank's collective watchdog reports a wait past ``--watchdog-timeout``, the launcher
+  asks every rank where it is, names the ranks that never arrived, and ends the job (exit code
+  124) or, with ``--watchdog-action wait``, keeps waiting (:mod:`zerotron.launcher.hangs`).
 """
 
 from __future__ import annotations
