@@ -15,6 +15,7 @@ def test_bubble_from_zerotron_pipeline():
 
 def test_everything_exported_is_the_real_object():
     # The package re-exports its submodules' objects (schedules, simulator, timeline, ...).
+    import zerotron.pipeline.check
     import zerotron.pipeline.partition
     import zerotron.pipeline.runtime
     import zerotron.pipeline.schedules
@@ -22,6 +23,7 @@ def test_everything_exported_is_the_real_object():
     import zerotron.pipeline.timeline
 
     homes = [
+        zerotron.pipeline.check,
         zerotron.pipeline.partition,
         zerotron.pipeline.runtime,
         zerotron.pipeline.schedules,

@@ -149,8 +149,9 @@ def _gone(pid: int) -> bool:
 
 def test_launch_ends_a_job_with_a_stopped_rank_and_names_it():
     r, seconds = _launch(
-        ["--nproc_per_node", "2", "--shutdown_timeout", "1", FAULTS, "--mode", "stop"]
-        + ["--timeout-s", "3"]
+        # The watchdog (test_watchdog_launch.py) would end the job before the timeout: off here.
+        ["--nproc_per_node", "2", "--shutdown_timeout", "1", "--watchdog-timeout", "0"]
+        + [FAULTS, "--mode", "stop", "--timeout-s", "3"]
     )
     summary = _summary(r.stderr)
     assert r.returncode == 1, r.stderr

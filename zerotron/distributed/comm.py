@@ -41,8 +41,9 @@ bytes (2 ranks, 46 MB of bf16, quiet machine: 75 and 53 ms against 19 and 18 ms;
 ``bench/README.md``, zero section). Each rank sends and receives (n-1)/n of the tensor, what a
 ring moves; the ledger records the same logical operation.
 
-Every call is bounded by the job's timeout (the groups carry it) and is counted per group for
-:mod:`~zerotron.distributed.liveness`; a torch error in its start or wait becomes a
+Every call is bounded by the job's timeout (the groups carry it), is counted per group for
+:mod:`~zerotron.distributed.liveness`, and its blocking wait is marked for the collective
+:mod:`~zerotron.distributed.watchdog`; a torch error in its start or wait becomes a
 :class:`DistributedError` naming the op, the group and the stuck rank or the peer that left
 (:mod:`~zerotron.distributed.failures`).
 """
@@ -58,7 +59,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zerotron.distributed import liveness
+from zerotron.distributed import liveness, watchdog
 from zerotron.distributed.failures import Call, key
 from zerotron.distributed.ledger import Ledger as Ledger  # re-exported: comm.Ledger
 from zerotron.distributed.ledger import ledger
@@ -141,7 +142,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def _record(group: Group, op: str, nbytes: int) -> Call:
     """Record a collective in the ledger and count it on the group (for naming a stuck rank)."""
     ledger.record(group.name, op, nbytes)
-    return Call(group, op, liveness.count(key(group)))
+    return Call(group, op, liveness.count(key(group)), nbytes=nbytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,13 +166,18 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         guard = self._call.guard() if self._call is not None else nullcontext()
-        with guard:
-            if self._work is not None:
-                self._work.wait()
-                self._work = None
-            if self._finish is not None:
-                self._result = self._finish()
-                self._finish = None
+        waiting = watchdog.enter(self._call) if self._call is not None else None
+        try:
+            with guard:
+                if self._work is not None:
+                    self._work.wait()
+                    self._work = None
+                if self._finish is not None:
+                    self._result = self._finish()
+                    self._finish = None
+        finally:
+            if waiting is not None:
+                watchdog.leave(waiting)
         assert self._result is not None
         return self._result
 
@@ -524,8 +530,13 @@ def barrier(group: Group | None = None) -> None:
         group = world_group()
     if not _active(group, "barrier"):
         return
-    with _record(group, "barrier", 0).guard():
-        dist.barrier(group=group.pg)
+    call = _record(group, "barrier", 0)
+    waiting = watchdog.enter(call)
+    try:
+        with call.guard():
+            dist.barrier(group=group.pg)
+    finally:
+        watchdog.leave(waiting)
 
 
 def world_group() -> Group:
@@ -576,7 +587,7 @@ def _start_p2p(
     """Post one send or receive (``peer``: a global rank); ``wait()`` returns ``t``."""
     _check_peer(t, peer, op, group)
     ledger.record(group.name if group is not None else group_name, op, _nbytes(t))
-    call = _p2p_call(op, [peer])
+    call = _p2p_call(op, [peer], _nbytes(t))
     pg = group.pg if group is not None else None
     start = dist.isend if op == "send" else dist.irecv
     with call.guard():
@@ -642,25 +653,30 @@ def batch_isend_irecv(
     Posting both directions at once is what makes a pipeline's exchange of activations and
     gradients deadlock-free: no rank waits in a send for a peer that is itself sending.
     """
-    p2p_ops = []
+    p2p_ops, nbytes = [], 0
     for item in ops:
         op, tensor, peer = item
         if op not in ("send", "recv"):
             raise DistributedError(f"unknown p2p op {op!r}", fix="use 'send' or 'recv'")
         _check_peer(tensor, peer, op)
         ledger.record(group_name, op, _nbytes(tensor))
+        nbytes += _nbytes(tensor)
         p2p_ops.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, peer))
     if not p2p_ops:
         return
-    peers = sorted({item[2] for item in ops})
-    with _p2p_call("batch_isend_irecv", peers).guard():
-        for work in dist.batch_isend_irecv(p2p_ops):
-            work.wait()
+    call = _p2p_call("batch_isend_irecv", sorted({item[2] for item in ops}), nbytes)
+    waiting = watchdog.enter(call)
+    try:
+        with call.guard():
+            for work in dist.batch_isend_irecv(p2p_ops):
+                work.wait()
+    finally:
+        watchdog.leave(waiting)
 
 
-def _p2p_call(op: str, peers: list[int]) -> Call:
+def _p2p_call(op: str, peers: list[int], nbytes: int = 0) -> Call:
     """A point-to-point call on the default group: a stuck or departed peer is one of ``peers``."""
-    return Call(world_group(), op, 0, tuple(peers))
+    return Call(world_group(), op, 0, tuple(peers), nbytes)
 
 
 def _check_dim(t: torch.Tensor, dim: int, op: str) -> int:

@@ -34,13 +34,14 @@ _FIX_LEFT = "the rank that left first is the cause: see its own error above"
 
 @dataclass
 class Call:
-    """One communication call: the group it ran on, its op, its number on the group, and for
-    point-to-point calls the peers (global ranks)."""
+    """One communication call: the group it ran on, its op, its number on the group, for
+    point-to-point calls the peers (global ranks), and the bytes the ledger recorded."""
 
     group: Any  # comm.Group
     op: str
     number: int = 0
     peers: tuple[int, ...] | None = None
+    nbytes: int = 0
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:

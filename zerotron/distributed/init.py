@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zerotron.distributed import liveness
+from zerotron.distributed import liveness, watchdog
 from zerotron.errors import DistributedError
 
 BACKENDS = ("gloo", "nccl")
@@ -122,6 +122,7 @@ def init_distributed(
     )
     _register_teardown()
     liveness.start(_default_store(), rank, _timeout.total_seconds())
+    watchdog.start(rank, _timeout.total_seconds())
     return rank, world
 
 
@@ -197,6 +198,7 @@ def destroy() -> None:
     global _timeout
     destroy_model_parallel()
     liveness.stop()
+    watchdog.stop()
     if is_initialized():
         dist.destroy_process_group()
     _timeout = None

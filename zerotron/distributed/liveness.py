@@ -107,6 +107,15 @@ def _read(store: Any, ranks: list[int]) -> dict[int, dict]:
     return out
 
 
+def calls_of(group: str, members: list[int]) -> dict[int, int]:
+    """How many calls on ``group`` each member had entered at its last beat (one reading; the
+    members without a beat left out). For the collective watchdog's reports."""
+    beat = _beat
+    if beat is None or not members:
+        return {}
+    return {r: seen["counts"].get(group, 0) for r, seen in _read(beat.store, members).items()}
+
+
 def diagnose(group: str, members: list[int], my_call: int) -> dict[str, list[int]]:
     """The stuck members of ``group`` seen from here: ``{"stopped": [...], "behind": [...]}``.
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import ElasticAgent
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+    from zerotron.launcher.hangs import HangWatch
     from zerotron.launcher.output import RankStreams
 
 LAST_WORDS_S = 2.0  # output allowed after a fatal traceback (teardown messages)
@@ -65,10 +66,16 @@ class Watchdog:
     - Deadline. After a failure the agent sends SIGTERM to the other workers but then waits a
       fixed 30 s before SIGKILL. Here a worker still alive ``shutdown_timeout`` seconds after the
       first failure is killed, with its whole process group (as the agent would).
+    - Hangs. With ``hangs``, the ranks' collective-watchdog reports are looked at every 0.1 s;
+      when :class:`~zerotron.launcher.hangs.HangWatch` ends the job, every running worker gets
+      SIGTERM at once, and SIGKILL ``shutdown_timeout`` seconds later.
     """
 
-    def __init__(self, agent: ElasticAgent, shutdown_timeout: float) -> None:
+    def __init__(
+        self, agent: ElasticAgent, shutdown_timeout: float, hangs: HangWatch | None = None
+    ) -> None:
         self._agent = agent
+        self.hangs = hangs
         self._shutdown_timeout = shutdown_timeout
         self.exit_times: dict[int, float] = {}  # pid -> time.monotonic() when it ended
         self.finished: dict[int, float] = {}  # global rank -> when it exited with code 0
@@ -92,7 +99,11 @@ class Watchdog:
 
     def _run(self) -> None:
         watched: set[int] = set()
+        ticks = 0
         while not self._stop.wait(0.01):
+            ticks += 1
+            if self.hangs is not None and ticks % 10 == 0:
+                self._look_for_hangs()
             for worker in self._agent.get_worker_group().workers:
                 pid = worker.id
                 if pid is not None and pid not in watched:
@@ -121,6 +132,19 @@ class Watchdog:
                 self.finished[self._ranks[pid]] = now
             if failed and self._failed_at is None:
                 self._failed_at, self._doomed = now, set(self._running)
+
+    def _look_for_hangs(self) -> None:
+        with self._lock:
+            workers = {pid: self._ranks[pid] for pid in self._running if pid in self._ranks}
+        if not workers or not self.hangs.poll(workers):
+            return
+        with self._lock:
+            if self._failed_at is None:
+                self._failed_at, self._doomed = time.monotonic(), set(self._running)
+            doomed = set(self._running)
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
 
     def _enforce_deadline(self) -> None:
         with self._lock:

@@ -132,6 +132,26 @@ def build_parser() -> ArgumentParser:
         "DeepSpeed stays untouched)",
     )
     p.add_argument(
+        "--watchdog-timeout",
+        "--watchdog_timeout",
+        dest="watchdog_timeout",
+        metavar="S",
+        type=float,
+        default=None,
+        help="a rank that has waited S seconds in one collective reports what it waits in and "
+        "its stack, and the launcher names the ranks that never arrived (default: a quarter of "
+        "the process-group timeout, or $ZEROTRON_WATCHDOG_TIMEOUT; 0: off)",
+    )
+    p.add_argument(
+        "--watchdog-action",
+        "--watchdog_action",
+        dest="watchdog_action",
+        choices=("abort", "wait"),
+        default=None,
+        help="after the watchdog's summary: abort ends the job (exit code 124), wait keeps "
+        "waiting (default: $ZEROTRON_WATCHDOG_ACTION or abort)",
+    )
+    p.add_argument(
         "--verbose", action="store_true", help="show the elastic agent's own log messages"
     )
     _multinode_flags(p)

@@ -20,7 +20,10 @@ MASTER_ADDR, MASTER_PORT). On top of the agent:
   (:mod:`zerotron.launcher.multinode`);
 - when a rank fails, the agent stops the others at once (SIGTERM, then SIGKILL after
   ``--shutdown_timeout``), and the launcher names the rank that failed *first*, shows its
-  traceback and exits with its exit code.
+  traceback and exits with its exit code;
+- when a rank's collective watchdog reports a wait past ``--watchdog-timeout``, the launcher
+  asks every rank where it is, names the ranks that never arrived, and ends the job (exit code
+  124) or, with ``--watchdog-action wait``, keeps waiting (:mod:`zerotron.launcher.hangs`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ import importlib.util
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,6 +79,8 @@ class LaunchPlan:
     socket_ifname: str | None = None  # many nodes: the interface that reaches master_addr
     bind: binding.Binding | None = None  # --bind_cores_to_rank: each local rank's CPUs
     pid_key: int | None = None  # --save_pid: this launcher's PID goes to /tmp/<pid_key>.zerotron
+    watchdog_timeout: float | None = None  # None: the ranks' default (see distributed.watchdog)
+    watchdog_action: str = "abort"  # or "wait" (see launcher.hangs)
 
     @property
     def world_size(self) -> int:
@@ -135,6 +142,7 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
     bound = None
     if args.bind_cores_to_rank or args.bind_core_list is not None:
         bound = binding.rank_cpus(nproc, args.bind_core_list)
+    watchdog_timeout, watchdog_action = _watchdog_options(args)
     omp = None
     if "OMP_NUM_THREADS" not in os.environ:  # the user's setting stays
         omp = bound.cores_per_rank if bound else max(1, _cores() // nproc)
@@ -162,7 +170,37 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
         socket_ifname=ifname,
         bind=bound,
         pid_key=pid_key,
+        watchdog_timeout=watchdog_timeout,
+        watchdog_action=watchdog_action,
     )
+
+
+def _watchdog_options(args: argparse.Namespace) -> tuple[float | None, str]:
+    """--watchdog-timeout and --watchdog-action, or their environment variables."""
+    from zerotron.launcher import hangs
+
+    timeout = args.watchdog_timeout
+    if timeout is None and os.environ.get(hangs.ENV_TIMEOUT, "").strip():
+        raw = os.environ[hangs.ENV_TIMEOUT]
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{hangs.ENV_TIMEOUT}={raw!r} is not a number of seconds",
+                fix="give seconds (0 turns the watchdog off), or unset it",
+            ) from None
+    if timeout is not None and timeout < 0:
+        raise ConfigError(
+            f"--watchdog-timeout must be >= 0 seconds (0: off), got {timeout:g}",
+            fix="give seconds, well under --distributed-timeout-minutes",
+        )
+    action = args.watchdog_action or os.environ.get(hangs.ENV_ACTION, "").strip() or "abort"
+    if action not in hangs.ACTIONS:
+        raise ConfigError(
+            f"watchdog action {action!r} is not one of {', '.join(hangs.ACTIONS)}",
+            where=f"--watchdog-action / {hangs.ENV_ACTION}",
+        )
+    return timeout, action
 
 
 def worker_args(
@@ -261,6 +299,7 @@ def run(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from zerotron.launcher.failures import Watchdog, summarize_failures
+    from zerotron.launcher.hangs import HANG_EXIT_CODE, HangWatch
     from zerotron.launcher.output import RankStreams
     from zerotron.launcher.rendezvous import StaticRendezvous
 
@@ -285,7 +324,12 @@ def run(plan: LaunchPlan) -> int:
     streams = RankStreams(log_dir=plan.log_dir, on_start=_Announcer(plan))
     agent = LocalElasticAgent(spec, logs_specs=streams, shutdown_timeout=plan.shutdown_timeout)
     where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}"
-    with _launcher_state(plan), streams, Watchdog(agent, plan.shutdown_timeout) as watchdog:
+    hangs = HangWatch(_reports_dir(plan), plan.watchdog_action, _say)
+    with (
+        _launcher_state(plan, hangs.directory),
+        streams,
+        Watchdog(agent, plan.shutdown_timeout, hangs) as watchdog,
+    ):
         try:
             result = agent.run()
         except SignalException as e:
@@ -298,13 +342,30 @@ def run(plan: LaunchPlan) -> int:
                 fix="on node 0 pick a free --master_port; on the others check that node 0 is "
                 "up and --master_addr/--master_port reach it",
             ) from e
+    if plan.log_dir is None:
+        shutil.rmtree(hangs.directory, ignore_errors=True)
+    else:  # kept only when a rank reported
+        with contextlib.suppress(OSError):
+            os.rmdir(hangs.directory)
     if result is None or not result.is_failed():  # None: the rendezvous closed gracefully
         return 0
+    if hangs.aborted:  # the watchdog's summary said it all
+        return HANG_EXIT_CODE
     code, report = summarize_failures(
         result.failures, watchdog.exit_times, streams, watchdog.finished
     )
     _say(report)
     return code
+
+
+def _reports_dir(plan: LaunchPlan) -> str:
+    """Where the ranks' watchdog reports go: ``<log_dir>/watchdog``, kept, or a temporary
+    directory removed at the end."""
+    from zerotron.launcher.hangs import prepare_dir
+
+    if plan.log_dir is not None:
+        return prepare_dir(os.path.join(plan.log_dir, "watchdog"))
+    return tempfile.mkdtemp(prefix="zerotron-watchdog-")
 
 
 def _port_of_attempt(plan: LaunchPlan, attempt: int) -> int:
@@ -386,15 +447,21 @@ def _say(text: str) -> None:
 
 
 @contextlib.contextmanager
-def _launcher_state(plan: LaunchPlan) -> Iterator[None]:
+def _launcher_state(plan: LaunchPlan, reports_dir: str | None = None) -> Iterator[None]:
     """Set what the agent reads from the launcher's process, and put it back afterwards.
 
     The agent passes OMP_NUM_THREADS, GLOO/NCCL_SOCKET_IFNAME (and PYTHONPATH, which
     ``--as-deepspeed`` extends) on from os.environ and installs its own signal handlers;
     restoring them keeps ``run`` safe to call from a longer-lived Python program (the tuner).
     """
-    keys = ("OMP_NUM_THREADS", "PYTHONPATH", *network.IFNAME_VARS)
+    from zerotron.launcher import hangs
+
+    keys = ("OMP_NUM_THREADS", "PYTHONPATH", *network.IFNAME_VARS, hangs.ENV_DIR, hangs.ENV_TIMEOUT)
     saved_env = {key: os.environ.get(key) for key in keys}
+    if reports_dir is not None:
+        os.environ[hangs.ENV_DIR] = reports_dir
+    if plan.watchdog_timeout is not None:
+        os.environ[hangs.ENV_TIMEOUT] = f"{plan.watchdog_timeout:g}"
     if plan.omp_num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(plan.omp_num_threads)
     if plan.socket_ifname is not None:  # what the user set stays

@@ -250,6 +250,10 @@ def _passed_on(a: argparse.Namespace) -> list[str]:
         out += ["--log_dir", a.log_dir]
     out += ["--max_restarts", str(a.max_restarts), "--shutdown_timeout", str(a.shutdown_timeout)]
     out += ["--rdzv_timeout", str(a.rdzv_timeout)]
+    if a.watchdog_timeout is not None:
+        out += ["--watchdog-timeout", f"{a.watchdog_timeout:g}"]
+    if a.watchdog_action is not None:
+        out += ["--watchdog-action", a.watchdog_action]
     for flag in ("no_local_rank", "as_deepspeed", "verbose", "bind_cores_to_rank"):
         if getattr(a, flag):
             out.append(f"--{flag}")

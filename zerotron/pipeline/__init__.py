@@ -9,6 +9,8 @@
   1F1B schedules, pure functions ``(p, m, v) -> per-stage action lists``.
 - :mod:`~zerotron.pipeline.simulator`: runs a schedule without processes (blocking,
   FIFO-matched p2p): deadlock and validity check, per-stage timeline.
+- :mod:`~zerotron.pipeline.check`: the check every runtime runs before its first step: sends
+  and receives match pairwise, in order, between stages, and nothing deadlocks.
 - :mod:`~zerotron.pipeline.timeline`: the bubble (measured vs (p-1)/(v·m)), the
   timeline picture, and ``zerotron schedule``.
 - :mod:`~zerotron.pipeline.partition`: which layers each (virtual) stage holds.
@@ -20,6 +22,7 @@ protocol (see :mod:`~zerotron.pipeline.runtime`). DeepSpeed's ``PipelineModule``
 :mod:`zerotron.compat.pipe` (``zerotron.pipe``).
 """
 
+from zerotron.pipeline.check import check_pairwise, check_schedule
 from zerotron.pipeline.partition import (
     partition_balanced,
     partition_uniform,
@@ -86,6 +89,8 @@ __all__ = [
     "activations_in_flight",
     "bubble",
     "build_schedule",
+    "check_pairwise",
+    "check_schedule",
     "comm_ops",
     "draw",
     "format_schedule",

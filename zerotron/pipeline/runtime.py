@@ -57,6 +57,7 @@ from torch import nn
 from zerotron.distributed import comm
 from zerotron.distributed.state import state
 from zerotron.errors import ConfigError, DataError, DistributedError
+from zerotron.pipeline.check import check_schedule
 from zerotron.pipeline.schedules import (
     Action,
     Backward,
@@ -124,9 +125,9 @@ class PipelineRuntime:
         self.num_microbatches = num_microbatches
         self.loss_fn = loss_fn
         self._peers = st.pp.ranks  # pipeline stage -> global rank
-        self.actions: list[Action] = build_schedule(
-            schedule_kind, self.num_stages, num_microbatches, self.num_chunks
-        )[self.stage]
+        schedule = build_schedule(schedule_kind, self.num_stages, num_microbatches, self.num_chunks)
+        check_schedule(schedule)  # a bad schedule is an error here, not a hang at the first step
+        self.actions: list[Action] = schedule[self.stage]
         self._eval_actions = _forward_only(self.actions)
         self.freed_bytes = 0  # output storage released after sends, over the runtime's life
 
