@@ -38,7 +38,7 @@ from functools import partial
 
 from zerotron.errors import ConfigError, LaunchError
 from zerotron.fileio import check_writable_dir
-from zerotron.launcher import multinode, network
+from zerotron.launcher import multinode, network, remote
 from zerotron.launcher.flags import DEFAULT_MASTER_PORT, build_parser
 
 RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
@@ -390,7 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         _say(_banner(plan) + f", {plan.nproc_per_node} process(es) running:")
         print(shlex.join([plan.entrypoint, *plan.worker_args]), flush=True)
         return 0
-    return run(plan)
+    if args.lifeline is None:
+        return run(plan)
+    # Started by a launching node (launcher/remote.py), which reads this node's last line.
+    remote.watch_lifeline(args.lifeline, _say)
+    code = run(plan)
+    _say(f"node {plan.node_rank} exits with code {code}")
+    return code
 
 
 if __name__ == "__main__":
