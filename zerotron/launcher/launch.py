@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     # Started by a launching node (launcher/remote.py), which reads this node's last line.
     remote.watch_lifeline(args.lifeline, _say)
     code = run(plan)
-    _say(f"node {plan.node_rank} exits with code {code}")
+    with contextlib.suppress(OSError):  # the launching node may be gone
+        _say(f"node {plan.node_rank} exits with code {code}")
     return code
 
 

@@ -100,7 +100,8 @@ def watch_lifeline(kind: str, say: Callable[[str], None]) -> None:
             while os.getppid() == parent:
                 time.sleep(PARENT_POLL_S)
             why = f"its parent process {parent} exited"
-        say(f"{why}: stopping this node's ranks")
+        with contextlib.suppress(OSError, ValueError):  # the console may have gone with it
+            say(f"{why}: stopping this node's ranks")
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="zerotron-lifeline", daemon=True).start()
@@ -335,7 +336,8 @@ class Supervisor:
 
     def _outcome(self) -> int:
         backend = max((_exit_code(s.proc.returncode) for s in self._started), default=0)
-        failed = [n for n in self.nodes if n.code not in (None, 0)]
+        # A node that named a failed rank failed, also when its last line was lost.
+        failed = [n for n in self.nodes if n.code or (n.code is None and n.first_rank is not None)]
         if self._signal is not None:
             name = signal.Signals(self._signal).name
             left = [n.name for n in self.nodes if n.code is None]
@@ -354,6 +356,8 @@ class Supervisor:
             return backend
         first, *others = sorted(failed, key=self._order)
         lines = [f"{first.name} failed first: {self._how(first)}"]
+        if first.cause:
+            lines.append(f"cause: {first.cause}")
         report = first.report()
         if report:
             lines.append(f"{first.name}'s report:")
@@ -364,20 +368,19 @@ class Supervisor:
             lines.append(f"{first.name} {head}")
             lines += [f"  {line}" for line in said]
         if others:
-            lines.append("then: " + "; ".join(f"{n.name} {self._how(n)}" for n in others))
+            lines.append("then: " + "; ".join(f"{n.name}: {self._how(n)}" for n in others))
         self._say("\n".join(lines))
         return first.code or backend or 1
 
-    def _order(self, node: _Node) -> tuple[int, float, int]:
-        """Nodes whose rank failed on its own first, then those failed because of a peer, then
-        those that were stopped; each by the time its failure was seen."""
+    def _kind(self, node: _Node) -> int:
+        """0: a rank failed on its own, 1: because a peer left, 2: the node was stopped."""
         if node.stopped or (self._stopping_at and (node.failed_at or 0) >= self._stopping_at):
-            kind = 2
-        elif caused_by_peer(node.cause or node.how):
-            kind = 1
-        else:
-            kind = 0
-        return (kind, node.failed_at or float("inf"), node.rank)
+            return 2
+        return 1 if caused_by_peer(node.cause or node.how) else 0
+
+    def _order(self, node: _Node) -> tuple[int, float, int]:
+        """By kind (:meth:`_kind`), then by when its failure was seen."""
+        return (self._kind(node), node.failed_at or float("inf"), node.rank)
 
     def _how(self, node: _Node) -> str:
         if node.stopped:
@@ -385,8 +388,8 @@ class Supervisor:
         if node.first_rank is None:
             via = "its ssh" if self.plan.launcher == "ssh" else "its launcher"
             return f"{via} exited with code {node.code} before naming a failed rank"
-        cause = f"; cause: {node.cause}" if node.cause else ""
-        return f"rank {node.first_rank} failed first: {node.how}{cause} (exit code {node.code})"
+        peer = " (a peer left)" if self._kind(node) == 1 else ""
+        return f"rank {node.first_rank}, {node.how}{peer}"
 
 
 _INSTALL = {
