@@ -9,14 +9,19 @@ from __future__ import annotations
 import io
 import os
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
+import psutil
 import pytest
 
 from zerotron.launcher import remote
 from zerotron.launcher.multinode import MultiNodePlan, NodeCommand
 
 HOSTS = ["w0", "w1"]
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 def account(rank: int, node: int, cause: str, code: int) -> str:
@@ -121,3 +126,22 @@ def test_sigterm_stops_every_node_through_its_lifeline():
     assert "w1: zerotron launch: node 1 exits with code 143\n" in err
     assert err.endswith("zerotron launch: stopped by SIGTERM; every node was stopped\n")
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+SUPERVISE_PDSH = """
+from zerotron.launcher import remote
+from zerotron.launcher.multinode import MultiNodePlan, NodeCommand
+command = NodeCommand(["w0", "w1"], ["sh", "-c", "echo $$; exec sleep 60"])
+remote.Supervisor(MultiNodePlan({"w0": [0], "w1": [0]}, "w0", 1, "pdsh", [command]), 1).run()
+"""
+
+
+def test_the_back_end_process_dies_with_a_killed_launcher():
+    """pdsh (mpirun, srun) would outlive a SIGKILLed launcher, and its nodes with it."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    p = subprocess.Popen([sys.executable, "-c", SUPERVISE_PDSH], stdout=subprocess.PIPE, env=env)
+    backend = psutil.Process(int(p.stdout.readline()))
+    p.kill()
+    p.wait()
+    backend.wait(timeout=10)  # its parent-death signal ended it (else: psutil.TimeoutExpired)
+    assert not backend.is_running()

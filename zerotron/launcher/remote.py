@@ -27,12 +27,17 @@ connection to it drops. Every node's launcher gets ``--lifeline`` (:func:`watch_
   and a killed launching process leaves its ssh clients, and so the remote session, alive.
 - ``parent`` (mpirun, srun): it ends when its parent process (mpirun's or srun's daemon, which
   do not pass input to every node) exits; mpirun and srun stop their tasks themselves otherwise.
+
+The one pdsh, mpirun or srun process gets SIGTERM when the launching launcher dies (Linux's
+parent-death signal): each would otherwise live on, and its nodes with it, until it next writes
+to the closed pipe.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -54,6 +59,7 @@ if TYPE_CHECKING:
 GRACE_S = 10.0  # beyond --shutdown_timeout: for a node's launcher to stop its ranks and report
 TAIL_LINES = 200  # stderr lines kept per node for the final report
 PARENT_POLL_S = 0.2
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LIFELINES = ("stdin", "parent")
 # Which lifeline each back end's node launchers get (see the module docstring).
 LIFELINE_OF = {
@@ -113,7 +119,9 @@ class _Node:
 
     rank: int
     host: str
-    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=500))
+    tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
+    )
     code: int | None = None  # its launcher's "exits with code", or its ssh's exit code
     failed_at: float | None = None  # when it was seen to fail (time.monotonic())
     first_rank: int | None = None
@@ -132,7 +140,7 @@ class _Node:
             if not line.startswith(_SAY):
                 break
             said.append(line.removeprefix(_SAY))
-        return [line for line in reversed(said) if not _EXITS.fullmatch(line)][-TAIL_LINES:]
+        return [line for line in reversed(said) if not _EXITS.fullmatch(line)]
 
 
 @dataclass
@@ -193,9 +201,13 @@ class Supervisor:
 
     def _start(self, command: NodeCommand) -> None:
         nodes = [self._by_host[host] for host in command.hosts]
+        # The one back-end process ends with this one. (Not ssh: preexec_fn is unsafe once the
+        # relay threads of the nodes started before run; ssh's nodes end through their input.)
+        one = len(command.hosts) > 1 or self.plan.launcher != "ssh"
         proc = subprocess.Popen(
             command.argv,
             env={**os.environ, **command.env},
+            preexec_fn=_dies_with_parent() if one else None,
             stdin=subprocess.PIPE,  # the nodes' lifeline (ssh, pdsh): never written, closed to stop
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -221,6 +233,8 @@ class Supervisor:
         def caught(signum: int, frame: object) -> None:
             if self._signal is None:
                 self._signal = signum
+            else:  # a second ctrl-C: no more waiting for the nodes' reports
+                self._stopping_at = float("-inf")
             self._wake.set()
 
         for name in _SIGNALS:
@@ -399,6 +413,21 @@ _INSTALL = {
     "srun": "run inside a SLURM allocation (salloc/sbatch), or use --launcher ssh",
     "ssh": "install an ssh client (Debian/Ubuntu: apt-get install openssh-client)",
 }
+
+
+def _dies_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child get SIGTERM when this process dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 def _exit_code(code: int) -> int:
