@@ -10,7 +10,7 @@ JOBS   ?= 2
 # Files holding tests marked `timing`: the serial pass collects only these.
 TIMING := $(shell grep -rlE 'pytest\.mark\.timing' tests)
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean multihost-deps
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,10 +24,25 @@ demo: $(STAMP)
 
 # Two passes: everything else on $(JOBS) workers, then the wall-clock and page-fault asserts
 # (marker `timing`) alone, so that the other tests' load cannot distort them.
-test: $(STAMP)
+test: $(STAMP) multihost-deps
 	$(PY) -m ruff check zerotron tests bench examples
 	$(PY) -m pytest -q -n $(JOBS) -m 'not timing' tests
 	$(PY) -m pytest -q -n 0 -m timing $(TIMING)
+
+# The multi-host tests (tests/distributed/test_multinode.py) start real sshd, pdsh and mpirun in
+# network namespaces: install Debian's packages when they are missing (needs root and apt-get).
+MULTIHOST_PKGS := openssh-server openssh-client pdsh openmpi-bin
+multihost-deps:
+	@missing=""; for p in $(MULTIHOST_PKGS); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing for the multi-host tests:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	else \
+	  echo "multi-host tests need:$$missing (apt-get install as root); they are skipped without root"; \
+	fi
 
 lint: $(STAMP)
 	$(PY) -m ruff check zerotron tests bench examples

@@ -6,6 +6,12 @@ interface, so every host reaches every other (and no host reaches another throug
 The filesystem is shared: every host sees the same working directory and Python, as the nodes of
 a cluster with a shared home do. Everything made is deleted on exit, also when a test fails.
 
+``sshd(hosts, tmp)`` starts a real OpenSSH server on each host's address (Debian's
+openssh-server, ``make multihost-deps`` installs it) with a throwaway host key, and a throwaway
+client key that root may log in with; it gives an ssh client config (``ssh -F CONFIG``) that
+uses that key and skips host key checks, and the servers' process ids. Every server is stopped
+on exit.
+
 Needs root (or CAP_NET_ADMIN) and the ``ip`` tool; the fixture skips with the reason where the
 kernel refuses namespaces.
 """
@@ -16,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +48,11 @@ class Host:
     def python(self, *args: str) -> list[str]:
         """This interpreter (the same one on every host) inside the namespace."""
         return self.argv(sys.executable, *args)
+
+    def pids(self) -> set[int]:
+        """The processes running in this host's network namespace."""
+        out = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True)
+        return {int(p) for p in out.stdout.split()}
 
 
 def ip(*args: str) -> None:
@@ -83,3 +95,108 @@ def hosts(n: int) -> Iterator[list[Host]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         if bridge_made:
             subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+SSHD = "/usr/sbin/sshd"
+SSHD_READY_S = 20.0
+
+
+def need(*tools: str) -> None:
+    """Fail, saying how to install them, where ``tools`` are missing (``make test`` installs
+    them; only without root, where the namespaces are refused anyway, does a test skip)."""
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing and os.geteuid() != 0:
+        pytest.skip(f"{', '.join(missing)} missing, and installing them needs root")
+    if missing:
+        pytest.fail(f"{', '.join(missing)} missing: run `make multihost-deps` (apt-get)")
+
+
+def _config(path: str, lines: list[str]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+@dataclass(frozen=True)
+class Sshd:
+    """The servers of :func:`sshd`: the client config file (``ssh -F``), the servers' pids."""
+
+    config: str
+    pids: frozenset[int]
+
+
+@contextmanager
+def sshd(on: list[Host], tmp: str) -> Iterator[Sshd]:
+    """A real sshd on every host of ``on`` (see the module docstring).
+
+    Keys and configs live in ``tmp``. The servers run in the foreground (``-D``), one per host,
+    and are stopped (with whatever they still run) on exit.
+    """
+    need(SSHD, "ssh", "ssh-keygen")
+    host_key, client_key = os.path.join(tmp, "host_key"), os.path.join(tmp, "client_key")
+    for key in (host_key, client_key):
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True, timeout=30
+        )
+    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
+    client = os.path.join(tmp, "ssh_config")
+    _config(client, [
+        "Host *",
+        f"  IdentityFile {client_key}",
+        "  IdentitiesOnly yes",
+        "  StrictHostKeyChecking no",
+        "  UserKnownHostsFile /dev/null",
+        "  BatchMode yes",
+        "  ConnectTimeout 10",
+        "  LogLevel ERROR",
+    ])  # fmt: skip
+    servers: list[subprocess.Popen] = []
+    try:
+        for host in on:
+            config = os.path.join(tmp, f"sshd_config.{host.addr}")
+            _config(config, [
+                f"ListenAddress {host.addr}",
+                f"HostKey {host_key}",
+                f"AuthorizedKeysFile {client_key}.pub",
+                "PidFile none",
+                "StrictModes no",  # the keys live in a test's tmp directory
+                "UsePAM no",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "PermitRootLogin prohibit-password",
+                "MaxStartups 100",
+                "MaxSessions 100",
+                "LogLevel ERROR",
+            ])  # fmt: skip
+            log = open(os.path.join(tmp, f"sshd.{host.addr}.log"), "wb")  # noqa: SIM115
+            servers.append(
+                subprocess.Popen(host.argv(SSHD, "-D", "-e", "-f", config), stderr=log)
+            )
+            log.close()
+        for host in on:
+            _wait_for_ssh(on[0], host, client, servers)
+        yield Sshd(client, frozenset(s.pid for s in servers))  # ip netns exec execs sshd
+    finally:
+        for server in servers:  # sshd -D ends its sessions with it
+            server.terminate()
+        for server in servers:
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def _wait_for_ssh(src: Host, dst: Host, client: str, servers: list[subprocess.Popen]) -> None:
+    """Until ``ssh dst true`` from ``src`` works (sshd takes a moment to listen)."""
+    deadline = time.monotonic() + SSHD_READY_S
+    while True:
+        r = subprocess.run(
+            src.argv("ssh", "-F", client, dst.addr, "true"),
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        if r.returncode == 0:
+            return
+        dead = [s.args for s in servers if s.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"sshd on {dst.addr} did not answer: {r.stderr.strip()} {dead}")
+        time.sleep(0.1)

@@ -231,7 +231,8 @@ def _plan(*argv: str) -> multinode.MultiNodePlan:
 def _node(cwd, rank: int, slots: str, nproc: int, *program: str) -> str:
     env = f"export PYTHONPATH={cwd} CUDA_VISIBLE_DEVICES={slots}"
     run = HEAD + ["--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", str(nproc)]
-    run += ["--master_addr", "w0", "--master_port", "29500", *DEFAULTS, *program]
+    run += ["--master_addr", "w0", "--master_port", "29500", *DEFAULTS, "--lifeline", "stdin"]
+    run += program
     return f"cd {cwd} && {env} && exec {shlex.join(run)}"
 
 
@@ -256,7 +257,7 @@ def test_launcher_flags_reach_every_node(job):
         "--nnodes", "2", "--node_rank", "0", "--nproc_per_node", "2",
         "--master_addr", "10.0.0.1", "--master_port", "1234", "--log_dir", "logs",
         "--max_restarts", "2", "--shutdown_timeout", "15", "--rdzv_timeout", "900",
-        "--no_local_rank", "--as_deepspeed", "-m", "pkg.train", "x",
+        "--no_local_rank", "--as_deepspeed", "--lifeline", "stdin", "-m", "pkg.train", "x",
     ]  # fmt: skip
 
 
@@ -269,13 +270,15 @@ def test_pdsh_runs_one_command_with_the_node_rank_from_pdsh(job):
 
 def _launcher(rank_env: str, *program: str) -> list[str]:
     run = HEAD + ["--nnodes", "2", "--node_rank_env", rank_env, "--nproc_per_node", "2"]
-    return run + ["--master_addr", "w0", "--master_port", "29500", *DEFAULTS, *program]
+    run += ["--master_addr", "w0", "--master_port", "29500", *DEFAULTS, "--lifeline", "parent"]
+    return run + list(program)
 
 
 def test_openmpi_starts_one_launcher_per_node(job):
     (command,) = _plan("--launcher", "openmpi", "train.py").commands
     assert command.argv == [
-        "mpirun", "-n", "2", "--host", "w0,w1", "--map-by", "ppr:1:node", "-wdir", str(job),
+        "mpirun", "-n", "2", "--host", "w0,w1", "--map-by", "ppr:1:node", "--tag-output",
+        "-wdir", str(job),
         "-x", f"PYTHONPATH={job}", "-x", "CUDA_VISIBLE_DEVICES=0,1",
         *_launcher("OMPI_COMM_WORLD_RANK", "train.py"),
     ]  # fmt: skip
@@ -284,7 +287,8 @@ def test_openmpi_starts_one_launcher_per_node(job):
 def test_mpich_starts_one_launcher_per_node(job):
     (command,) = _plan("--launcher", "mpich", "train.py").commands
     assert command.argv == [
-        "mpirun", "-n", "2", "-ppn", "1", "-hosts", "w0,w1", "-wdir", str(job),
+        "mpirun", "-n", "2", "-ppn", "1", "-hosts", "w0,w1", "-prepend-rank",
+        "-wdir", str(job),
         "-genv", "PYTHONPATH", str(job), "-genv", "CUDA_VISIBLE_DEVICES", "0,1",
         *_launcher("PMI_RANK", "train.py"),
     ]  # fmt: skip
@@ -294,7 +298,7 @@ def test_slurm_starts_one_task_per_node(job):
     (command,) = _plan("--launcher", "SLURM", "--launcher_args", "-p gpu", "train.py").commands
     assert command.env == {"PYTHONPATH": str(job), "CUDA_VISIBLE_DEVICES": "0,1"}
     assert command.argv == [
-        "srun", "--nodes", "2", "--ntasks-per-node", "1", "--nodelist", "w0,w1",
+        "srun", "--nodes", "2", "--ntasks-per-node", "1", "--label", "--nodelist", "w0,w1",
         "--chdir", str(job), "--export", "ALL", "-p", "gpu", *_launcher("SLURM_NODEID", "train.py"),
     ]  # fmt: skip
 
@@ -334,9 +338,10 @@ def test_no_ssh_needs_a_node_rank(job):
         _plan("--no_ssh", "train.py")
 
 
-def test_starting_remote_nodes_is_refused_for_now(job):
-    with pytest.raises(LaunchError, match="starting the other nodes is not implemented yet"):
-        launch.main(["--hostfile", "hosts", "train.py"])
+def test_a_missing_back_end_is_named_before_anything_starts(job, monkeypatch):
+    monkeypatch.setenv("PATH", str(job))  # no pdsh here
+    with pytest.raises(LaunchError, match="--launcher pdsh: 'pdsh' not found on this host"):
+        launch.main(["--hostfile", "hosts", "--launcher", "pdsh", "train.py"])
 
 
 def test_include_without_a_hostfile_selects_slots_of_this_host(job, monkeypatch):

@@ -283,7 +283,12 @@ def _stuck(fact: _Fact) -> str | None:
 
 
 def _peer_caused(words: _Words) -> bool:
-    text = " ".join([words.cause, *words.lines[-3:]]).lower()
+    return caused_by_peer(" ".join([words.cause, *words.lines[-3:]]))
+
+
+def caused_by_peer(text: str) -> bool:
+    """Whether an error text says that a peer left or got stuck (not a failure of its own)."""
+    text = text.lower()
     return any(phrase in text for phrase in _PEER_PHRASES)
 
 

@@ -233,6 +233,14 @@ def _multinode_flags(p: ArgumentParser) -> None:
         help="read --node_rank from environment variable VAR (set by mpirun or srun)",
     )
     p.add_argument(
+        "--lifeline",
+        choices=("stdin", "parent"),
+        default=None,
+        help="end this node's launcher, stopping its ranks, when its standard input closes "
+        "(stdin) or its parent process exits (parent); the launching node sets it on the "
+        "launchers it starts, so that they end with it or with the connection to it",
+    )
+    p.add_argument(
         "--dry-run",
         "--dry_run",
         dest="dry_run",

@@ -46,7 +46,7 @@ from functools import partial
 
 from zerotron.errors import ConfigError, LaunchError
 from zerotron.fileio import check_writable_dir
-from zerotron.launcher import binding, multinode, network, pidfile, slurm
+from zerotron.launcher import binding, multinode, network, pidfile, remote, slurm
 from zerotron.launcher.flags import DEFAULT_MASTER_PORT, build_parser
 
 RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
@@ -511,7 +511,14 @@ def main(argv: list[str] | None = None) -> int:
         _say(_banner(plan) + f", {plan.nproc_per_node} process(es) running:")
         print(shlex.join([plan.entrypoint, *plan.worker_args]), flush=True)
         return 0
-    return _run_node(plan)
+    if args.lifeline is None:
+        return _run_node(plan)
+    # Started by a launching node (launcher/remote.py), which reads this node's last line.
+    remote.watch_lifeline(args.lifeline, _say)
+    code = _run_node(plan)
+    with contextlib.suppress(OSError):  # the launching node may be gone
+        _say(f"node {plan.node_rank} exits with code {code}")
+    return code
 
 
 def _run_node(plan: LaunchPlan) -> int:

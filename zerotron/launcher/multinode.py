@@ -4,20 +4,25 @@ Every back end starts one ``zerotron launch`` per node (the per-node launcher of
 :mod:`zerotron.launcher.launch`, on torch's elastic agent), never the ranks themselves, so rank
 numbering, prefixed output, failure summaries and restarts are the same everywhere:
 
-- ``ssh`` (default): one ``ssh [-p PORT] [LAUNCHER_ARGS] HOST COMMAND`` per node;
-- ``pdsh``: one ``pdsh -w HOSTS COMMAND`` for all nodes (``%n`` is the node's rank);
+- ``ssh`` (default): one ``ssh [-p PORT] [LAUNCHER_ARGS] HOST COMMAND`` per node, this host
+  included when it is in the hostfile (as DeepSpeed does);
+- ``pdsh``: one ``pdsh -w HOSTS COMMAND`` for all nodes (``%n`` is the node's rank: its place in
+  ``-w``, which is the hostfile's order);
 - ``openmpi`` / ``mpich``: one ``mpirun`` with one process per node, which reads its node rank
   from ``OMPI_COMM_WORLD_RANK`` / ``PMI_RANK``;
 - ``slurm``: one ``srun`` with one task per node (node rank ``SLURM_NODEID``).
+
+Each back end labels its lines with the node (pdsh's ``host:``, mpirun's ``--tag-output`` /
+``-prepend-rank``, srun's ``--label``) and each node's launcher gets a ``--lifeline``, so that
+:mod:`zerotron.launcher.remote` can start, watch and stop the nodes.
 
 ``COMMAND`` (ssh, pdsh) is one shell string built only from ``shlex.quote``-d words: it changes
 to the launching node's working directory, exports the propagated environment (``NCCL_*``,
 ``PYTHON*``, ``CUDA_*``, ``ZEROTRON_*`` and the ``KEY=VALUE`` lines of ``.deepspeed_env`` (or
 ``$DS_ENV_FILE``) and ``.zerotron_env`` in the home and working directories, taken literally),
 and runs the same Python executable. ``CUDA_VISIBLE_DEVICES`` is the node's selected slots.
-:func:`plan` returns the commands, which ``--dry-run`` prints; with ``--no_ssh``, or for a job on
-this host alone, this host runs its own share. Starting other nodes (and watching them) is not
-done yet.
+:func:`plan` returns the commands, which ``--dry-run`` prints and :func:`run_job` runs; with
+``--no_ssh``, or for a job on this host alone, this host runs its own share.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from zerotron.errors import ConfigError, LaunchError
+from zerotron.errors import ConfigError
+from zerotron.launcher import remote
 from zerotron.launcher.flags import DEFAULT_MASTER_PORT
 from zerotron.launcher.hostfile import read_hostfile, select_resources
 
@@ -134,8 +140,9 @@ class _Job:
     env: dict[str, str]  # propagated environment
     extra: list[str]  # --launcher_args, split
 
-    def launch_argv(self, node_rank: str | None, nproc: int) -> list[str]:
-        """The per-node ``zerotron launch`` (node_rank None: read from the back end's variable)."""
+    def launch_argv(self, node_rank: str | None, nproc: int, started: bool = True) -> list[str]:
+        """The per-node ``zerotron launch`` (node_rank None: read from the back end's variable);
+        ``started``: by this launcher, through a back end (it ends when this launcher does)."""
         a = self.args
         rank = (
             ["--node_rank", node_rank]
@@ -147,6 +154,8 @@ class _Job:
         argv += ["--master_addr", self.master_addr]
         argv += [] if self.master_port is None else ["--master_port", str(self.master_port)]
         argv += _passed_on(a)
+        if started:
+            argv += ["--lifeline", remote.LIFELINE_OF[a.launcher]]
         return argv + (["-m"] if a.module else []) + [a.script, *a.script_args]
 
     def shell(self, node_rank: str, slots: list[int]) -> str:
@@ -183,8 +192,9 @@ def _ssh(job: _Job) -> list[NodeCommand]:
 def _pdsh(job: _Job) -> list[NodeCommand]:
     slots = job.uniform_slots()
     env = {"PDSH_RCMD_TYPE": "ssh"}
-    if job.args.ssh_port is not None:
-        env["PDSH_SSH_ARGS_APPEND"] = f"-p {job.args.ssh_port}"
+    if job.args.ssh_port is not None:  # after the user's own
+        given = os.environ.get("PDSH_SSH_ARGS_APPEND", "")
+        env["PDSH_SSH_ARGS_APPEND"] = f"{given} -p {job.args.ssh_port}".lstrip()
     hosts = list(job.resources)
     argv = ["pdsh", "-S", "-f", str(PDSH_FAN_OUT), "-w", ",".join(hosts), *job.extra]
     return [NodeCommand(hosts, [*argv, job.shell("%n", slots)], env)]
@@ -197,7 +207,7 @@ def _exports(job: _Job, slots: list[int]) -> dict[str, str]:
 def _openmpi(job: _Job) -> list[NodeCommand]:
     slots, hosts = job.uniform_slots(), list(job.resources)
     argv = ["mpirun", "-n", str(len(hosts)), "--host", ",".join(hosts), "--map-by", "ppr:1:node"]
-    argv += ["-wdir", job.cwd, *job.extra]
+    argv += ["--tag-output", "-wdir", job.cwd, *job.extra]
     for key, value in _exports(job, slots).items():
         argv += ["-x", f"{key}={value}"]
     return [NodeCommand(hosts, argv + job.launch_argv(None, len(slots)))]
@@ -206,7 +216,7 @@ def _openmpi(job: _Job) -> list[NodeCommand]:
 def _mpich(job: _Job) -> list[NodeCommand]:
     slots, hosts = job.uniform_slots(), list(job.resources)
     argv = ["mpirun", "-n", str(len(hosts)), "-ppn", "1", "-hosts", ",".join(hosts)]
-    argv += ["-wdir", job.cwd, *job.extra]
+    argv += ["-prepend-rank", "-wdir", job.cwd, *job.extra]
     for key, value in _exports(job, slots).items():
         argv += ["-genv", key, value]
     return [NodeCommand(hosts, argv + job.launch_argv(None, len(slots)))]
@@ -215,7 +225,7 @@ def _mpich(job: _Job) -> list[NodeCommand]:
 def _slurm(job: _Job) -> list[NodeCommand]:
     # srun passes srun's own environment on (--export=ALL), so values need no escaping here.
     slots, hosts = job.uniform_slots(), list(job.resources)
-    argv = ["srun", "--nodes", str(len(hosts)), "--ntasks-per-node", "1"]
+    argv = ["srun", "--nodes", str(len(hosts)), "--ntasks-per-node", "1", "--label"]
     argv += ["--nodelist", ",".join(hosts), "--chdir", job.cwd, "--export", "ALL", *job.extra]
     env = _exports(job, slots)
     return [NodeCommand(hosts, argv + job.launch_argv(None, len(slots)), env)]
@@ -232,7 +242,7 @@ def _local(job: _Job, node_rank: int | None) -> NodeCommand:
         )
     slots = job.resources[hosts[node_rank]]
     env = {"CUDA_VISIBLE_DEVICES": _devices(slots)}
-    return NodeCommand([hosts[node_rank]], job.launch_argv(str(node_rank), len(slots)), env)
+    return NodeCommand([hosts[node_rank]], job.launch_argv(str(node_rank), len(slots), False), env)
 
 
 def _only_this_host(resources: dict[str, list[int]]) -> bool:
@@ -317,9 +327,9 @@ def read_env_file(path: str) -> dict[str, str]:
 def run_job(
     args: argparse.Namespace, run_node: Callable[[list[str]], int], local_slots: int = 1
 ) -> int:
-    """``zerotron launch --hostfile``: print the commands (--dry-run) or run this node's share
-    (--no_ssh, or a job on this host alone) through ``run_node(launch flags)``; starting remote
-    nodes comes later."""
+    """``zerotron launch --hostfile``: print the commands (--dry-run), run this node's share
+    (--no_ssh, or a job on this host alone) through ``run_node(launch flags)``, or start every
+    node and watch them to the end (:mod:`zerotron.launcher.remote`); the job's exit code."""
     job = plan(args, local_slots)
     summary = ", ".join(f"{h} slots {_devices(s)}" for h, s in job.resources.items())
     ranks = sum(map(len, job.resources.values()))
@@ -327,7 +337,7 @@ def run_job(
     where = job.master_addr + (
         " (a free port)" if job.master_port is None else f":{job.master_port}"
     )
-    print(f"zerotron launch: {say}{where}", file=sys.stderr)
+    print(f"zerotron launch: {say}{where}", file=sys.stderr, flush=True)
     if args.dry_run:
         for command in job.commands:
             print(command.line(), flush=True)
@@ -337,8 +347,4 @@ def run_job(
         # This process only launches: the node's GPUs are its selected slots.
         os.environ.update(command.env)
         return run_node(command.argv[4:])  # past "python -u -m zerotron.launcher.launch"
-    raise LaunchError(
-        f"--launcher {args.launcher}: starting the other nodes is not implemented yet",
-        fix="print each node's command with --dry-run and start them yourself, or run "
-        "`zerotron launch --no_ssh --node_rank I ...` with the same hostfile on every host",
-    )
+    return remote.supervise(job, args.shutdown_timeout)
