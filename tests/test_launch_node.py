@@ -225,5 +225,5 @@ def test_binding_and_save_pid_reach_every_nodes_launcher(tmp_path, monkeypatch):
     remote = shlex.split(first.argv[-1])
     run = remote[remote.index("exec") + 1 :]
     assert run[run.index("--rdzv_timeout") + 2 : -1] == [
-        "--bind_core_list", "0-7", "--save_pid_as", str(os.getpid()),
+        "--bind_core_list", "0-7", "--save_pid_as", str(os.getpid()), "--lifeline", "stdin",
     ]  # fmt: skip

@@ -154,8 +154,10 @@ def test_dry_run_with_launcher_slurm_prints_the_srun_command(allocation, capsys)
     assert launch.main(["--launcher", "slurm", "--dry-run", "train.py", "--lr", "1"]) == 0
     out, err = capsys.readouterr()
     run = HEAD + ["--nnodes", "2", "--node_rank_env", "SLURM_NODEID", "--nproc_per_node", "2"]
-    run += ["--master_addr", "gpu01", "--master_port", "24567", *DEFAULTS, "train.py", "--lr", "1"]
-    srun = ["srun", "--nodes", "2", "--ntasks-per-node", "1", "--nodelist", "gpu01,gpu02"]
+    run += ["--master_addr", "gpu01", "--master_port", "24567", *DEFAULTS, "--lifeline", "parent"]
+    run += ["train.py", "--lr", "1"]
+    srun = ["srun", "--nodes", "2", "--ntasks-per-node", "1", "--label"]
+    srun += ["--nodelist", "gpu01,gpu02"]
     srun += ["--chdir", str(allocation), "--export", "ALL"]
     env = ["env", f"PYTHONPATH={allocation}", "CUDA_VISIBLE_DEVICES=0,1"]
     assert out.splitlines() == [shlex.join(env + srun + run)]
