@@ -33,7 +33,7 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from zerotron.errors import ConfigError, LaunchError
@@ -45,7 +45,7 @@ RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same i
 # Commands of zerotron's own CLI read LOCAL_RANK from the environment; their first argument is a
 # subcommand, so a --local_rank in front of it would not parse.
 ZEROTRON_CLI_MODULES = ("zerotron", "zerotron.cli", "zerotron.__main__")
-_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 RESOLVE_LIMIT_S = 10.0  # a --master_addr that takes longer to resolve is refused
 
 
@@ -69,6 +69,13 @@ class LaunchPlan:
     verbose: bool = False
     as_deepspeed: bool = False  # workers' `import deepspeed` is zerotron (compat/as_deepspeed.py)
     socket_ifname: str | None = None  # many nodes: the interface that reaches master_addr
+    min_nodes: int | None = None  # elastic (torch's c10d rendezvous) when below nnodes
+    rdzv_conf: dict[str, str] = field(default_factory=dict)  # --rdzv_conf, elastic only
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the node count may change (``--nnodes MIN:MAX``, ``--min_nodes``)."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
 
     @property
     def world_size(self) -> int:
@@ -93,7 +100,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _plan(args: argparse.Namespace) -> LaunchPlan:
     if args.node_rank_env is not None:
         args.node_rank = multinode.node_rank_from(args.node_rank_env)
-    args.nnodes = 1 if args.nnodes is None else args.nnodes
+    args.nnodes, min_nodes = _node_counts(args)
     args.node_rank = 0 if args.node_rank is None else args.node_rank
     args.master_addr = args.master_addr or "127.0.0.1"
     nproc = args.nproc_per_node if args.nproc_per_node is not None else _default_nproc()
@@ -120,6 +127,7 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
         raise ConfigError(f"--master_port must be in 1 .. 65535, got {port}")
     _check_resolves(args.master_addr, port)
     ifname = network.plan_ifname(args.master_addr, port, args.nnodes)
+    rdzv_conf = _rdzv_conf(args.rdzv_conf)
     if args.max_restarts < 0:
         raise ConfigError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.shutdown_timeout < 0 or args.rdzv_timeout < 1:
@@ -149,7 +157,43 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
         verbose=args.verbose,
         as_deepspeed=args.as_deepspeed,
         socket_ifname=ifname,
+        min_nodes=min_nodes,
+        rdzv_conf=rdzv_conf,
     )
+
+
+def _node_counts(args: argparse.Namespace) -> tuple[int, int | None]:
+    """(the most nodes, the fewest or None for a fixed count) from --nnodes [MIN:]MAX,
+    --min_nodes and --max_nodes (DeepSpeed's --min/max_elastic_nodes)."""
+    most = args.max_nodes if args.max_nodes is not None else args.nnodes
+    if args.max_nodes is not None and args.nnodes is not None and args.nnodes != args.max_nodes:
+        raise ConfigError(
+            f"--nnodes {args.nnodes} and --max_nodes {args.max_nodes} disagree",
+            fix="give the largest node count once: --nnodes MIN:MAX, or --min_nodes/--max_nodes",
+        )
+    most = 1 if most is None else most
+    fewest = args.min_nodes
+    if fewest is not None and not 1 <= fewest <= most:
+        raise ConfigError(
+            f"the fewest nodes ({fewest}) must be in 1 .. {most}, the most nodes",
+            where="--nnodes MIN:MAX / --min_nodes",
+            fix="e.g. --nnodes 1:2 lets a 2-node job go on with 1 node after losing one",
+        )
+    return most, (None if fewest == most else fewest)
+
+
+def _rdzv_conf(text: str) -> dict[str, str]:
+    """``--rdzv_conf k=v,k=v`` as torchrun reads it."""
+    conf = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"--rdzv_conf: {item!r} is not KEY=VALUE",
+                fix="e.g. --rdzv_conf last_call_timeout=5",
+            )
+        conf[key.strip()] = value.strip()
+    return conf
 
 
 def worker_args(
@@ -246,20 +290,14 @@ def run(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
+    from zerotron.launcher import rendezvous
     from zerotron.launcher.failures import Watchdog, summarize_failures
     from zerotron.launcher.output import RankStreams
-    from zerotron.launcher.rendezvous import StaticRendezvous
+    from zerotron.training import preemption
 
-    rdzv = StaticRendezvous(
-        plan.master_addr,
-        partial(_port_of_attempt, plan),
-        node_rank=plan.node_rank,
-        nnodes=plan.nnodes,
-        run_id=RUN_ID,
-        timeout_s=plan.rdzv_timeout,
-    )
-    rdzv.say = _say  # progress while waiting for the other nodes
+    rdzv = _rendezvous(plan)
     spec = WorkerSpec(
         role="worker",
         local_world_size=plan.nproc_per_node,
@@ -274,11 +312,24 @@ def run(plan: LaunchPlan) -> int:
     _say(_banner(plan))
     where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}"
     with _launcher_state(plan), streams, Watchdog(agent, plan.shutdown_timeout) as watchdog:
+        _pass_on_usr1(agent)
         try:
             result = agent.run()
         except SignalException as e:
-            _say(f"stopped by {signal.Signals(e.sigval).name}; all local ranks were shut down")
+            name = signal.Signals(e.sigval).name
+            if _all_saved(agent):
+                _say(_saved_message(name))
+                return preemption.EXIT_CODE
+            _say(f"stopped by {name}; all local ranks were shut down")
             return 128 + int(e.sigval)
+        except RendezvousError as e:
+            raise LaunchError(
+                f"the elastic rendezvous failed: {_first_line(e)}",
+                where=where,
+                fix=f"fewer than --min_nodes {plan.min_nodes} nodes came back within "
+                "--rdzv_timeout, or node 0's launcher (it serves the rendezvous) is gone"
+                + _lost_suffix(rdzv),
+            ) from e
         except DistError as e:
             raise LaunchError(
                 f"could not open the rendezvous: {_first_line(e)}",
@@ -286,13 +337,97 @@ def run(plan: LaunchPlan) -> int:
                 fix="on node 0 pick a free --master_port; on the others check that node 0 is "
                 "up and --master_addr/--master_port reach it",
             ) from e
+    lost = rendezvous.lost_report(getattr(rdzv, "lost", []))
     if result is None or not result.is_failed():  # None: the rendezvous closed gracefully
+        if lost:
+            _say(f"the job finished on the nodes left: {lost}")
         return 0
+    if all(f.exitcode == preemption.EXIT_CODE for f in result.failures.values()):
+        _say(_saved_message("a signal"))
+        return preemption.EXIT_CODE
     code, report = summarize_failures(
         result.failures, watchdog.exit_times, streams, watchdog.finished
     )
-    _say(report)
+    _say(report + (f"\nduring the job, {lost}" if lost else ""))
     return code
+
+
+def _pass_on_usr1(agent: object) -> None:
+    """SIGUSR1 (SLURM's warning, ``--signal=USR1@90``) goes on to this node's ranks, which save
+    and exit with ``--save-on-signal``; the launcher stays, and restarts no more (the job is
+    being stopped, not failing). Its default action would end the launcher alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def pass_on(signum: int, frame: object) -> None:
+        with contextlib.suppress(AttributeError):
+            agent._remaining_restarts = 0  # type: ignore[attr-defined]  # torch's counter
+        for worker in agent.get_worker_group().workers:  # type: ignore[attr-defined]
+            if worker.id is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(worker.id, signum)
+
+    signal.signal(signal.SIGUSR1, pass_on)
+
+
+def _all_saved(agent: object) -> bool:
+    """Whether every local rank exited with --save-on-signal's code after the launcher passed a
+    signal on (torch keeps the processes in its private context; unknown counts as no)."""
+    from zerotron.training import preemption
+
+    try:
+        handlers = agent._pcontext.subprocess_handlers.values()  # type: ignore[attr-defined]
+        codes = [h.proc.poll() for h in handlers]
+    except AttributeError:
+        return False
+    return bool(codes) and all(code == preemption.EXIT_CODE for code in codes)
+
+
+def _saved_message(what: str) -> str:
+    from zerotron.training import preemption
+
+    return (
+        f"stopped by {what}: every local rank saved a checkpoint and exited (--save-on-signal); "
+        f"resume with the same command and --load (exit code {preemption.EXIT_CODE})"
+    )
+
+
+def _rendezvous(plan: LaunchPlan):  # -> RendezvousHandler
+    """Static rendezvous for a fixed node count, torch's c10d one (elastic) for MIN:MAX."""
+    from zerotron.launcher.rendezvous import ElasticRendezvous, StaticRendezvous
+
+    if plan.elastic:
+        rdzv = ElasticRendezvous(
+            plan.master_addr,
+            plan.master_port,
+            node_rank=plan.node_rank,
+            local_addr=network.route_source(plan.master_addr, plan.master_port),
+            min_nodes=plan.min_nodes or plan.nnodes,
+            max_nodes=plan.nnodes,
+            run_id=RUN_ID,
+            timeout_s=plan.rdzv_timeout,
+            conf=plan.rdzv_conf,
+            max_restarts=plan.max_restarts,
+            say=_say,
+        )
+    else:
+        rdzv = StaticRendezvous(
+            plan.master_addr,
+            partial(_port_of_attempt, plan),
+            node_rank=plan.node_rank,
+            nnodes=plan.nnodes,
+            run_id=RUN_ID,
+            timeout_s=plan.rdzv_timeout,
+        )
+        rdzv.say = _say  # progress while waiting for the other nodes
+    return rdzv
+
+
+def _lost_suffix(rdzv: object) -> str:
+    from zerotron.launcher.rendezvous import lost_report
+
+    lost = lost_report(getattr(rdzv, "lost", []))
+    return f" ({lost})" if lost else ""
 
 
 def _port_of_attempt(plan: LaunchPlan, attempt: int) -> int:
