@@ -120,9 +120,7 @@ def _first_part(rank: int, data: str, save: str, until: int) -> dict[int, float]
 
 
 @pytest.mark.xdist_group("elastic")
-def test_a_lost_node_restarts_the_job_on_the_rest_from_the_last_checkpoint(
-    data_prefix, tmp_path
-):
+def test_a_lost_node_restarts_the_job_on_the_rest_from_the_last_checkpoint(data_prefix, tmp_path):
     save = str(tmp_path / "elastic")
     job = [*TINY, "--data-path", data_prefix, "--save", save, "--load", save]
     job += ["--save-interval", str(SAVE_EVERY)]

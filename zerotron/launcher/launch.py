@@ -38,7 +38,7 @@ from functools import partial
 
 from zerotron.errors import ConfigError, LaunchError
 from zerotron.fileio import check_writable_dir
-from zerotron.launcher import multinode, network
+from zerotron.launcher import elastic, multinode, network
 from zerotron.launcher.flags import DEFAULT_MASTER_PORT, build_parser
 
 RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
@@ -100,7 +100,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _plan(args: argparse.Namespace) -> LaunchPlan:
     if args.node_rank_env is not None:
         args.node_rank = multinode.node_rank_from(args.node_rank_env)
-    args.nnodes, min_nodes = _node_counts(args)
+    args.nnodes, min_nodes = elastic.node_counts(args)
     args.node_rank = 0 if args.node_rank is None else args.node_rank
     args.master_addr = args.master_addr or "127.0.0.1"
     nproc = args.nproc_per_node if args.nproc_per_node is not None else _default_nproc()
@@ -127,7 +127,7 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
         raise ConfigError(f"--master_port must be in 1 .. 65535, got {port}")
     _check_resolves(args.master_addr, port)
     ifname = network.plan_ifname(args.master_addr, port, args.nnodes)
-    rdzv_conf = _rdzv_conf(args.rdzv_conf)
+    rdzv_conf = elastic.rdzv_conf(args.rdzv_conf)
     if args.max_restarts < 0:
         raise ConfigError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.shutdown_timeout < 0 or args.rdzv_timeout < 1:
@@ -160,40 +160,6 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
         min_nodes=min_nodes,
         rdzv_conf=rdzv_conf,
     )
-
-
-def _node_counts(args: argparse.Namespace) -> tuple[int, int | None]:
-    """(the most nodes, the fewest or None for a fixed count) from --nnodes [MIN:]MAX,
-    --min_nodes and --max_nodes (DeepSpeed's --min/max_elastic_nodes)."""
-    most = args.max_nodes if args.max_nodes is not None else args.nnodes
-    if args.max_nodes is not None and args.nnodes is not None and args.nnodes != args.max_nodes:
-        raise ConfigError(
-            f"--nnodes {args.nnodes} and --max_nodes {args.max_nodes} disagree",
-            fix="give the largest node count once: --nnodes MIN:MAX, or --min_nodes/--max_nodes",
-        )
-    most = 1 if most is None else most
-    fewest = args.min_nodes
-    if fewest is not None and not 1 <= fewest <= most:
-        raise ConfigError(
-            f"the fewest nodes ({fewest}) must be in 1 .. {most}, the most nodes",
-            where="--nnodes MIN:MAX / --min_nodes",
-            fix="e.g. --nnodes 1:2 lets a 2-node job go on with 1 node after losing one",
-        )
-    return most, (None if fewest == most else fewest)
-
-
-def _rdzv_conf(text: str) -> dict[str, str]:
-    """``--rdzv_conf k=v,k=v`` as torchrun reads it."""
-    conf = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(
-                f"--rdzv_conf: {item!r} is not KEY=VALUE",
-                fix="e.g. --rdzv_conf last_call_timeout=5",
-            )
-        conf[key.strip()] = value.strip()
-    return conf
 
 
 def worker_args(
@@ -312,13 +278,13 @@ def run(plan: LaunchPlan) -> int:
     _say(_banner(plan))
     where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}"
     with _launcher_state(plan), streams, Watchdog(agent, plan.shutdown_timeout) as watchdog:
-        _pass_on_usr1(agent)
+        elastic.pass_on_usr1(agent)
         try:
             result = agent.run()
         except SignalException as e:
             name = signal.Signals(e.sigval).name
-            if _all_saved(agent):
-                _say(_saved_message(name))
+            if elastic.all_saved(agent):
+                _say(elastic.saved_message(name))
                 return preemption.EXIT_CODE
             _say(f"stopped by {name}; all local ranks were shut down")
             return 128 + int(e.sigval)
@@ -328,7 +294,7 @@ def run(plan: LaunchPlan) -> int:
                 where=where,
                 fix=f"fewer than --min_nodes {plan.min_nodes} nodes came back within "
                 "--rdzv_timeout, or node 0's launcher (it serves the rendezvous) is gone"
-                + _lost_suffix(rdzv),
+                + elastic.lost_suffix(rdzv),
             ) from e
         except DistError as e:
             raise LaunchError(
@@ -343,53 +309,14 @@ def run(plan: LaunchPlan) -> int:
             _say(f"the job finished on the nodes left: {lost}")
         return 0
     if all(f.exitcode == preemption.EXIT_CODE for f in result.failures.values()):
-        _say(_saved_message("a signal"))
+        _say(elastic.saved_message("a signal"))
         return preemption.EXIT_CODE
     code, report = summarize_failures(
         result.failures, watchdog.exit_times, streams, watchdog.finished
     )
-    _say(report + (f"\nduring the job, {lost}" if lost else ""))
+    note = elastic.failure_note(report, rdzv)
+    _say(report + (f"\n{note}" if note else ""))
     return code
-
-
-def _pass_on_usr1(agent: object) -> None:
-    """SIGUSR1 (SLURM's warning, ``--signal=USR1@90``) goes on to this node's ranks, which save
-    and exit with ``--save-on-signal``; the launcher stays, and restarts no more (the job is
-    being stopped, not failing). Its default action would end the launcher alone."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def pass_on(signum: int, frame: object) -> None:
-        with contextlib.suppress(AttributeError):
-            agent._remaining_restarts = 0  # type: ignore[attr-defined]  # torch's counter
-        for worker in agent.get_worker_group().workers:  # type: ignore[attr-defined]
-            if worker.id is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(worker.id, signum)
-
-    signal.signal(signal.SIGUSR1, pass_on)
-
-
-def _all_saved(agent: object) -> bool:
-    """Whether every local rank exited with --save-on-signal's code after the launcher passed a
-    signal on (torch keeps the processes in its private context; unknown counts as no)."""
-    from zerotron.training import preemption
-
-    try:
-        handlers = agent._pcontext.subprocess_handlers.values()  # type: ignore[attr-defined]
-        codes = [h.proc.poll() for h in handlers]
-    except AttributeError:
-        return False
-    return bool(codes) and all(code == preemption.EXIT_CODE for code in codes)
-
-
-def _saved_message(what: str) -> str:
-    from zerotron.training import preemption
-
-    return (
-        f"stopped by {what}: every local rank saved a checkpoint and exited (--save-on-signal); "
-        f"resume with the same command and --load (exit code {preemption.EXIT_CODE})"
-    )
 
 
 def _rendezvous(plan: LaunchPlan):  # -> RendezvousHandler
@@ -421,13 +348,6 @@ def _rendezvous(plan: LaunchPlan):  # -> RendezvousHandler
         )
         rdzv.say = _say  # progress while waiting for the other nodes
     return rdzv
-
-
-def _lost_suffix(rdzv: object) -> str:
-    from zerotron.launcher.rendezvous import lost_report
-
-    lost = lost_report(getattr(rdzv, "lost", []))
-    return f" ({lost})" if lost else ""
 
 
 def _port_of_attempt(plan: LaunchPlan, attempt: int) -> int:
