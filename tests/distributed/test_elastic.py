@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -23,11 +24,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.multihost import REPO, hosts
+from zerotron.checkpoint import tag_for_iteration
 from zerotron.config import parse_megatron_args
 from zerotron.training.pretrain import pretrain
 
@@ -42,6 +45,8 @@ TINY = [
     "--lr", "1e-3", "--split", "80,10,10", "--log-interval", "1", "--eval-interval", "1000",
     "--eval-iters", "1", "--seed", "1234", "--train-iters", str(ITERS), "--num-workers", "0",
 ]  # fmt: skip
+# ZeRO-1: the resumed run re-partitions the optimizer state of 2 ranks for 1.
+ZERO = ["--use-distributed-optimizer"]
 LOSS = re.compile(r"\[rank0\]:  iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|")
 # Quick rounds for a test: the last call after the fewest nodes are there, and a node is dropped
 # after 2 missed heartbeats 1 s apart.
@@ -115,7 +120,7 @@ def _pretrain(world_size: int, *flags: object):
 def _first_part(rank: int, data: str, save: str, until: int) -> dict[int, float]:
     """The reference's 2-rank part: iterations 1 .. until, saving as the elastic run did."""
     summary = _pretrain(2, "--data-path", data, "--save", save, "--save-interval", SAVE_EVERY,
-                        "--exit-interval", until)  # fmt: skip
+                        "--exit-interval", until, *ZERO)  # fmt: skip
     return summary.losses
 
 
@@ -123,7 +128,7 @@ def _first_part(rank: int, data: str, save: str, until: int) -> dict[int, float]
 def test_a_lost_node_restarts_the_job_on_the_rest_from_the_last_checkpoint(data_prefix, tmp_path):
     save = str(tmp_path / "elastic")
     job = [*TINY, "--data-path", data_prefix, "--save", save, "--load", save]
-    job += ["--save-interval", str(SAVE_EVERY)]
+    job += ["--save-interval", str(SAVE_EVERY), *ZERO]
     with hosts(2) as (h0, h1):
         flags = ["1", "--nnodes", "1:2", "--max_restarts", "2", "--master_addr", h0.addr]
         flags += ["--master_port", "29519", "--rdzv_timeout", "60", "--rdzv_conf", RDZV_CONF]
@@ -155,9 +160,13 @@ def test_a_lost_node_restarts_the_job_on_the_rest_from_the_last_checkpoint(data_
                                       after))  # fmt: skip
     assert saved and resumed == max(saved), out
 
+    for tag, dp in ((resumed, 2), (ITERS, 1)):  # saved by 2 nodes, then by node 0 alone
+        meta = json.loads((Path(save) / tag_for_iteration(tag) / "metadata.json").read_text())
+        assert meta["layout"]["data_parallel_size"] == dp, tag
+
     ref_save = str(tmp_path / "reference")
     first = run_ranks(_first_part, 2, data_prefix, ref_save, resumed, timeout=240)[0]
-    rest = _pretrain(1, "--data-path", data_prefix, "--load", ref_save).losses
+    rest = _pretrain(1, "--data-path", data_prefix, "--load", ref_save, *ZERO).losses
     reference = {**first, **rest}
     got = losses_of(out)
     assert sorted(got) == sorted(reference) == list(range(1, ITERS + 1)), out
