@@ -158,7 +158,8 @@ def test_a_lost_node_restarts_the_job_on_the_rest_from_the_last_checkpoint(data_
     saved = [int(i) for i in re.findall(r"saved checkpoint at iteration (\d+)", before)]
     (resumed,) = map(int, re.findall(r"successfully loaded checkpoint from .* at iteration (\d+)",
                                       after))  # fmt: skip
-    assert saved and resumed == max(saved), out
+    # (a save finished as the peer vanished may be complete without its line printed)
+    assert saved and resumed >= max(saved) and resumed % SAVE_EVERY == 0, out
 
     for tag, dp in ((resumed, 2), (ITERS, 1)):  # saved by 2 nodes, then by node 0 alone
         meta = json.loads((Path(save) / tag_for_iteration(tag) / "metadata.json").read_text())

@@ -6,6 +6,9 @@ tests/distributed/test_elastic.py."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -82,3 +85,21 @@ def test_a_failed_job_names_the_node_its_ranks_lost():
     assert (
         elastic.failure_note("", rdzv) == "during the job, node 1 (10.0.0.2) was lost (restart 1)"
     )
+
+
+def test_sigusr1_goes_on_to_the_ranks_and_stops_restarts():
+    # A stand-in for the agent: one "rank" (a sleeping child) and torch's restart counter.
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    agent = SimpleNamespace(
+        _remaining_restarts=3,
+        get_worker_group=lambda: SimpleNamespace(workers=[SimpleNamespace(id=rank.pid)]),
+    )
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        elastic.pass_on_usr1(agent)
+        os.kill(os.getpid(), signal.SIGUSR1)  # the launcher itself lives on
+        assert rank.wait(timeout=30) == -signal.SIGUSR1
+        assert agent._remaining_restarts == 0
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        rank.kill()
