@@ -244,6 +244,10 @@ def _passed_on(a: argparse.Namespace) -> list[str]:
         out += ["--log_dir", a.log_dir]
     out += ["--max_restarts", str(a.max_restarts), "--shutdown_timeout", str(a.shutdown_timeout)]
     out += ["--rdzv_timeout", str(a.rdzv_timeout)]
+    if getattr(a, "min_nodes", None) is not None:  # elastic: every node runs the c10d rendezvous
+        out += ["--min_nodes", str(a.min_nodes)]
+    if getattr(a, "rdzv_conf", ""):
+        out += ["--rdzv_conf", a.rdzv_conf]
     for flag in ("no_local_rank", "as_deepspeed", "verbose"):
         if getattr(a, flag):
             out.append(f"--{flag}")
