@@ -17,7 +17,10 @@ worker finds its peers through the environment that ``torch.distributed``'s ``en
   (:mod:`zerotron.launcher.multinode`);
 - when a rank fails, the agent stops the others at once (SIGTERM, then SIGKILL after
   ``--shutdown_timeout``), and the launcher names the rank that failed *first*, shows its
-  traceback and exits with its exit code.
+  traceback and exits with its exit code;
+- ``--nnodes MIN:MAX`` makes the job elastic (torch's c10d rendezvous instead of the static one):
+  ``--max_restarts`` restarts go on with the nodes left, naming those that left, and SIGUSR1
+  reaches the ranks for ``zerotron pretrain --save-on-signal`` (:mod:`zerotron.launcher.elastic`).
 """
 
 from __future__ import annotations

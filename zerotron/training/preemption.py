@@ -7,8 +7,9 @@ after every iteration, every rank finishes that iteration, saves a checkpoint at
 :data:`EXIT_CODE`. The resumed run (``--load``) then goes on from exactly there: nothing is lost.
 
 The signal reaches the ranks at different moments (one may be inside iteration 7 while another
-is already past it), so no rank decides alone: each iteration the ranks sum their flags with one
-all-reduce of a single integer and stop together when any rank has one. Megatron all-gathers
+is already past it), so no rank decides alone: each iteration the ranks take the maximum of their
+flags (the signal's number, 0 for none) with one all-reduce of a single integer, and all stop
+after the same iteration when any rank has one. Megatron all-gathers
 the flag for the same reason.
 """
 
