@@ -49,8 +49,8 @@ TINY = [
 ZERO = ["--use-distributed-optimizer"]
 LOSS = re.compile(r"\[rank0\]:  iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|")
 # Quick rounds for a test: the last call after the fewest nodes are there, and a node is dropped
-# after 2 missed heartbeats 1 s apart.
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
+# after 3 missed heartbeats 1 s apart.
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 class Launcher:
