@@ -44,7 +44,6 @@ def STEPS_PER_PRINT(path: str, value: Any) -> int:
         return NEVER
     return POSITIVE(INT)(path, value)
 
-
 BATCH_FIELDS = {
     "global_batch_size": "train_batch_size",
     "micro_batch_size": "train_micro_batch_size_per_gpu",
