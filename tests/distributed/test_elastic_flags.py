@@ -103,3 +103,17 @@ def test_sigusr1_goes_on_to_the_ranks_and_stops_restarts():
     finally:
         signal.signal(signal.SIGUSR1, before)
         rank.kill()
+
+
+@pytest.mark.parametrize(
+    ("codes", "saved"),
+    [
+        ([75, 75], True),
+        ([75, -15], True),  # saved, then stopped by the agent while exiting
+        ([-15, -15], False),  # stopped before anyone saved
+        ([75, 1], False),  # a rank failed on its own
+        ([], False),
+    ],
+)
+def test_which_exit_codes_mean_saved_on_a_signal(codes, saved):
+    assert elastic.saved_codes(codes) is saved

@@ -78,14 +78,26 @@ def pass_on_usr1(agent: object) -> None:
 
 
 def all_saved(agent: object) -> bool:
-    """Whether every local rank exited with --save-on-signal's code after the launcher passed a
-    signal on (torch keeps the processes in its private context; unknown counts as no)."""
+    """Whether this node's ranks stopped on --save-on-signal after the launcher passed a signal
+    on (torch keeps the processes in its private context; unknown counts as no)."""
     try:
         handlers = agent._pcontext.subprocess_handlers.values()  # type: ignore[attr-defined]
         codes = [h.proc.poll() for h in handlers]
     except AttributeError:
         return False
-    return bool(codes) and all(code == preemption.EXIT_CODE for code in codes)
+    return saved_codes(codes)
+
+
+def saved_codes(codes: list[int | None]) -> bool:
+    """Whether exit codes say the ranks saved on a signal and stopped: one rank at least exited
+    with :data:`~zerotron.training.preemption.EXIT_CODE` and the others with it too or by a signal.
+
+    A rank exits with that code only after the save's last barrier, which every rank passes once
+    the checkpoint is complete; the agent then stops the ranks still exiting (SIGTERM), and such
+    a rank lost nothing.
+    """
+    code = preemption.EXIT_CODE
+    return code in codes and all(c == code or (c is not None and c < 0) for c in codes)
 
 
 def saved_message(what: str) -> str:

@@ -311,7 +311,7 @@ def run(plan: LaunchPlan) -> int:
         if lost:
             _say(f"the job finished on the nodes left: {lost}")
         return 0
-    if all(f.exitcode == preemption.EXIT_CODE for f in result.failures.values()):
+    if elastic.saved_codes([f.exitcode for f in result.failures.values()]):
         _say(elastic.saved_message("a signal"))
         return preemption.EXIT_CODE
     code, report = summarize_failures(
