@@ -96,10 +96,11 @@ def test_sigusr1_goes_on_to_the_ranks_and_stops_restarts():
     )
     before = signal.getsignal(signal.SIGUSR1)
     try:
-        elastic.pass_on_usr1(agent)
+        passed = elastic.pass_on_usr1(agent)
         os.kill(os.getpid(), signal.SIGUSR1)  # the launcher itself lives on
         assert rank.wait(timeout=30) == -signal.SIGUSR1
         assert agent._remaining_restarts == 0
+        assert passed == ["SIGUSR1"]
     finally:
         signal.signal(signal.SIGUSR1, before)
         rank.kill()

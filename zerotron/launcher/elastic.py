@@ -59,14 +59,17 @@ def rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
-def pass_on_usr1(agent: object) -> None:
+def pass_on_usr1(agent: object) -> list[str]:
     """SIGUSR1 (SLURM's warning, ``--signal=USR1@90``) goes on to this node's ranks, which save
     and exit with ``--save-on-signal``; the launcher stays, and restarts no more (the job is
-    being stopped, not failing). Its default action would end the launcher alone."""
+    being stopped, not failing). Its default action would end the launcher alone. Returns the
+    list the names of the signals passed on are added to."""
+    passed: list[str] = []
     if threading.current_thread() is not threading.main_thread():
-        return
+        return passed
 
     def pass_on(signum: int, frame: object) -> None:
+        passed.append(signal.Signals(signum).name)
         with contextlib.suppress(AttributeError):
             agent._remaining_restarts = 0  # type: ignore[attr-defined]  # torch's counter
         for worker in agent.get_worker_group().workers:  # type: ignore[attr-defined]
@@ -75,6 +78,7 @@ def pass_on_usr1(agent: object) -> None:
                     os.kill(worker.id, signum)
 
     signal.signal(signal.SIGUSR1, pass_on)
+    return passed
 
 
 def all_saved(agent: object) -> bool:

@@ -281,7 +281,7 @@ def run(plan: LaunchPlan) -> int:
     _say(_banner(plan))
     where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}"
     with _launcher_state(plan), streams, Watchdog(agent, plan.shutdown_timeout) as watchdog:
-        elastic.pass_on_usr1(agent)
+        passed_on = elastic.pass_on_usr1(agent)
         try:
             result = agent.run()
         except SignalException as e:
@@ -312,7 +312,7 @@ def run(plan: LaunchPlan) -> int:
             _say(f"the job finished on the nodes left: {lost}")
         return 0
     if elastic.saved_codes([f.exitcode for f in result.failures.values()]):
-        _say(elastic.saved_message("a signal"))
+        _say(elastic.saved_message(passed_on[0] if passed_on else "a signal"))
         return preemption.EXIT_CODE
     code, report = summarize_failures(
         result.failures, watchdog.exit_times, streams, watchdog.finished
