@@ -16,7 +16,8 @@ from zerotron.training.preemption import Preemption
 from zerotron.training.pretrain import pretrain
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]  # fmt: skip
+        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1",
+        "--lr", "1e-3"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
