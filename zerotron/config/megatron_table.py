@@ -26,6 +26,7 @@ ALIASES = {
     "layernorm_epsilon": ("--norm-epsilon",),
     "offload_optimizer_device": ("--zero-offload-optimizer",),
     "offload_param_device": ("--zero-offload-param",),
+    "save_on_signal": ("--exit-signal-handler",),
 }
 """Other Megatron spellings of a flag (newer Megatron renamed --layernorm-epsilon)."""
 

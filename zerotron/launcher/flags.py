@@ -39,11 +39,12 @@ def build_parser() -> ArgumentParser:
         "--num_nodes",
         "--num-nodes",
         dest="nnodes",
-        metavar="N",
-        type=int,
+        metavar="N|MIN:MAX",
+        action=NodeRange,
         default=None,
         help="number of nodes; start one launcher per node (with --hostfile: use its first N "
-        "hosts; default 1, or every host of the hostfile)",
+        "hosts; default 1, or every host of the hostfile). MIN:MAX (torchrun's form): elastic, "
+        "as --min_nodes MIN --max_nodes MAX",
     )
     p.add_argument(
         "--node_rank",
@@ -102,8 +103,10 @@ def build_parser() -> ArgumentParser:
         metavar="N",
         type=int,
         default=0,
-        help="restart all local workers this many times after a failure",
+        help="after a rank or a node fails, restart the job this many times (on the nodes "
+        "left, with --min_nodes); the program resumes from its newest checkpoint",
     )
+    _elastic_flags(p)
     p.add_argument(
         "--shutdown_timeout",
         "--shutdown-timeout",
@@ -166,6 +169,60 @@ def build_parser() -> ArgumentParser:
         "script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script"
     )
     return p
+
+
+class NodeRange(argparse.Action):
+    """``--nnodes N`` or torchrun's ``--nnodes MIN:MAX`` (then also sets ``min_nodes``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
+        text = str(values)
+        low, sep, high = text.partition(":")
+        try:
+            counts = (int(low), int(high)) if sep else (int(text), None)
+        except ValueError:
+            parser.error(f"{option_string}: expected N or MIN:MAX (whole numbers), got {text!r}")
+        if sep:
+            namespace.min_nodes = counts[0]
+            setattr(namespace, self.dest, counts[1])
+        else:
+            setattr(namespace, self.dest, counts[0])
+
+
+def _elastic_flags(p: ArgumentParser) -> None:
+    """Elastic node counts and restarts (torchrun's and DeepSpeed's names)."""
+    p.add_argument(
+        "--min_nodes",
+        "--min-nodes",
+        "--min_elastic_nodes",
+        "--min-elastic-nodes",
+        dest="min_nodes",
+        metavar="N",
+        type=int,
+        default=None,
+        help="elastic: the job runs (and goes on after a node is lost) with at least N nodes "
+        "(default: --nnodes, a fixed count)",
+    )
+    p.add_argument(
+        "--max_nodes",
+        "--max-nodes",
+        "--max_elastic_nodes",
+        "--max-elastic-nodes",
+        dest="max_nodes",
+        metavar="N",
+        type=int,
+        default=None,
+        help="elastic: at most N nodes (default: --nnodes)",
+    )
+    p.add_argument(
+        "--rdzv_conf",
+        "--rdzv-conf",
+        dest="rdzv_conf",
+        metavar="K=V,...",
+        default="",
+        help="elastic: settings of torch's c10d rendezvous, e.g. last_call_timeout=10,"
+        "keep_alive_interval=5,keep_alive_max_attempt=3 (seconds; the last two: a node that "
+        "misses that many heartbeats is dropped)",
+    )
 
 
 def _multinode_flags(p: ArgumentParser) -> None:

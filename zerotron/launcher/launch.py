@@ -24,6 +24,9 @@ MASTER_ADDR, MASTER_PORT). On top of the agent:
 - when a rank's collective watchdog reports a wait past ``--watchdog-timeout``, the launcher
   asks every rank where it is, names the ranks that never arrived, and ends the job (exit code
   124) or, with ``--watchdog-action wait``, keeps waiting (:mod:`zerotron.launcher.hangs`).
+- ``--nnodes MIN:MAX`` makes the job elastic (torch's c10d rendezvous instead of the static one):
+  ``--max_restarts`` restarts go on with the nodes left, naming those that left, and SIGUSR1
+  reaches the ranks for ``zerotron pretrain --save-on-signal`` (:mod:`zerotron.launcher.elastic`).
 """
 
 from __future__ import annotations
@@ -41,19 +44,19 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from zerotron.errors import ConfigError, LaunchError
 from zerotron.fileio import check_writable_dir
-from zerotron.launcher import binding, multinode, network, pidfile, remote, slurm
+from zerotron.launcher import binding, elastic, multinode, network, pidfile, remote, slurm
 from zerotron.launcher.flags import DEFAULT_MASTER_PORT, build_parser
 
 RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
 # Commands of zerotron's own CLI read LOCAL_RANK from the environment; their first argument is a
 # subcommand, so a --local_rank in front of it would not parse.
 ZEROTRON_CLI_MODULES = ("zerotron", "zerotron.cli", "zerotron.__main__")
-_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 RESOLVE_LIMIT_S = 10.0  # a --master_addr that takes longer to resolve is refused
 
 
@@ -81,6 +84,13 @@ class LaunchPlan:
     pid_key: int | None = None  # --save_pid: this launcher's PID goes to /tmp/<pid_key>.zerotron
     watchdog_timeout: float | None = None  # None: the ranks' default (see distributed.watchdog)
     watchdog_action: str = "abort"  # or "wait" (see launcher.hangs)
+    min_nodes: int | None = None  # elastic (torch's c10d rendezvous) when below nnodes
+    rdzv_conf: dict[str, str] = field(default_factory=dict)  # --rdzv_conf, elastic only
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the node count may change (``--nnodes MIN:MAX``, ``--min_nodes``)."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
 
     @property
     def world_size(self) -> int:
@@ -105,7 +115,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _plan(args: argparse.Namespace) -> LaunchPlan:
     if args.node_rank_env is not None:
         args.node_rank = multinode.node_rank_from(args.node_rank_env)
-    args.nnodes = 1 if args.nnodes is None else args.nnodes
+    args.nnodes, min_nodes = elastic.node_counts(args)
     args.node_rank = 0 if args.node_rank is None else args.node_rank
     args.master_addr = args.master_addr or "127.0.0.1"
     nproc = args.nproc_per_node if args.nproc_per_node is not None else _default_nproc()
@@ -132,6 +142,7 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
         raise ConfigError(f"--master_port must be in 1 .. 65535, got {port}")
     _check_resolves(args.master_addr, port)
     ifname = network.plan_ifname(args.master_addr, port, args.nnodes)
+    rdzv_conf = elastic.rdzv_conf(args.rdzv_conf)
     if args.max_restarts < 0:
         raise ConfigError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.shutdown_timeout < 0 or args.rdzv_timeout < 1:
@@ -172,6 +183,8 @@ def _plan(args: argparse.Namespace) -> LaunchPlan:
         pid_key=pid_key,
         watchdog_timeout=watchdog_timeout,
         watchdog_action=watchdog_action,
+        min_nodes=min_nodes,
+        rdzv_conf=rdzv_conf,
     )
 
 
@@ -297,21 +310,15 @@ def run(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
+    from zerotron.launcher import rendezvous
     from zerotron.launcher.failures import Watchdog, summarize_failures
     from zerotron.launcher.hangs import HANG_EXIT_CODE, HangWatch
     from zerotron.launcher.output import RankStreams
-    from zerotron.launcher.rendezvous import StaticRendezvous
+    from zerotron.training import preemption
 
-    rdzv = StaticRendezvous(
-        plan.master_addr,
-        partial(_port_of_attempt, plan),
-        node_rank=plan.node_rank,
-        nnodes=plan.nnodes,
-        run_id=RUN_ID,
-        timeout_s=plan.rdzv_timeout,
-    )
-    rdzv.say = _say  # progress while waiting for the other nodes
+    rdzv = _rendezvous(plan)
     spec = WorkerSpec(
         role="worker",
         local_world_size=plan.nproc_per_node,
@@ -330,11 +337,24 @@ def run(plan: LaunchPlan) -> int:
         streams,
         Watchdog(agent, plan.shutdown_timeout, hangs) as watchdog,
     ):
+        passed_on = elastic.pass_on_usr1(agent)
         try:
             result = agent.run()
         except SignalException as e:
-            _say(f"stopped by {signal.Signals(e.sigval).name}; all local ranks were shut down")
+            name = signal.Signals(e.sigval).name
+            if elastic.all_saved(agent):
+                _say(elastic.saved_message(name))
+                return preemption.EXIT_CODE
+            _say(f"stopped by {name}; all local ranks were shut down")
             return 128 + int(e.sigval)
+        except RendezvousError as e:
+            raise LaunchError(
+                f"the elastic rendezvous failed: {_first_line(e)}",
+                where=where,
+                fix=f"fewer than --min_nodes {plan.min_nodes} nodes came back within "
+                "--rdzv_timeout, or node 0's launcher (it serves the rendezvous) is gone"
+                + elastic.lost_suffix(rdzv),
+            ) from e
         except DistError as e:
             raise LaunchError(
                 f"could not open the rendezvous: {_first_line(e)}",
@@ -347,14 +367,21 @@ def run(plan: LaunchPlan) -> int:
     else:  # kept only when a rank reported
         with contextlib.suppress(OSError):
             os.rmdir(hangs.directory)
+    lost = rendezvous.lost_report(getattr(rdzv, "lost", []))
     if result is None or not result.is_failed():  # None: the rendezvous closed gracefully
+        if lost:
+            _say(f"the job finished on the nodes left: {lost}")
         return 0
     if hangs.aborted:  # the watchdog's summary said it all
         return HANG_EXIT_CODE
+    if elastic.saved_codes([f.exitcode for f in result.failures.values()]):
+        _say(elastic.saved_message(passed_on[0] if passed_on else "a signal"))
+        return preemption.EXIT_CODE
     code, report = summarize_failures(
         result.failures, watchdog.exit_times, streams, watchdog.finished
     )
-    _say(report)
+    note = elastic.failure_note(report, rdzv)
+    _say(report + (f"\n{note}" if note else ""))
     return code
 
 
@@ -366,6 +393,37 @@ def _reports_dir(plan: LaunchPlan) -> str:
     if plan.log_dir is not None:
         return prepare_dir(os.path.join(plan.log_dir, "watchdog"))
     return tempfile.mkdtemp(prefix="zerotron-watchdog-")
+
+
+def _rendezvous(plan: LaunchPlan):  # -> RendezvousHandler
+    """Static rendezvous for a fixed node count, torch's c10d one (elastic) for MIN:MAX."""
+    from zerotron.launcher.rendezvous import ElasticRendezvous, StaticRendezvous
+
+    if plan.elastic:
+        rdzv = ElasticRendezvous(
+            plan.master_addr,
+            plan.master_port,
+            node_rank=plan.node_rank,
+            local_addr=network.route_source(plan.master_addr, plan.master_port),
+            min_nodes=plan.min_nodes or plan.nnodes,
+            max_nodes=plan.nnodes,
+            run_id=RUN_ID,
+            timeout_s=plan.rdzv_timeout,
+            conf=plan.rdzv_conf,
+            max_restarts=plan.max_restarts,
+            say=_say,
+        )
+    else:
+        rdzv = StaticRendezvous(
+            plan.master_addr,
+            partial(_port_of_attempt, plan),
+            node_rank=plan.node_rank,
+            nnodes=plan.nnodes,
+            run_id=RUN_ID,
+            timeout_s=plan.rdzv_timeout,
+        )
+        rdzv.say = _say  # progress while waiting for the other nodes
+    return rdzv
 
 
 def _port_of_attempt(plan: LaunchPlan, attempt: int) -> int:

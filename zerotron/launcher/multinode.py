@@ -264,6 +264,10 @@ def _passed_on(a: argparse.Namespace) -> list[str]:
         out += ["--watchdog-timeout", f"{a.watchdog_timeout:g}"]
     if a.watchdog_action is not None:
         out += ["--watchdog-action", a.watchdog_action]
+    if getattr(a, "min_nodes", None) is not None:  # elastic: every node runs the c10d rendezvous
+        out += ["--min_nodes", str(a.min_nodes)]
+    if getattr(a, "rdzv_conf", ""):
+        out += ["--rdzv_conf", a.rdzv_conf]
     for flag in ("no_local_rank", "as_deepspeed", "verbose", "bind_cores_to_rank"):
         if getattr(a, flag):
             out.append(f"--{flag}")

@@ -1,4 +1,7 @@
-"""Static rendezvous with a fresh store for every attempt, so ``--max_restarts`` works.
+"""The launchers' rendezvous: static (a fixed node count) or elastic (``--nnodes MIN:MAX``).
+
+Static
+------
 
 Node ``i`` of ``N`` is group rank ``i`` (torchrun's ``--node_rank``), and node 0's launcher hosts
 a TCPStore that the other launchers and every worker connect to. torch's own static rendezvous
@@ -12,6 +15,16 @@ for the others, say every ``progress_every`` seconds who they wait for ("waiting
 2 at host:port, 30 s of 900"), and the timeout ends in a :class:`LaunchError` naming the nodes
 that never came. The other nodes probe node 0's port with a plain socket before torch's store
 client connects, so torch's retry loop (warnings with C++ stack frames) never runs.
+
+Elastic
+-------
+:class:`ElasticRendezvous` is torch's own dynamic rendezvous on a c10d store (torchrun's
+``--rdzv_backend c10d``) hosted by node 0's launcher: every round admits between ``min_nodes``
+and ``max_nodes`` nodes, a node whose launcher stops sending heartbeats is dropped, and torch
+numbers the nodes of each round. On top of it every node writes a label (``node 1
+(10.213.8.2)``: its ``--node_rank`` and the address the others reach it at) into the round's
+store and reads the others', so a restart says by name which nodes left or joined since the
+previous round (:attr:`ElasticRendezvous.lost` keeps them for the launcher's last word).
 """
 
 from __future__ import annotations
@@ -19,12 +32,13 @@ from __future__ import annotations
 import datetime
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
+    RendezvousParameters,
     RendezvousStoreInfo,
 )
 
@@ -177,3 +191,139 @@ def _timed_out(handler: StaticRendezvous, missing: list[int], port: int) -> Laun
         fix="start `zerotron launch` on every node with the same --nnodes, --master_addr and "
         "--master_port, and a distinct --node_rank; raise --rdzv_timeout if nodes start late",
     )
+
+
+# Elastic rounds: torch's defaults, except a quicker last call (a job that names its node counts
+# does not need half a minute to notice that every node is there).
+ELASTIC_DEFAULTS = {
+    "last_call_timeout": "10",
+    "keep_alive_interval": "5",
+    "keep_alive_max_attempt": "3",
+}
+_LABEL_KEY = "zerotron/node_label/"
+
+
+class ElasticRendezvous(RendezvousHandler):
+    """torch's dynamic c10d rendezvous for ``min_nodes .. max_nodes`` nodes, saying who came and
+    went at every restart; see the module docstring."""
+
+    def __init__(
+        self,
+        master_addr: str,
+        port: int,
+        node_rank: int,
+        local_addr: str,
+        min_nodes: int,
+        max_nodes: int,
+        run_id: str,
+        timeout_s: float,
+        conf: Mapping[str, str] | None = None,
+        max_restarts: int = 0,
+        say: Callable[[str], None] = lambda text: None,
+    ):
+        from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+        self.master_addr, self.port, self.node_rank = master_addr, port, node_rank
+        self.min_nodes, self.max_nodes, self.max_restarts = min_nodes, max_nodes, max_restarts
+        self.label = f"node {node_rank} ({local_addr})"
+        self.say = say
+        self.attempt = -1
+        self.members: list[str] = []  # the labels of the current round, by torch's node rank
+        self.lost: list[tuple[int, str]] = []  # (restart, label) of every node that left
+        config = {**ELASTIC_DEFAULTS, "join_timeout": str(int(timeout_s)), **(conf or {})}
+        config["is_host"] = str(node_rank == 0)  # node 0's launcher serves the store
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=f"{master_addr}:{port}",
+            run_id=run_id,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            local_addr=local_addr,  # what the workers of the others connect to, never 127.x
+            **config,
+        )
+        if node_rank != 0:  # node 0 may start later: wait without torch's retry warnings
+            progress = _Progress(self.say, min(30.0, max(1.0, timeout_s / 10)), timeout_s)
+            deadline = time.monotonic() + timeout_s
+            while not _probe(master_addr, port):
+                if time.monotonic() >= deadline:
+                    raise LaunchError(
+                        f"rendezvous timed out after {timeout_s:g} s: node 0 never listened "
+                        f"at {master_addr}:{port}",
+                        where=self.label,
+                        fix="start node 0's launcher (--node_rank 0) with the same "
+                        "--master_addr/--master_port; raise --rdzv_timeout if it starts late",
+                    )
+                progress.tick(lambda: f"node 0 at {master_addr}:{port} (not listening yet)")
+                time.sleep(0.25)
+        backend, store = c10d.create_backend(params)
+        self._inner = dynamic_rendezvous.create_handler(store, backend, params)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self.attempt += 1
+        if self.attempt > 0:
+            self.say(
+                f"restart {self.attempt} of {self.max_restarts}: rejoining the rendezvous at "
+                f"{self.master_addr}:{self.port} ({_span(self.min_nodes, self.max_nodes)})"
+            )
+        info = self._inner.next_rendezvous()
+        info.store.set(f"{_LABEL_KEY}{info.rank}", self.label)
+        members = [
+            info.store.get(f"{_LABEL_KEY}{rank}").decode() for rank in range(info.world_size)
+        ]
+        gone = [m for m in self.members if m not in members]
+        came = [m for m in members if m not in self.members] if self.members else []
+        self.lost += [(self.attempt, m) for m in gone]
+        self.members = members
+        for line in round_report(
+            self.attempt, gone, came, len(members), self.min_nodes, self.max_nodes
+        ):
+            self.say(line)
+        return info
+
+    def get_backend(self) -> str:
+        return self._inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._inner.shutdown()
+
+
+def round_report(
+    attempt: int, gone: list[str], came: list[str], size: int, min_nodes: int, max_nodes: int
+) -> list[str]:
+    """What a restart's round changed, one line each (nothing for the first round)."""
+    if attempt == 0 and not came:
+        return []
+    lines = [f"{m} left the job (its launcher stopped answering)" for m in gone]
+    lines += [f"{m} joined the job" for m in came]
+    change = "" if gone or came else ", the same nodes as before"
+    lines.append(
+        f"{'restart ' + str(attempt) if attempt else 'round'}: going on with {size} node(s) of "
+        f"{_span(min_nodes, max_nodes)}{change}; the program resumes from its newest checkpoint"
+    )
+    return lines
+
+
+def lost_report(lost: list[tuple[int, str]]) -> str:
+    """The launcher's last word on the nodes that left during the job ('' if none did)."""
+    return "; ".join(f"{label} was lost (restart {attempt})" for attempt, label in lost)
+
+
+def _span(min_nodes: int, max_nodes: int) -> str:
+    return f"{min_nodes} node(s)" if min_nodes == max_nodes else f"{min_nodes}..{max_nodes} nodes"

@@ -26,6 +26,7 @@ from zerotron.engine.timers import Timers
 from zerotron.errors import ConfigError, TrainingError
 from zerotron.training import log
 from zerotron.training.build import Run
+from zerotron.training.preemption import Preemption
 from zerotron.training.throughput import model_flops_per_token, tflops_per_second
 
 
@@ -53,6 +54,7 @@ class TrainSummary:
     last_checkpoint: Path | None = None
     interval_lines: list[str] = field(default_factory=list)
     exited_early: bool = False  # --exit-interval or --exit-duration-in-mins stopped the run
+    preempted: str | None = None  # the signal --save-on-signal saved and stopped on
 
 
 class _Interval:
@@ -156,6 +158,7 @@ def train(
     valid_iter: Iterator | None,
     test_iter: Iterator | None,
     timers: Timers,
+    preemption: Preemption | None = None,
 ) -> TrainSummary:
     cfg, engine = run.cfg, run.engine
     t, c = cfg.training, cfg.checkpoint
@@ -240,6 +243,18 @@ def train(
                 if writer is not None:
                     writer.add_scalar("lm loss validation", value, state.iteration)
                 interval.start = time.perf_counter()  # evaluation is not training time
+
+            # Megatron's order: a signal's checkpoint comes before the interval's.
+            signal_name = preemption.agreed() if preemption is not None else None
+            if signal_name is not None:
+                summary.last_checkpoint = save(run, state)
+                saved_at = state.iteration
+                out.print(
+                    f" exiting program after receiving {signal_name}: saved checkpoint at "
+                    f"iteration {state.iteration} to {c.save}"
+                )
+                summary.exited_early, summary.preempted = True, signal_name
+                break
 
             if c.save and c.save_interval and state.iteration % c.save_interval == 0:
                 summary.last_checkpoint = save(run, state)

@@ -37,12 +37,13 @@ from zerotron.config import Config, parse_megatron_args
 from zerotron.data.gpt_dataset import build_train_valid_test_datasets
 from zerotron.data.samplers import build_pretraining_data_loader
 from zerotron.distributed import comm
-from zerotron.distributed.init import get_world_size, init_distributed
+from zerotron.distributed.init import get_rank, get_world_size, init_distributed
 from zerotron.distributed.state import ParallelState, initialize_model_parallel, state
 from zerotron.engine.timers import Timers
 from zerotron.errors import CheckpointError, ConfigError, DistributedError, UnsupportedError
 from zerotron.fileio import check_writable_dir
 from zerotron.models.gpt import print_num_parameters
+from zerotron.training import preemption
 from zerotron.training.build import Run, build_run
 from zerotron.training.loop import TrainState, TrainSummary, print_rank_0, train
 
@@ -50,8 +51,18 @@ from zerotron.training.loop import TrainState, TrainSummary, print_rank_0, train
 def main(argv: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_megatron_args(argv, world_size=world_size)
-    pretrain(cfg)
-    return 0
+    summary = pretrain(cfg)
+    if summary.preempted is None:
+        return 0
+    if get_rank() == 0:
+        print(
+            f"zerotron pretrain: stopped on {summary.preempted} at iteration "
+            f"{summary.state.iteration} with a checkpoint in {cfg.checkpoint.save}; resume with "
+            f"--load {cfg.checkpoint.save} (exit code {preemption.EXIT_CODE})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return preemption.EXIT_CODE
 
 
 def _check_supported(cfg: Config) -> None:
@@ -77,6 +88,12 @@ def _check_supported(cfg: Config) -> None:
 def _check_output_dirs(cfg: Config) -> None:
     """--save and --tensorboard-dir must be writable directories: found now, not at the first
     save after hours of training."""
+    if cfg.checkpoint.save_on_signal and not cfg.checkpoint.save:
+        raise ConfigError(
+            "--save-on-signal saves a checkpoint before exiting, but there is nowhere to save it",
+            where="--save-on-signal",
+            fix="add --save DIR (and --load DIR to resume from it)",
+        )
     if cfg.checkpoint.save:
         check_writable_dir(cfg.checkpoint.save, "--save")
     if cfg.training.tensorboard_dir:
@@ -217,7 +234,10 @@ def pretrain(cfg: Config) -> TrainSummary:
     _resume(run, state)
     train_iter, valid_iter, test_iter = _data_iterators(run, state, ps)
     print_rank_0(f"[after dataloaders are built] elapsed (s): {time.time() - start:.1f}")
-    return train(run, state, train_iter, valid_iter, test_iter, timers)
+    if not cfg.checkpoint.save_on_signal:
+        return train(run, state, train_iter, valid_iter, test_iter, timers)
+    with preemption.Preemption() as signals:
+        return train(run, state, train_iter, valid_iter, test_iter, timers, signals)
 
 
 if __name__ == "__main__":

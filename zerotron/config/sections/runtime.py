@@ -29,6 +29,12 @@ class CheckpointConfig(Section):
     exit_on_missing_checkpoint: bool = Field(
         False, description="With --load, stop if no checkpoint is found instead of starting fresh."
     )
+    save_on_signal: bool = Field(
+        False,
+        description="On SIGTERM or SIGUSR1 (a scheduler's warning before preemption), every rank "
+        "finishes its iteration, saves a checkpoint to save and exits with code 75 "
+        "(Megatron's exit_signal_handler).",
+    )
     use_node_local_storage: bool = Field(
         False,
         description="Each node writes its own ranks' files to a node-local directory "
