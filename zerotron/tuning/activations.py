@@ -128,11 +128,11 @@ def recompute_workspace(case: ActivationCase) -> int:
 
 
 def embedding_bytes(case: ActivationCase) -> int:
-    """The first stage's input per micro-batch: the token ids (int64) and the embedding dropout's
-    mask."""
+    """The first stage's input per micro-batch: the token and position ids (int64; ``zerotron
+    pretrain``'s batches carry position ids) and the embedding dropout's mask."""
     s, b, h = case.seq_length, case.micro_batch_size, case.hidden_size
     mask = 1 if case.device != "cpu" else case.e
-    total = 8 * s * b
+    total = 2 * 8 * s * b
     if case.hidden_dropout > 0:
         total += mask * s * b * h // (case.tp if case.sp else 1)
     return total
@@ -147,7 +147,7 @@ def head_bytes(case: ActivationCase) -> int:
     shard = t if case.sp else 1
     total = (e * sb * h + 2 * stats * sb) // shard  # the final LayerNorm's input, statistics
     total += e * sb * h  # the output layer's input (all-gathered under SP)
-    total += 8 * sb  # the labels
+    total += 8 * sb + 4 * sb  # the labels; the loss mask (fp32) the mean is weighted by
     if t > 1:  # vocab-parallel loss: this rank's logits become the softmax, kept for backward
         total += e * sb * case.padded_vocab_size // t + sb  # and the "outside" mask
     elif case.device != "cpu":  # F.cross_entropy over fp32 logits keeps their log-softmax

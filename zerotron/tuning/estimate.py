@@ -247,6 +247,7 @@ def estimate(
         allgather_bucket_size=layout.allgather_bucket_size,
         param_persistence_threshold=layout.param_persistence_threshold,
         reduce_in_fp32=layout.reduce_in_fp32,
+        num_microbatches=layout.num_microbatches,
     )
     case = activation_case(shape, layout)
     kind = "interleaved" if layout.vpp > 1 else "1f1b"
