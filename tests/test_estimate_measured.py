@@ -48,12 +48,21 @@ LAYOUTS_2 = {
     "tp2 sp fp32": "--tensor-model-parallel-size 2 --sequence-parallel "
     "--hidden-dropout 0 --attention-dropout 0",
     "pp2 bf16 1f1b": "--pipeline-model-parallel-size 2 --bf16 --attention-dropout 0",
+    "pp2 vpp2 interleaved": "--pipeline-model-parallel-size 2 --num-layers 4 "
+    "--num-layers-per-virtual-pipeline-stage 1 --hidden-dropout 0 --attention-dropout 0",
 }
 
 
+def _size(extra: str, flag: str) -> int:
+    words = extra.split()
+    return int(words[words.index(flag) + 1]) if flag in words else 1
+
+
 def _flags(extra: str, world: int, directory: str) -> list[str]:
-    layout = parse_megatron_args(BASE.split() + extra.split(), world_size=world).parallel
-    gbs = 2 * 2 * (layout.data_parallel_size or 1)
+    mp = _size(extra, "--tensor-model-parallel-size") * _size(
+        extra, "--pipeline-model-parallel-size"
+    )
+    gbs = 2 * 2 * (world // mp)  # two micro-batches of 2 per data-parallel rank
     return write_byte_tokenizer(directory) + (BASE + f" --global-batch-size {gbs} " + extra).split()
 
 
@@ -107,8 +116,8 @@ CASES = [(n, 1, LAYOUTS_1[n]) for n in LAYOUTS_1] + [(n, 2, LAYOUTS_2[n]) for n 
 @pytest.mark.xdist_group("estimate_measured")
 @pytest.mark.parametrize("name,world,extra", CASES, ids=[c[0] for c in CASES])
 def test_estimate_within_10_percent_of_measured(measured, name, world, extra):
-    pp = 2 if "pipeline-model-parallel-size 2" in extra else 1
-    tp = 2 if "tensor-model-parallel-size 2" in extra else 1
+    pp = _size(extra, "--pipeline-model-parallel-size")
+    tp = _size(extra, "--tensor-model-parallel-size")
     bad = []
     for rank, got in enumerate(measured[name]):
         stage = rank // tp if pp > 1 else 0

@@ -40,7 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from zerotron.pipeline.schedules import activations_in_flight, build_schedule
+from zerotron.pipeline.schedules import (
+    Backward,
+    Forward,
+    activations_in_flight,
+    build_schedule,
+)
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -191,9 +196,32 @@ def stage_in_flight(kind: str, p: int, m: int, v: int, stage: int) -> int:
     return _in_flight(kind, p, m, v)[stage]
 
 
+def chunk_in_flight(kind: str, p: int, m: int, v: int, stage: int, chunk: int) -> int:
+    """Micro-batches of model chunk ``chunk`` that stage ``stage`` holds at most: what the
+    embedding (chunk 0 of the first stage) and the head (last chunk of the last stage) keep."""
+    if p == 1:
+        return 1
+    return _chunk_in_flight(kind, p, m, v)[stage][chunk]
+
+
 @lru_cache(maxsize=256)
 def _in_flight(kind: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(activations_in_flight(build_schedule(kind, p, m, v)))
+
+
+@lru_cache(maxsize=256)
+def _chunk_in_flight(kind: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
+    peaks = []
+    for actions in build_schedule(kind, p, m, v):
+        held, peak = [0] * v, [0] * v
+        for a in actions:
+            if isinstance(a, Forward):
+                held[a.chunk] += 1
+                peak[a.chunk] = max(peak[a.chunk], held[a.chunk])
+            elif isinstance(a, Backward):
+                held[a.chunk] -= 1
+        peaks.append(tuple(peak))
+    return tuple(peaks)
 
 
 # ---- the paper's accounting --------------------------------------------------------------

@@ -202,31 +202,47 @@ class ModelStatePeaks:
         self._handle.remove()
 
 
-def loss_workspace_bytes(model: nn.Module, loss: Tensor) -> int:
-    """The fused loss's buffers after a forward: the reused chunk buffers of the model's
-    ``lm_head`` (or pipeline chunks') workspace, and the input and weight gradients the loss's
-    autograd node holds until backward (found by walking ``loss``'s graph)."""
-    total, seen = 0, set()
-    # A pipeline's StageModel registers its chunks' parameters, not their heads: ask the chunks.
-    modules = [m for root in [model, *getattr(model, "chunks", [])] for m in root.modules()]
-    for m in modules:
-        ws = getattr(m, "_workspace", None)
-        for t in getattr(ws, "_buffers", {}).values():
+class LossWorkspace:
+    """The fused loss's buffers, live: the reused chunk buffers of the model's ``lm_head`` (or
+    its pipeline chunks') workspace, plus the input and weight gradients that each loss call's
+    autograd node holds from its forward until its backward (several under a pipeline)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        # A pipeline's StageModel registers its chunks' parameters, not their heads.
+        roots = [model, *getattr(model, "chunks", [])]
+        self._modules = [m for root in roots for m in root.modules()]
+        self._nodes: list[Any] = []
+        self.peak = 0
+
+    def add(self, loss: Tensor) -> None:
+        """A loss call's output: find its node (walking the graph), update the peak."""
+        stack, visited = [loss.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in visited:
+                continue
+            visited.add(id(node))
+            if hasattr(node, "grads"):
+                self._nodes.append(node)
+                break
+            stack.extend(n for n, _ in node.next_functions)
+        self.peak = max(self.peak, self.live())
+
+    def live(self) -> int:
+        seen: set[tuple[str, int]] = set()
+        total = 0
+        buffers = [
+            t
+            for m in self._modules
+            for t in getattr(getattr(m, "_workspace", None), "_buffers", {}).values()
+        ]
+        self._nodes = [n for n in self._nodes if n.grads is not None]  # backward clears them
+        held = [t for n in self._nodes for t in n.grads if isinstance(t, Tensor)]
+        for t in buffers + held:
             if _key(t) not in seen:
                 seen.add(_key(t))
                 total += t.untyped_storage().nbytes()
-    stack, visited = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in visited:
-            continue
-        visited.add(id(node))
-        for t in getattr(node, "grads", None) or ():
-            if isinstance(t, Tensor) and _key(t) not in seen:
-                seen.add(_key(t))
-                total += t.untyped_storage().nbytes()
-        stack.extend(n for n, _ in node.next_functions)
-    return total
+        return total
 
 
 def write_byte_tokenizer(directory: str) -> list[str]:
@@ -267,7 +283,7 @@ def measure_run(cfg: Any, steps: int = 1) -> dict[str, int]:
     pretrain`` sets them), train ``steps`` steps on random tokens and return what this rank
     held, per estimator term: model states (:class:`ModelStatePeaks`), ``activations``
     (:class:`SavedActivations`' peak: one micro-batch's forward, or the pipeline schedule's
-    micro-batches in flight) and ``loss_workspace`` (:func:`loss_workspace_bytes`, TP=1)."""
+    micro-batches in flight) and ``loss_workspace`` (:class:`LossWorkspace`, TP=1)."""
     import zerotron.models.lm_head as lm_head
     from zerotron.training.build import build_run
 
@@ -275,13 +291,13 @@ def measure_run(cfg: Any, steps: int = 1) -> dict[str, int]:
     engine, model = run.engine, run.model
     peaks = ModelStatePeaks(engine.optimizer, model)
     data = synthetic_batches(cfg, run.tokenizer.vocab_size)
-    activations = workspace = 0
+    activations = 0
+    workspace = LossWorkspace(model)
     fused = lm_head._fused_loss
 
     def watched(*args: Any, **kwargs: Any) -> Tensor:
-        nonlocal workspace
         out = fused(*args, **kwargs)
-        workspace = max(workspace, loss_workspace_bytes(model, out))
+        workspace.add(out)
         return out
 
     lm_head._fused_loss = watched  # the head looks it up at each call
@@ -306,4 +322,4 @@ def measure_run(cfg: Any, steps: int = 1) -> dict[str, int]:
     finally:
         lm_head._fused_loss = fused
         peaks.remove()
-    return {**peaks.peaks, "activations": activations, "loss_workspace": workspace}
+    return {**peaks.peaks, "activations": activations, "loss_workspace": workspace.peak}
