@@ -263,3 +263,25 @@ def test_cli_names_the_flag_when_tp_does_not_divide_heads(capsys, how):
 def test_cli_bad_layout_key(capsys):
     assert cli(["estimate", *FLAGS, "--layout", "tensor=2"]) == 2
     assert "--layout" in capsys.readouterr().err
+
+
+def test_cli_reads_a_deepspeed_json(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 64,
+                "train_micro_batch_size_per_gpu": 4,
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            }
+        )
+    )
+    shape = GPT2_MEDIUM.split()[:8]  # the model's shape flags only
+    args = ["estimate", "--deepspeed_config", str(ds), *shape, "--nodes", "2"]
+    assert cli([*args, "--gpus-per-node", "8", "--json"]) == 0
+    entry = json.loads(capsys.readouterr().out)["layouts"][0]
+    layout, mem = entry["layout"], entry["memory"]
+    assert (layout["dp"], layout["zero_stage"], layout["offload_optimizer"]) == (16, 2, "cpu")
+    assert (layout["micro_batch_size"], layout["num_microbatches"]) == (4, 1)
+    assert mem["master_weights"] == mem["optimizer_states"] == 0 and mem["host"] > 0
