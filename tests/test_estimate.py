@@ -285,3 +285,11 @@ def test_cli_reads_a_deepspeed_json(tmp_path, capsys):
     assert (layout["dp"], layout["zero_stage"], layout["offload_optimizer"]) == (16, 2, "cpu")
     assert (layout["micro_batch_size"], layout["num_microbatches"]) == (4, 1)
     assert mem["master_weights"] == mem["optimizer_states"] == 0 and mem["host"] > 0
+
+
+@pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (3, 2), (4, 3)])
+def test_in_flight_peaks_saturate(p, v):
+    kind = "interleaved" if v > 1 else "1f1b"
+    cap = act.saturated(p, 10**6, v)
+    assert act._in_flight(kind, p, cap, v) == act._in_flight(kind, p, 3 * cap, v)
+    assert act._chunk_in_flight(kind, p, cap, v) == act._chunk_in_flight(kind, p, 3 * cap, v)
