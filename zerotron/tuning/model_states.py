@@ -26,8 +26,10 @@ dtype, Ψ: this rank's parameters, N: data-parallel size, S: optimizer bytes per
   backward all of them may be in flight (``eΨ(1 + 1/N)``); the all-gather of updated chunks
   after the step uses the same amount. ZeRO-3: one reduce bucket (``reduce_bucket_size``,
   default 4e6) and the largest module gathered, each ``e(1 + 1/N)`` per element.
-- Offload: ``offload_optimizer`` moves masters, states and the fp32 gradient partition to the
-  host (``cpu``; ``nvme``: to files, nothing counted); ``offload_param`` (stage 3) the shards.
+- Offload: ``offload_optimizer`` moves masters and states to the host (``cpu``; ``nvme``: to
+  files, nothing counted), where the step also takes a copy of the fp32 gradient partition (the
+  device keeps its fp32 partition); ``offload_param`` (stage 3) the shards. Not checked against
+  a measurement (on CPU ranks host and device are one memory).
 """
 
 from __future__ import annotations
@@ -99,9 +101,8 @@ def model_state_bytes(
     host = 0
     if offload_optimizer == "cpu":
         host += masters + states + grads_step
-    if offload_optimizer != "none":
+    if offload_optimizer != "none":  # the fp32 partition stays too: the host steps a copy
         masters = states = 0
-        grads = e * psi if zero_stage == 1 else e * part  # the 16-bit partition until copied
 
     if zero_stage < 3:
         comm = max(e * psi, e * min(psi, allgather_bucket_size)) * (n + 1) // n
