@@ -127,6 +127,15 @@ def _attention_core(case: ActivationCase, recompute: str) -> int:
     return 3 * 4 * sbh_t + 3 * 4 * as2b_t + context
 
 
+def tp_comm_bytes(case: ActivationCase) -> int:
+    """Sequence parallelism's all-gather in flight: a shard in, the whole ``[s, b, h]`` out
+    (tensor parallelism alone reduces in place)."""
+    if not case.sp:
+        return 0
+    sbh = case.seq_length * case.micro_batch_size * case.hidden_size
+    return case.e * (sbh + sbh // case.tp)
+
+
 def recompute_workspace(case: ActivationCase) -> int:
     """Full recompute: the one layer whose activations backward rebuilds at a time."""
     return layer_bytes(case, recompute="none") if case.recompute == "full" else 0
