@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "zerotron.launcher.launch",
         "start a multi-process / multi-node job (torch.distributed.run)",
     ),
+    "tune": (
+        "zerotron.launcher.autotune",
+        "autotune ZeRO stage, micro-batch (and tp/pp/recompute) with short timed runs",
+    ),
     "schedule": (
         "zerotron.pipeline.timeline",
         "simulate a pipeline schedule: bubble vs (p-1)/(v*m), timeline picture",

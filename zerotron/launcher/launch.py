@@ -379,7 +379,13 @@ def _launcher_state(plan: LaunchPlan) -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     """``zerotron launch [flags] script.py|-m module [args...]``; returns the job's exit code."""
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    if args.autotuning:  # DeepSpeed's --autotuning tune|run: zerotron.tuning.tune
+        from zerotron.launcher.autotune import run_autotuning
+
+        _check_program(args.script, args.module)
+        return run_autotuning(args, argv)
     if multinode.wanted(args):
         _check_program(args.script, args.module)
         run_node = lambda node_argv: run(plan_from_args(node_argv))  # noqa: E731
