@@ -153,7 +153,7 @@ def plot(records: Sequence[Record], metric: str, path: Path) -> None:
             ax.text(i, 0, out.status, rotation=90, ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel(f"{metric} ({UNITS[metric]})")
-    ax.set_title(f"zerotron tune: {metric} per experiment (green: best, red: not measured)")
+    ax.set_title(f"{metric} per experiment\n(green: best; red: not measured)", fontsize=10)
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=100)
