@@ -270,3 +270,46 @@ def test_best_minimizes_latency_and_maximizes_throughput():
     b = (Experiment("b", "z0", {}), Outcome("ok", {"latency": 1.0, "throughput": 4.0}))
     assert results.best_record([a, b], "latency")[0].name == "b"
     assert results.best_record([a, b], "throughput")[0].name == "a"
+
+
+def test_a_pretrain_experiment_measures_itself_at_its_point(tmp_path):
+    req = _pretrain_request(2**40)
+    req.script_args += ["--save", str(tmp_path / "ckpt"), "--save-interval", "50"]
+    req.script_args += ["--recompute-activations"]
+    tuner = PretrainTuner(req, 2)
+    point = {"zero_stage": 1, "tp": 2, "pp": 1, "recompute": "full", "micro_batch_size": 2,
+             "gradient_accumulation_steps": 8}  # fmt: skip
+    exp, refused = tuner.candidate(point)
+    assert refused is None
+    tuner.prepare_experiment(exp, tmp_path, tmp_path / "m.json")
+    assert exp.script_args[0] == "pretrain" and "--save" not in exp.script_args
+    cfg = parse_megatron_args(exp.script_args[1:], world_size=2)
+    assert (cfg.zero.zero_stage, cfg.parallel.tensor_model_parallel_size) == (1, 2)
+    assert (cfg.training.micro_batch_size, cfg.training.num_micro_batches) == (2, 8)
+    assert cfg.model.recompute_granularity == "full"
+    a = cfg.autotuning
+    assert a.autotuning_enabled and a.autotuning_metric_path == str(tmp_path / "m.json")
+    assert cfg.training.train_iters == a.autotuning_end_profile_step + 1
+
+
+def test_a_point_the_config_refuses_is_invalid_without_launching():
+    tuner = PretrainTuner(_pretrain_request(2**40), 2)
+    point = {"zero_stage": 3, "tp": 1, "pp": 2, "recompute": "none", "micro_batch_size": 1,
+             "gradient_accumulation_steps": 16}  # fmt: skip
+    assert tuner.candidate(point)[1]  # ZeRO-3 with a pipeline: refused, with the reason
+
+
+def test_arg_mappings_pass_the_experiments_values_to_the_script(tmp_path):
+    from zerotron.tuning.tune import DeepSpeedScriptTuner
+
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto",
+        "autotuning": {"arg_mappings": {"train_micro_batch_size_per_gpu": "--bs",
+                                        "gradient_accumulation_steps": "--gas"}},
+    }))  # fmt: skip
+    args = ["--deepspeed_config", str(tmp_path / "ds.json"), "--bs", "1"]
+    req = TuneRequest(["x"], "t.py", False, args, 2, device_memory=2**30)
+    tuner = DeepSpeedScriptTuner(req, 2)
+    exp = space.ds_experiments(tuner.user_config, 0, [4], 8, world=2)[0]
+    got = tuner.script_args(tmp_path / "exp.json", exp)
+    assert got == ["--deepspeed_config", str(tmp_path / "exp.json"), "--bs", "4", "--gas", "2"]
