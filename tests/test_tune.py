@@ -313,3 +313,18 @@ def test_arg_mappings_pass_the_experiments_values_to_the_script(tmp_path):
     exp = space.ds_experiments(tuner.user_config, 0, [4], 8, world=2)[0]
     got = tuner.script_args(tmp_path / "exp.json", exp)
     assert got == ["--deepspeed_config", str(tmp_path / "exp.json"), "--bs", "4", "--gas", "2"]
+
+
+def test_early_stopping_is_deepspeeds(tmp_path):
+    # best at index 1; with tuner_early_stopping 2 DeepSpeed stops when 1 + 2 experiments ran
+    script = tmp_path / "exp.py"
+    script.write_text(SCRIPT)
+    req = TuneRequest([sys.executable, str(script)], str(script), False, [], 1,
+                      device_memory=2**30, say=lambda _: None)  # fmt: skip
+    opts = AutotuningConfig(autotuning_results_dir=str(tmp_path / "r"),
+                            autotuning_exps_dir=str(tmp_path / "e"),
+                            autotuning_tuner_early_stopping=2)  # fmt: skip
+    tuner = _ScriptTuner(req, opts, 1)
+    tuner.prepare_dirs()
+    exps = [Experiment(f"x{m}", "z0", {"mode": m}) for m in ("3", "9", "4", "5", "6")]
+    assert [e.name for e, _ in tuner.run_space(exps, None)] == ["x3", "x9", "x4"]

@@ -32,8 +32,6 @@ _TUNE_FLAGS = {
     "--experiment-time-limit": True,
     "--device_memory": True,
     "--device-memory": True,
-    "--dry-run": False,
-    "--dry_run": False,
 }
 
 
@@ -56,6 +54,12 @@ def run_autotuning(args: argparse.Namespace, argv: list[str]) -> int:
     from zerotron.launcher.launch import _default_nproc
     from zerotron.tuning.tune import TuneRequest, autotune, parse_size
 
+    if args.dry_run:
+        raise ConfigError(
+            "--dry-run with --autotuning: the tuner's experiments are real runs",
+            where="--autotuning",
+            fix="drop --dry-run; each experiment's command is in <results_dir>/<name>/cmd.txt",
+        )
     if args.hostfile is not None or (args.nnodes or 1) > 1:
         raise ConfigError(
             "the autotuner runs its experiments on this node only",

@@ -128,17 +128,19 @@ class Tuner:
             note = f"estimated {human_bytes(exp.estimated_bytes or 0)} > {human_bytes(device)}"
             done.append((exp, Outcome("pruned", error=note)))
             self.say(f"{exp.name}: pruned ({note})")
-        best_i, best_value = -1, None
+        best_i, best_value = 0, None
         ordered = space.order(kept, self.opts.autotuning_tuner_type)
-        for i, exp in enumerate(ordered[: self.opts.autotuning_tuner_num_trials]):
+        trials = ordered[: self.opts.autotuning_tuner_num_trials]
+        stop = self.opts.autotuning_tuner_early_stopping
+        for i, exp in enumerate(trials):
             outcome = self.run_one(exp)
             done.append((exp, outcome))
             value = results.metric_value(outcome, self.metric)
             if value is not None and results.better(value, best_value, self.metric):
                 best_i, best_value = i, value
-            stop = self.opts.autotuning_tuner_early_stopping
-            if best_i >= 0 and i + 1 >= best_i + 1 + stop and i + 1 < len(ordered):
-                self.say(f"{exp.space}: early stop, {stop} experiments after the best")
+            # DeepSpeed's BaseTuner: stop once `stop` experiments ran since the best one's index
+            if i + 1 >= best_i + stop and i + 1 < len(trials):
+                self.say(f"{exp.space}: early stop, no better {self.metric} in {stop} experiments")
                 break
         self.records.extend(done)
         return done
