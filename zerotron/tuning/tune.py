@@ -369,9 +369,14 @@ def autotuning_options(block: Any, where: str | None = None) -> AutotuningConfig
     path), with DeepSpeed's defaults."""
     from zerotron.config.deepspeed import load_deepspeed_config
 
-    cfg, _ = load_deepspeed_config(
-        {"train_micro_batch_size_per_gpu": 1, "autotuning": dict(block or {})}
-    )
+    try:
+        cfg, _ = load_deepspeed_config(
+            {"train_micro_batch_size_per_gpu": 1, "autotuning": dict(block or {})}
+        )
+    except ConfigError as e:
+        if where and not e.where:
+            e.where = where  # the file the block is in
+        raise
     return cfg.autotuning
 
 
