@@ -13,6 +13,7 @@ goes on to the next one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -88,18 +89,41 @@ def classify(
     return "failed", _last_error(stderr) or f"exit code {returncode}"
 
 
+def _descendants(pid: int) -> list[Any]:
+    """The processes started under ``pid`` (psutil handles), found while it still runs."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
 def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the job's process group, then SIGKILL what is left after ``grace_s``."""
+    """SIGTERM the job's process group, then SIGKILL what is left after ``grace_s``.
+
+    torch's elastic agent starts each rank in a session of its own, outside the job's group:
+    the launcher stops them on SIGTERM, and any the launcher left (killed before it could) are
+    killed by pid, from the list of the job's descendants taken first.
+    """
+    import psutil
+
+    below = _descendants(proc.pid)
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=wait_s)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    _, alive = psutil.wait_procs(below, timeout=grace_s)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(alive, timeout=5.0)
 
 
 def run_experiment(

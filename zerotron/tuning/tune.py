@@ -265,9 +265,10 @@ class DeepSpeedScriptTuner(Tuner):
         info = self.profile()
         num_params = int(info["num_params"])
         act = int(info.get("activation_mem_per_gpu") or 0)
+        source = "model_info" if self.opts.autotuning_model_info_num_params else "profiled"
         self.header += [
             f"model: {num_params:,} parameters, activation memory per sample "
-            f"{human_bytes(act)} (profiled)"
+            f"{human_bytes(act)} ({source})"
         ]
         stages = self.req.zero_stages or space.zero_stages(
             (self.user_config.get("zero_optimization") or {}).get("stage")
