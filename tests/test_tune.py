@@ -22,7 +22,7 @@ from zerotron.launcher.flags import build_parser
 from zerotron.tuning import results, space
 from zerotron.tuning.estimate import Layout, ModelShape, estimate
 from zerotron.tuning.experiments import Experiment, Outcome, classify
-from zerotron.tuning.tune import Tuner, TuneRequest, autotuning_options, parse_size
+from zerotron.tuning.tune import Tuner, TuneRequest, autotuning_options
 from zerotron.tuning.tune_pretrain import PretrainTuner, pretrain_points, strip_flags
 
 # DeepSpeed's defaults (deepspeed/autotuning/constants.py)
@@ -176,11 +176,6 @@ def test_the_estimator_prunes_what_does_not_fit():
 def test_an_experiment_drops_the_flags_it_sets_itself():
     args = ["--save", "ck", "--recompute-activations", "--recompute-granularity=full", "--lr", "1"]
     assert strip_flags(args) == ["--lr", "1"]
-
-
-def test_sizes():
-    assert parse_size("80GB") == 80 * 2**30 and parse_size("512MiB") == 512 * 2**20
-    assert parse_size("1e9") == 10**9
 
 
 # ---- the engine measures itself (one process)

@@ -52,7 +52,8 @@ def launch_flags(argv: list[str], script_args: list[str]) -> list[str]:
 def run_autotuning(args: argparse.Namespace, argv: list[str]) -> int:
     """The tuner for parsed ``zerotron launch`` flags ``args`` (from ``argv``)."""
     from zerotron.launcher.launch import _default_nproc
-    from zerotron.tuning.tune import TuneRequest, autotune, parse_size
+    from zerotron.tuning.estimate_cli import parse_size
+    from zerotron.tuning.tune import TuneRequest, autotune
 
     if args.dry_run:
         raise ConfigError(
@@ -76,7 +77,11 @@ def run_autotuning(args: argparse.Namespace, argv: list[str]) -> int:
         world_size=nproc,
         mode=args.autotuning,
         time_limit_s=args.experiment_time_limit,
-        device_memory=None if args.device_memory is None else parse_size(args.device_memory),
+        device_memory=(
+            None
+            if args.device_memory is None
+            else parse_size(args.device_memory, "--device_memory")
+        ),
         zero_stages=args.zero_stages,
         micro_batch_sizes=args.micro_batch_sizes,
         tensor_parallel_sizes=args.tensor_parallel_sizes,

@@ -26,7 +26,6 @@ DeepSpeed's autotuner, on zerotron's launcher and estimator:
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -69,15 +68,6 @@ class TuneRequest:
         return (
             self.module and self.script in ZEROTRON_MODULES and self.script_args[:1] == ["pretrain"]
         )
-
-
-def parse_size(text: str) -> int:
-    """``"80GB"``, ``"16GiB"``, ``"512MB"``, ``"1e9"`` -> bytes (GB as GiB, as GPUs are sold)."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)I?B?\s*", text, re.I)
-    if not m:
-        raise ConfigError(f"{text!r} is not a size", where="--device_memory", fix="e.g. 80GB")
-    scale = 1024 ** " KMGT".index(m[2].upper() or " ")
-    return int(float(m[1]) * scale)
 
 
 def device_bytes(given: int | None, nproc_per_node: int) -> int:
