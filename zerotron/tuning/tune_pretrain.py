@@ -10,6 +10,7 @@ user's ``--save`` is dropped so no experiment writes checkpoints. A point the co
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -183,7 +184,8 @@ class PretrainTuner(Tuner):
         shape = ModelShape.from_config(self.cfg)
         line = f"model: {shape.num_parameters():,} parameters (estimator)"
         try:
-            act = estimate(shape, Layout(micro_batch_size=1)).activations
+            one = dataclasses.replace(Layout(), precision=Layout.from_config(self.cfg).precision)
+            act = estimate(shape, one).activations  # one sample, no parallelism
             line += f", activation memory per sample {human_bytes(act)}"
         except NotImplementedError:
             pass
