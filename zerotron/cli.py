@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "zerotron.tuning.estimate_cli",
         "per-rank memory of a layout before launching: breakdown, fits --gpu-memory?",
     ),
+    "tune": (
+        "zerotron.launcher.autotune",
+        "autotune ZeRO stage, micro-batch (and tp/pp/recompute) with short timed runs",
+    ),
     "schedule": (
         "zerotron.pipeline.timeline",
         "simulate a pipeline schedule: bubble vs (p-1)/(v*m), timeline picture",

@@ -174,6 +174,7 @@ def initialize(
         device=device,
         monitor=MonitorMaster.from_config(cfg.monitor, get_rank()),
         checkpoint_tag_validation=cfg.checkpoint.checkpoint_tag_validation,
+        autotuning=cfg.autotuning,
     )
     engine.config = resolved  # DeepSpeed's engine.config: the config dict (HF's Trainer reads it)
     loader = None

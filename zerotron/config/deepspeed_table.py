@@ -31,7 +31,7 @@ from zerotron.config.convert import (
     from_field,
     parse_at,
 )
-from zerotron.config.sections import ZeroConfig
+from zerotron.config.sections import AutotuningConfig, ZeroConfig
 from zerotron.errors import ConfigError, UnsupportedError
 
 AUTO = "auto"
@@ -205,6 +205,45 @@ def read_offload(kind: str, section: Mapping[str, Any], where: str) -> dict[str,
     return out
 
 
+def _arg_mappings(path: str, value: Any) -> dict[str, str] | None:
+    """``autotuning.arg_mappings``: DeepSpeed config key -> the script's flag (``--x``)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise bad_value(path, value, "an object of DeepSpeed key -> script flag")
+    out: dict[str, str] = {}
+    for key, flag_name in value.items():
+        # DeepSpeed strips both (its tutorial's "gradient_accumulation_steps " has a space).
+        if not isinstance(flag_name, str) or not flag_name.strip().startswith("-"):
+            raise bad_value(f"{path}.{key}", flag_name, "a flag of the script, e.g. '--batch-size'")
+        out[str(key).strip()] = flag_name.strip()
+    return out
+
+
+def _autotuning() -> dict[str, Any]:
+    """DeepSpeed's ``autotuning`` block: every key a field ``autotuning_<key>`` of
+    :class:`~zerotron.config.sections.AutotuningConfig` (checked by its definition, with
+    DeepSpeed's default); ``model_info`` is a section of its own keys."""
+
+    def leaf(key: str, parse: Parse | None = None) -> Leaf:
+        name = f"autotuning_{key}"
+        default = AutotuningConfig.model_fields[name].default
+        return Leaf(name, parse or from_field(AutotuningConfig, name), default)
+
+    keys = [k.removeprefix("autotuning_") for k in AutotuningConfig.model_fields]
+    node: dict[str, Any] = {
+        k: leaf(k) for k in keys if not k.startswith("model_info_") and k != "arg_mappings"
+    }
+    node["model_info_path"] = leaf("model_info_path")
+    node["arg_mappings"] = leaf("arg_mappings", _arg_mappings)
+    node["model_info"] = {
+        k.removeprefix("model_info_"): leaf(k)
+        for k in keys
+        if k.startswith("model_info_") and k != "model_info_path"
+    }
+    return node
+
+
 def _comm_dtype(path: str, value: Any) -> str:
     names = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16", "float32": "fp32"}
     if isinstance(value, str) and value.lower() in names:
@@ -254,6 +293,7 @@ SPEC: dict[str, Any] = {
         ),
     },
     "zero_optimization": _ZERO,
+    "autotuning": _autotuning(),  # zerotron tune (zerotron/tuning/tune.py)
     "activation_checkpointing": {
         "partition_activations": Leaf("partition_activations", BOOL, False),
         "cpu_checkpointing": Leaf("cpu_checkpointing", BOOL, False),
@@ -306,7 +346,6 @@ SPEC: dict[str, Any] = {
     "data_efficiency": Refused("DeepSpeed Data Efficiency is not implemented"),
     "sparse_attention": Refused("sparse attention is not implemented", lambda v: not v),
     "elasticity": Refused("elastic training is not implemented"),
-    "autotuning": Refused("DeepSpeed's autotuner is not supported"),
     "flops_profiler": Refused("the flops profiler is not implemented"),
     "quantize_training": Refused("quantization-aware training is not implemented"),
     "eigenvalue": Refused("eigenvalue computation is not implemented"),

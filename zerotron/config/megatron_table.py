@@ -19,6 +19,7 @@ NOT_FLAGS = {
     "virtual_pipeline_model_parallel_size": "derived from --num-layers-per-virtual-pipeline-stage",
     "num_micro_batches": "derived: global / (micro batch size x data-parallel size)",
     "lr_scheduler_params": "a mapping: give it in a --config or --deepspeed_config file",
+    "autotuning_arg_mappings": "a mapping: give it in a --deepspeed_config file",
 }
 """Schema fields that have no flag (a config file may still give them, to be checked)."""
 

@@ -38,6 +38,7 @@ from zerotron.config.keys import nest_keys, unknown_key_error, validation_error
 from zerotron.config.sections import (
     SECTIONS,
     ActivationCheckpointingConfig,
+    AutotuningConfig,
     CheckpointConfig,
     DataConfig,
     ModelConfig,
@@ -74,6 +75,7 @@ class Config(BaseModel):
         default_factory=ActivationCheckpointingConfig
     )
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
 
     _inputs: dict = PrivateAttr(default_factory=dict)
     _warnings: list = PrivateAttr(default_factory=list)

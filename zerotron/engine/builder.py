@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.state import ParallelState, state
+from zerotron.engine import autotuning_metrics
 from zerotron.engine.core import Engine
 from zerotron.optim import OptimizerParamScheduler, build_ds_scheduler, build_optimizer
 from zerotron.parallel.data_parallel import DataParallel
@@ -42,6 +43,7 @@ from zerotron.zero import ZeroOptimizer, ZeroOptions
 
 if TYPE_CHECKING:
     from zerotron.config import Config
+    from zerotron.config.sections import AutotuningConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -210,6 +212,7 @@ def build_engine(
     *,
     ps: ParallelState | None = None,
     scheduler: Callable[[Any], Any] | None = None,
+    autotuning: AutotuningConfig | None = None,
     **engine_options: Any,
 ) -> Engine:
     """An Engine training ``model`` with a fresh torch ``optimizer`` wrapped as ``setup`` says.
@@ -217,8 +220,11 @@ def build_engine(
     ``scheduler(wrapped_optimizer)`` builds the LR schedule (None: no schedule);
     ``engine_options`` are the Engine's keyword arguments (``loss_fn``, ``micro_batch_size``,
     ``gradient_accumulation_steps``, ``pipeline``, ``checkpoint_metadata``, ``state_fitter``,
-    ...), all but ``data_parallel``, which comes from the wrapping.
+    ...), all but ``data_parallel``, which comes from the wrapping. ``autotuning``: the config's
+    autotuning section; when enabled the run measures itself for ``zerotron tune``.
     """
     wrapped, data_parallel = wrap_optimizer(model, optimizer, setup, ps)
     lr_scheduler = scheduler(wrapped) if scheduler is not None else None
-    return Engine(model, wrapped, lr_scheduler, data_parallel=data_parallel, **engine_options)
+    engine = Engine(model, wrapped, lr_scheduler, data_parallel=data_parallel, **engine_options)
+    autotuning_metrics.attach(engine, autotuning)  # the config's "autotuning" block, if enabled
+    return engine

@@ -41,7 +41,7 @@ from zerotron.checkpoint.fit import StateFitter
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_world_size
 from zerotron.distributed.state import state
-from zerotron.engine import checkpoint_io
+from zerotron.engine import autotuning_metrics, checkpoint_io
 from zerotron.engine.deepspeed_surface import DeepSpeedSurface
 from zerotron.engine.monitors import MonitorMaster, training_events
 from zerotron.engine.optimizers import optimizer_part
@@ -317,6 +317,7 @@ class Engine(DeepSpeedSurface, nn.Module):
         every = self._steps_per_print
         if timing and every and self.global_steps % every == 0:
             self._print_wall_clock()
+        autotuning_metrics.after_step(self)  # an autotuning experiment ends after its profile
         return result
 
     def _write_monitor_events(self) -> None:

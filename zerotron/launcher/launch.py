@@ -555,7 +555,13 @@ def _launcher_state(plan: LaunchPlan, reports_dir: str | None = None) -> Iterato
 
 def main(argv: list[str] | None = None) -> int:
     """``zerotron launch [flags] script.py|-m module [args...]``; returns the job's exit code."""
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    if args.autotuning:  # DeepSpeed's --autotuning tune|run: zerotron.tuning.tune
+        from zerotron.launcher.autotune import run_autotuning
+
+        _check_program(args.script, args.module)
+        return run_autotuning(args, argv)
     slurm.fill_in(args, os.environ)  # hosts, slots, node rank of a SLURM allocation
     if multinode.wanted(args):
         _check_program(args.script, args.module)

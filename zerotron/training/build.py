@@ -234,5 +234,6 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         compile=cfg.model.compile,
         timers=timers,
         pipeline=pipeline,
+        autotuning=cfg.autotuning,
     )
     return Run(cfg, tokenizer, model, engine, flops_params)

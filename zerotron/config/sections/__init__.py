@@ -5,6 +5,7 @@ Field names are Megatron's argument names, unique across sections, so a flat key
 :data:`FIELD_SECTION` maps one to the other.
 """
 
+from zerotron.config.sections.autotuning import AutotuningConfig
 from zerotron.config.sections.base import Float, Int, Section, check_choice, flag
 from zerotron.config.sections.data import DataConfig, parse_data_path, parse_split
 from zerotron.config.sections.model import ModelConfig
@@ -30,6 +31,7 @@ SECTIONS: dict[str, type[Section]] = {
     "zero": ZeroConfig,
     "activation_checkpointing": ActivationCheckpointingConfig,
     "monitor": MonitorConfig,
+    "autotuning": AutotuningConfig,
 }
 """Section name (the Config attribute) -> its class, in the order ``describe`` walks them."""
 
@@ -44,6 +46,7 @@ __all__ = [
     "FIELD_SECTION",
     "SECTIONS",
     "ActivationCheckpointingConfig",
+    "AutotuningConfig",
     "CheckpointConfig",
     "DataConfig",
     "Float",
