@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 # What the fork server imports once, so that each rank starts in milliseconds.
-_PRELOAD = ["torch", "torch.distributed", "zerotron.distributed"]
+_PRELOAD = ["torch", "torch.distributed", "zerotron.distributed", "zerotron.training.build"]
 _GRACE_S = 1.0  # after the first failure, how long to collect other ranks' reports
 
 
