@@ -23,11 +23,15 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from zerotron.errors import ConfigError
+from zerotron.tuning import activations as act
+from zerotron.tuning.model_states import model_state_bytes
+from zerotron.tuning.zero_memory import OPTIMIZER_STATES
 
 if TYPE_CHECKING:
     from zerotron.config import Config
 
 RECOMPUTE = ("none", "selective", "full")
+DEVICES = ("cuda", "cpu")
 PRECISIONS = ("fp32", "fp16", "bf16")
 OFFLOAD = ("none", "cpu", "nvme")
 
@@ -59,6 +63,8 @@ class ModelShape:
     tied_embeddings: bool = True
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int | None = None
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
 
     @property
     def ffn(self) -> int:
@@ -88,6 +94,8 @@ class ModelShape:
             ffn_hidden_size=m.ffn_hidden_size,
             make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
             max_position_embeddings=m.max_position_embeddings,
+            hidden_dropout=m.hidden_dropout,
+            attention_dropout=m.attention_dropout,
         )
 
     @classmethod
@@ -140,6 +148,14 @@ class Layout:
     precision: str = "bf16"
     offload_optimizer: str = "none"
     offload_param: str = "none"
+    # Optional refinements (defaults: zerotron's own).
+    device: str = "cuda"  # "cuda" | "cpu": which kernels run (attention, fused loss)
+    optimizer: str = "adam"  # its states per parameter: zero_memory.OPTIMIZER_STATES
+    ddp_bucket_size: int | None = None  # ZeRO-0 data parallel (None: Megatron's default)
+    reduce_bucket_size: int | None = None  # ZeRO (None: zerotron's default for the stage)
+    allgather_bucket_size: int = 500_000_000
+    param_persistence_threshold: int = 100_000  # ZeRO-3: smaller parameters stay whole
+    reduce_in_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32
 
     @property
     def world_size(self) -> int:
@@ -147,10 +163,17 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     @classmethod
-    def from_config(cls, cfg: Config) -> Layout:
+    def from_config(cls, cfg: Config, device: str = "cuda") -> Layout:
         """The layout of a resolved config (data-parallel size and micro-batches derived)."""
         par, m, z = cfg.parallel, cfg.model, cfg.zero
         return cls(
+            device=device,
+            optimizer=cfg.optimizer.optimizer,
+            ddp_bucket_size=par.ddp_bucket_size,
+            reduce_bucket_size=z.reduce_bucket_size,
+            allgather_bucket_size=z.allgather_bucket_size,
+            param_persistence_threshold=z.stage3_param_persistence_threshold,
+            reduce_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
             tp=par.tensor_model_parallel_size,
             pp=par.pipeline_model_parallel_size,
             dp=par.data_parallel_size or 1,
@@ -178,6 +201,7 @@ class MemoryBreakdown:
     comm_buffers: int
     loss_workspace: int
     host: int = 0
+    recompute_workspace: int = 0  # full recompute: one layer rebuilt at a time in backward
 
     @property
     def total(self) -> int:
@@ -200,4 +224,162 @@ def estimate(
 ) -> MemoryBreakdown:
     """Per-rank memory; ``pipeline_rank`` None = the rank that needs the most (the first stage
     in 1F1B, which holds p micro-batches in flight)."""
-    raise NotImplementedError("estimate: body lands in the next commit on r16-estimate")
+    check(shape, layout)
+    if pipeline_rank is None:
+        stages = [estimate(shape, layout, r) for r in range(layout.pp)]
+        return max(stages, key=lambda m: m.total)
+    if not 0 <= pipeline_rank < layout.pp:
+        raise ConfigError(
+            f"pipeline_rank {pipeline_rank} is outside 0..{layout.pp - 1}",
+            where="estimate(pipeline_rank=)",
+        )
+    first, last = pipeline_rank == 0, pipeline_rank == layout.pp - 1
+    states = model_state_bytes(
+        stage_modules(shape, layout.tp, layout.pp, pipeline_rank),
+        precision=layout.precision,
+        zero_stage=layout.zero_stage,
+        dp=layout.dp,
+        optimizer=layout.optimizer,
+        offload_optimizer=layout.offload_optimizer,
+        offload_param=layout.offload_param,
+        ddp_bucket_size=layout.ddp_bucket_size,
+        reduce_bucket_size=layout.reduce_bucket_size,
+        allgather_bucket_size=layout.allgather_bucket_size,
+        param_persistence_threshold=layout.param_persistence_threshold,
+        reduce_in_fp32=layout.reduce_in_fp32,
+    )
+    case = activation_case(shape, layout)
+    kind = "interleaved" if layout.vpp > 1 else "1f1b"
+    held = act.stage_in_flight(kind, layout.pp, layout.num_microbatches, layout.vpp, pipeline_rank)
+    layers_per_chunk = shape.num_layers // (layout.pp * layout.vpp)
+    activations = held * layers_per_chunk * act.layer_bytes(case)
+    # Embedding and head live in one chunk of the stage: a share of what is in flight.
+    ends = -(-held // layout.vpp)
+    if first:
+        activations += ends * act.embedding_bytes(case)
+    loss = 0
+    if last:
+        activations += ends * act.head_bytes(case)
+        loss = act.loss_workspace(case, in_flight=ends)
+    return MemoryBreakdown(
+        parameters=states.parameters,
+        gradients=states.gradients,
+        master_weights=states.master_weights,
+        optimizer_states=states.optimizer_states,
+        activations=activations,
+        comm_buffers=states.comm_buffers,
+        loss_workspace=loss,
+        host=states.host,
+        recompute_workspace=act.recompute_workspace(case),
+    )
+
+
+def activation_case(shape: ModelShape, layout: Layout) -> act.ActivationCase:
+    """What the activation formulas need from a shape and a layout."""
+    return act.ActivationCase(
+        seq_length=shape.seq_length,
+        micro_batch_size=layout.micro_batch_size,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        ffn_hidden_size=shape.ffn,
+        vocab_size=shape.vocab_size,
+        padded_vocab_size=shape.padded_vocab(layout.tp),
+        tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+        recompute=layout.recompute,
+        precision=layout.precision,
+        device=layout.device,
+        hidden_dropout=shape.hidden_dropout,
+        attention_dropout=shape.attention_dropout,
+    )
+
+
+def stage_modules(shape: ModelShape, tp: int, pp: int, stage: int) -> list[list[int]]:
+    """Element counts of the parameters pipeline stage ``stage`` holds on one TP rank, grouped
+    by module (the unit ZeRO-3 gathers): its layers, the embedding on the first stage, the final
+    LayerNorm on the last (and there, with a pipeline, its copy of the tied embedding)."""
+    h, f = shape.hidden_size, shape.ffn
+    word = shape.padded_vocab(tp) // tp * h
+    layer = [
+        [h, h],  # input LayerNorm
+        [3 * h * h // tp, 3 * h // tp],  # QKV (column parallel)
+        [h * h // tp, h],  # attention output (row parallel: bias whole)
+        [h, h],  # post-attention LayerNorm
+        [f * h // tp, f // tp],  # MLP in
+        [h * f // tp, h],  # MLP out
+    ]
+    modules: list[list[int]] = []
+    if stage == 0:
+        modules += [[word], [shape.positions * h]]
+    modules += layer * (shape.num_layers // pp)
+    if stage == pp - 1:
+        modules.append([h, h])
+        if pp > 1:
+            modules.append([word])  # the tied output layer's copy
+    return modules
+
+
+def check(shape: ModelShape, layout: Layout) -> None:
+    """Refuse layouts zerotron cannot run, naming the flag to change."""
+
+    def bad(what: str, where: str, fix: str) -> ConfigError:
+        return ConfigError(what, where=where, fix=fix)
+
+    if shape.num_attention_heads % layout.tp:
+        raise bad(
+            f"num_attention_heads {shape.num_attention_heads} is not divisible by the "
+            f"tensor-parallel size {layout.tp}",
+            "--tensor-model-parallel-size",
+            "choose a tensor-parallel size that divides the number of heads",
+        )
+    if shape.ffn % layout.tp:
+        raise bad(
+            f"ffn_hidden_size {shape.ffn} is not divisible by the tensor-parallel size {layout.tp}",
+            "--tensor-model-parallel-size",
+            "choose a tensor-parallel size that divides ffn_hidden_size",
+        )
+    if shape.num_layers % (layout.pp * layout.vpp):
+        raise bad(
+            f"num_layers {shape.num_layers} is not divisible by pipeline size {layout.pp} "
+            f"x virtual stages {layout.vpp}",
+            "--pipeline-model-parallel-size",
+            "choose sizes whose product divides the number of layers",
+        )
+    if layout.sequence_parallel and layout.tp > 1 and shape.seq_length % layout.tp:
+        raise bad(
+            f"seq_length {shape.seq_length} is not divisible by the tensor-parallel size "
+            f"{layout.tp} (sequence parallelism splits it)",
+            "--seq-length",
+            "use a sequence length divisible by the tensor-parallel size",
+        )
+    choices = {
+        "recompute": (layout.recompute, RECOMPUTE, "--recompute-granularity"),
+        "precision": (layout.precision, PRECISIONS, "--bf16 / --fp16"),
+        "offload_optimizer": (layout.offload_optimizer, OFFLOAD, "offload_optimizer.device"),
+        "offload_param": (layout.offload_param, OFFLOAD, "offload_param.device"),
+        "device": (layout.device, DEVICES, "--device"),
+        "optimizer": (layout.optimizer, tuple(OPTIMIZER_STATES), "--optimizer"),
+    }
+    for name, (value, allowed, flag) in choices.items():
+        if value not in allowed:
+            raise bad(f"{name} {value!r} is not one of {list(allowed)}", flag, "use one of those")
+    if layout.zero_stage not in (0, 1, 2, 3):
+        raise bad(f"zero_stage {layout.zero_stage} is not 0..3", "--zero-stage", "use 0..3")
+    if layout.offload_param != "none" and layout.zero_stage != 3:
+        raise bad("offload_param needs ZeRO stage 3", "offload_param.device", "use zero_stage 3")
+    if layout.offload_optimizer != "none" and layout.zero_stage == 0:
+        raise bad(
+            "offload_optimizer needs a ZeRO stage",
+            "offload_optimizer.device",
+            "use zero_stage >= 1",
+        )
+    if layout.vpp > 1 and layout.num_microbatches % layout.pp:
+        raise bad(
+            f"the interleaved schedule needs micro-batches ({layout.num_microbatches}) divisible "
+            f"by the pipeline size {layout.pp}",
+            "--global-batch-size",
+            "choose a batch giving a multiple of the pipeline size in micro-batches",
+        )
+    for name in ("tp", "pp", "dp", "vpp", "micro_batch_size", "num_microbatches"):
+        if getattr(layout, name) < 1:
+            raise bad(f"{name} must be at least 1", name, "use a positive size")

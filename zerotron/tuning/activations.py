@@ -1,0 +1,245 @@
+"""Activation memory: what autograd keeps for backward, per layer and per pipeline stage.
+
+Two accountings, side by side:
+
+- :func:`paper_layer_bytes` is Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+  Large Transformer Models"), per transformer layer and micro-batch, 16-bit activations with
+  1-byte dropout masks: ``sbh(34 + 5as/h)`` without parallelism, ``sbh(10 + 24/t + 5as/(ht))``
+  with tensor parallelism t, ``sbh/t (34 + 5as/h)`` with sequence parallelism too, ``34 sbh/t``
+  with selective recompute, ``2sbh`` (``2sbh/t`` with SP) with full recompute; the first
+  pipeline stage holds p micro-batches of its L/p layers (L layers' worth) in 1F1B, times
+  ``1 + (p-1)/(pv)`` in the interleaved schedule (:func:`paper_interleave_factor`).
+- :func:`layer_bytes` is zerotron's GPT as it runs (measured with ``saved_tensors_hooks``, see
+  tests/test_estimate_measured.py). Where it departs from the paper:
+
+  * attention core: SDPA's flash kernel (CUDA; the CPU in fp32 without dropout) keeps q, k, v,
+    its output and an fp32 log-sum-exp ``[b, a, s]``: no ``as²`` term. On the CPU, 16-bit
+    attention without dropout runs the MATH kernel kept in 16 bits
+    (:mod:`~zerotron.kernels.attention_cpu`), which keeps the ``as²`` probabilities (``e``
+    bytes each); attention dropout on the CPU makes SDPA run MATH in fp32, keeping scaled q and
+    k, v, the probabilities, the dropout mask and the dropped probabilities, all fp32
+    (``12 sbh + 12 as²b`` bytes);
+  * dropout masks: CUDA keeps a 1-byte mask, the CPU one of the activations' dtype; no mask at
+    all with dropout 0 (the paper always counts them);
+  * LayerNorm statistics (mean and rstd per token) are counted: fp32 on CUDA, the activations'
+    dtype on the CPU;
+  * sequence parallelism: zerotron's column-parallel linear keeps its all-gathered input
+    (``e·sbh`` for the QKV and the first MLP projection) where Megatron keeps the shard and
+    gathers again in backward;
+  * selective recompute checkpoints SDPA itself: q, k, v and the output stay, the rest goes;
+  * full recompute keeps each layer's input (``recompute_method`` uniform, one layer per unit);
+    backward then rebuilds one layer's activations at a time (:func:`recompute_workspace`).
+
+Pipeline: the activations a stage holds at once are counted by zerotron's own schedules
+(:func:`~zerotron.pipeline.schedules.activations_in_flight`), not by the paper's factor: a
+stage holds that many (micro-batch, model chunk) pairs of its chunks' layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from zerotron.pipeline.schedules import activations_in_flight, build_schedule
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class ActivationCase:
+    """What one micro-batch's activations depend on (sizes per micro-batch, whole model)."""
+
+    seq_length: int
+    micro_batch_size: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int  # the tokenizer's (the loss runs over the real vocabulary)
+    padded_vocab_size: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"  # "none" | "selective" | "full"
+    precision: str = "bf16"
+    device: str = "cuda"  # "cuda" | "cpu": which kernels zerotron picks
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+
+    @property
+    def e(self) -> int:
+        """Bytes of one activation element."""
+        return DTYPE_BYTES[self.precision]
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+
+def attention_kernel(case: ActivationCase) -> str:
+    """Which SDPA path zerotron's attention takes: ``"flash"``, ``"math16"`` or ``"math_fp32"``
+    (see the module docstring)."""
+    if case.device != "cpu":
+        return "flash"
+    if case.attention_dropout > 0:
+        return "math_fp32"
+    return "math16" if case.e == 2 else "flash"
+
+
+def layer_bytes(case: ActivationCase, recompute: str | None = None) -> int:
+    """Bytes one transformer layer keeps for backward for one micro-batch, on one TP rank."""
+    recompute = case.recompute if recompute is None else recompute
+    s, b, h = case.seq_length, case.micro_batch_size, case.hidden_size
+    f, t, e = case.ffn_hidden_size, case.tp, case.e
+    sbh, sb = s * b * h, s * b
+    shard = t if case.sp else 1  # the residual stream's split under SP
+    if recompute == "full":
+        return e * sbh // shard
+    stats = 4 if case.device != "cpu" else e  # LayerNorm mean and rstd per token
+    mask = 1 if case.device != "cpu" else e
+    total = 2 * (e * sbh + 2 * stats * sb) // shard  # two LayerNorms: input and statistics
+    total += 2 * e * sbh  # the QKV and MLP inputs (the LN outputs; all-gathered under SP)
+    total += e * sb * 2 * f // t  # GELU's input and output (the second MLP matmul's input)
+    if case.hidden_dropout > 0:
+        total += 2 * mask * sbh // shard  # the two residual-branch dropout masks
+    total += _attention_core(case, recompute)
+    return total
+
+
+def _attention_core(case: ActivationCase, recompute: str) -> int:
+    """q, k, v, what the attention kernel keeps, and the output projection's input."""
+    s, b, h, a = case.seq_length, case.micro_batch_size, case.hidden_size, case.num_attention_heads
+    t, e = case.tp, case.e
+    sbh_t, as2b_t = s * b * h // t, a * s * s * b // t
+    qkv_out = 3 * e * sbh_t  # the QKV output: q, k, v are views of it
+    context = e * sbh_t  # the output projection's input
+    if recompute == "selective":
+        return qkv_out + context  # the checkpoint keeps its inputs, the output is kept anew
+    kind = attention_kernel(case)
+    if kind == "flash":  # output shared with the projection's input; fp32 log-sum-exp
+        return qkv_out + context + 4 * a * s * b // t
+    if kind == "math16":  # probabilities in 16 bits; the output is copied for the projection
+        return qkv_out + e * as2b_t + context
+    # MATH in fp32 with dropout: scaled q, k, v, probabilities, mask, dropped probabilities.
+    return 3 * 4 * sbh_t + 3 * 4 * as2b_t + context
+
+
+def recompute_workspace(case: ActivationCase) -> int:
+    """Full recompute: the one layer whose activations backward rebuilds at a time."""
+    return layer_bytes(case, recompute="none") if case.recompute == "full" else 0
+
+
+def embedding_bytes(case: ActivationCase) -> int:
+    """The first stage's input per micro-batch: the token ids (int64) and the embedding dropout's
+    mask."""
+    s, b, h = case.seq_length, case.micro_batch_size, case.hidden_size
+    mask = 1 if case.device != "cpu" else case.e
+    total = 8 * s * b
+    if case.hidden_dropout > 0:
+        total += mask * s * b * h // (case.tp if case.sp else 1)
+    return total
+
+
+def head_bytes(case: ActivationCase) -> int:
+    """The last stage's final LayerNorm, output layer and loss per micro-batch (activations kept
+    for backward; the fused loss's own buffers are :func:`loss_workspace`)."""
+    s, b, h, t, e = case.seq_length, case.micro_batch_size, case.hidden_size, case.tp, case.e
+    sb = s * b
+    stats = 4 if case.device != "cpu" else e
+    shard = t if case.sp else 1
+    total = (e * sb * h + 2 * stats * sb) // shard  # the final LayerNorm's input, statistics
+    total += e * sb * h  # the output layer's input (all-gathered under SP)
+    total += 8 * sb  # the labels
+    if t > 1:  # vocab-parallel loss: this rank's logits become the softmax, kept for backward
+        total += e * sb * case.padded_vocab_size // t + sb  # and the "outside" mask
+    elif case.device != "cpu":  # F.cross_entropy over fp32 logits keeps their log-softmax
+        total += 4 * sb * case.vocab_size
+    return total
+
+
+def loss_workspace(case: ActivationCase, in_flight: int = 1) -> int:
+    """The loss's own buffers on the last stage.
+
+    CPU at TP=1 (the fused loss, :mod:`~zerotron.kernels.fused_cross_entropy`): the input's and
+    the tied weight's gradients are computed in forward and held until backward (``in_flight``
+    micro-batches' worth), plus the reused chunk buffers (fp32 logits of one chunk; 16-bit: the
+    chunk's 16-bit logits and a transposed ``[h, V]`` gradient sum; fp32: one vocabulary slice).
+    CUDA at TP=1: the 16-bit and fp32 logits of one micro-batch while the loss is formed.
+    TP > 1: the vocab-parallel loss works in place in its logits (counted as activations).
+    """
+    from zerotron.kernels.fused_cross_entropy import SLICE_COLUMNS, default_chunk_size
+
+    s, b, h, e = case.seq_length, case.micro_batch_size, case.hidden_size, case.e
+    tokens, v = s * b, case.vocab_size
+    if case.tp > 1:
+        return 0
+    if case.device != "cpu":
+        return (e + 4) * tokens * v
+    held = in_flight * e * (tokens * h + case.padded_vocab_size * h)
+    rows = min(default_chunk_size(tokens, v), tokens)
+    chunk = 4 * rows * v
+    if e == 2:
+        chunk += e * rows * v + e * h * v
+    else:
+        chunk += 4 * rows * min(SLICE_COLUMNS, v)
+    return held + chunk
+
+
+def stage_in_flight(kind: str, p: int, m: int, v: int, stage: int) -> int:
+    """(micro-batch, chunk) activations pipeline stage ``stage`` holds at most, by zerotron's
+    schedule ``kind`` (``"1f1b"``, ``"interleaved"``, ``"gpipe"``); 1 without a pipeline."""
+    if p == 1:
+        return 1
+    return _in_flight(kind, p, m, v)[stage]
+
+
+@lru_cache(maxsize=256)
+def _in_flight(kind: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    return tuple(activations_in_flight(build_schedule(kind, p, m, v)))
+
+
+# ---- the paper's accounting --------------------------------------------------------------
+
+
+def paper_layer_bytes(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> float:
+    """Korthikanti et al. 2022's activation bytes of one layer and micro-batch (module
+    docstring), 16-bit activations and 1-byte dropout masks."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    attention = 0 if recompute == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return sbh / t * (34 + attention)
+    if recompute == "selective":
+        return sbh * (10 + 24 / t)
+    return sbh * (10 + 24 / t + attention / t)
+
+
+def paper_interleave_factor(p: int, v: int) -> float:
+    """The interleaved schedule's extra activations on the first stage: ``1 + (p-1)/(pv)``."""
+    return 1 + (p - 1) / (p * v)
+
+
+def paper_first_stage_bytes(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    num_layers: int,
+    t: int = 1,
+    p: int = 1,
+    v: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> float:
+    """The first pipeline stage's transformer activations in the paper: p micro-batches of its
+    L/p layers in flight (L layers' worth), times the interleaving factor when ``v > 1``."""
+    per_layer = paper_layer_bytes(s, b, h, a, t, sequence_parallel, recompute)
+    factor = paper_interleave_factor(p, v) if v > 1 else 1.0
+    return per_layer * num_layers * factor

@@ -1,0 +1,110 @@
+"""Model states of one zerotron rank: parameters, gradients, fp32 masters, optimizer states, and
+the buffers that move gradients and parameters (buckets, ZeRO's gathers), from the parameter
+sizes alone.
+
+The per-element byte counts are :mod:`~zerotron.tuning.zero_memory`'s (the ones that reproduce
+DeepSpeed's tables); what each stage keeps is zerotron's (``e``: bytes of the parameters'
+dtype, Ψ: this rank's parameters, N: data-parallel size, S: optimizer bytes per element):
+
+- ZeRO-0 (:mod:`~zerotron.precision.mixed`, :mod:`~zerotron.parallel.data_parallel`): ``eΨ``
+  parameters; gradients accumulate in fp32 (``main_grad``, the data-parallel buckets): ``4Ψ``;
+  16-bit parameters have fp32 masters ``4Ψ``; ``SΨ`` states. Buckets all-reduce 16-bit
+  gradients in 16 bits: a wire copy of every bucket may be in flight (``eΨ``).
+- ZeRO-1: full gradients in the parameters' dtype through the accumulation (``eΨ``, reduced on
+  the last micro-batch), at the step the rank's fp32 partition (``4Ψ/N``): the larger counts;
+  masters and states ``(4 + S)Ψ/N`` (fp32 masters even for fp32 parameters: the partitions are
+  flat fp32 tensors).
+- ZeRO-2: gradients reduce-scattered every micro-batch into the fp32 partition (``4Ψ/N`` at the
+  step); masters and states as stage 1.
+- ZeRO-3: a partitioned parameter's shard *is* its fp32 master's chunk (no 16-bit copy) unless
+  something is offloaded; parameters of at most ``param_persistence_threshold`` elements stay
+  whole (``e`` each); gradients, masters, states as stage 2.
+- ZeRO-1/2 buffers: each reduce bucket is packed rank-major in the wire dtype and its row comes
+  back (``e(1 + 1/N)`` per element), and buckets launch while backward goes on, so at the end of
+  backward all of them may be in flight (``eΨ(1 + 1/N)``); the all-gather of updated chunks
+  after the step uses the same amount. ZeRO-3: one reduce bucket (``reduce_bucket_size``,
+  default 4e6) and the largest module gathered, each ``e(1 + 1/N)`` per element.
+- Offload: ``offload_optimizer`` moves masters, states and the fp32 gradient partition to the
+  host (``cpu``; ``nvme``: to files, nothing counted); ``offload_param`` (stage 3) the shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerotron.parallel.data_parallel import default_bucket_size
+from zerotron.tuning.zero_memory import FP32, OPTIMIZER_STATES
+from zerotron.zero.options import default_sizes
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """One rank's model states and their buffers, in bytes."""
+
+    parameters: int
+    gradients: int
+    master_weights: int
+    optimizer_states: int
+    comm_buffers: int
+    host: int
+
+
+def model_state_bytes(
+    modules: list[list[int]],
+    *,
+    precision: str,
+    zero_stage: int,
+    dp: int,
+    optimizer: str = "adam",
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    ddp_bucket_size: int | None = None,
+    reduce_bucket_size: int | None = None,
+    allgather_bucket_size: int = 500_000_000,
+    param_persistence_threshold: int = 100_000,
+    reduce_in_fp32: bool = False,
+) -> StateBytes:
+    """Model-state bytes of a rank whose parameters are ``modules`` (per module, the element
+    counts of its own parameters, as ZeRO-3 gathers them); see the module docstring."""
+    e = 4 if precision == "fp32" else 2
+    s = OPTIMIZER_STATES[optimizer]
+    numels = [n for module in modules for n in module]
+    psi = sum(numels)
+    n = dp
+    if zero_stage == 0:
+        bucket = ddp_bucket_size or default_bucket_size(n)
+        wire = 0
+        if n > 1 and e == 2 and not reduce_in_fp32:
+            wire = e * psi  # every bucket's 16-bit copy, launched while backward goes on
+        del bucket  # buckets split Ψ; all may be in flight, so their size does not matter
+        masters = FP32 * psi if e == 2 else 0
+        return StateBytes(e * psi, FP32 * psi, masters, s * psi, wire, 0)
+
+    part = sum(-(-x // n) for x in numels)  # this rank's chunks (padded)
+    reduce_bucket, _ = default_sizes(zero_stage, reduce_bucket_size, None)
+    grads_step = FP32 * part
+    grads = max(e * psi, grads_step) if zero_stage == 1 else grads_step
+    masters, states = FP32 * part, s * part
+    host = 0
+    if offload_optimizer == "cpu":
+        host += masters + states + grads_step
+    if offload_optimizer != "none":
+        masters = states = 0
+        grads = e * psi if zero_stage == 1 else e * part  # the 16-bit partition until copied
+
+    if zero_stage < 3:
+        comm = max(e * psi, e * min(psi, allgather_bucket_size)) * (n + 1) // n
+        return StateBytes(e * psi, grads, masters, states, comm, host)
+
+    persistent = sum(x for x in numels if x <= param_persistence_threshold)
+    shard_part = sum(-(-x // n) for x in numels if x > param_persistence_threshold)
+    params = e * persistent
+    if offload_param == "cpu":
+        host += e * shard_part
+    elif offload_param == "none" and offload_optimizer != "none":
+        params += e * shard_part  # shards apart from the (moved) masters
+    gathered = max(
+        (sum(x for x in m if x > param_persistence_threshold) for m in modules), default=0
+    )
+    comm = e * (min(psi, reduce_bucket) + gathered) * (n + 1) // n
+    return StateBytes(params, grads, masters, states, comm, host)
