@@ -1,7 +1,8 @@
 """The planner's cost model: predicted time of one training step for a model, layout and cluster.
 
     from zerotron.tuning.cost import GPUS, cluster, predict
-    from zerotron.tuning.estimate import Layout, ModelShape
+    from zerotron.tuning.activations import paper_layer_bytes
+from zerotron.tuning.estimate import Layout, ModelShape
     c = cluster("a100-80gb", nodes=1)
     cost = predict(ModelShape.gpt2("1.5B"), Layout(tp=2, dp=4, micro_batch_size=4,
                                                    num_microbatches=16), c)
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 
 from zerotron.errors import ConfigError
 from zerotron.pipeline import build_schedule, simulate
+from zerotron.tuning.activations import paper_layer_bytes
 from zerotron.tuning.estimate import Layout, ModelShape
 from zerotron.tuning.volume import Term, chunk_layers, step_terms, wire_bytes
 
@@ -205,13 +207,20 @@ class StepCost:
 
 def activation_bytes(shape: ModelShape, layout: Layout, flash_attention: bool = True) -> dict:
     """Bytes one layer's forward writes for one micro-batch on one TP rank, in Korthikanti et
-    al. 2022's terms: ``s·b·h·(10 + 24/t)`` (``34/t`` under sequence parallelism) for the
-    matmul inputs, LayerNorms, GeLU and dropout masks, and ``5·a·s²·b/t`` for the attention
-    scores, softmax and its dropout (none when flash attention keeps them on chip)."""
-    s, b, h = shape.seq_length, layout.micro_batch_size, shape.hidden_size
-    t, a = layout.tp, shape.num_attention_heads
-    linear = s * b * h * (34 / t if layout.sequence_parallel else 10 + 24 / t)
-    scores = 0.0 if flash_attention else 5 * a * s * s * b / t
+    al. 2022's terms (:func:`~zerotron.tuning.activations.paper_layer_bytes`): ``linear``, the
+    matmul inputs, LayerNorms, GeLU and dropout masks (``s·b·h·(10 + 24/t)``, ``34/t`` under
+    sequence parallelism); ``scores``, the attention scores, softmax and its dropout
+    (``5·a·s²·b/t``; none when flash attention keeps them on chip)."""
+    args = (
+        shape.seq_length,
+        layout.micro_batch_size,
+        shape.hidden_size,
+        shape.num_attention_heads,
+        layout.tp,
+        layout.sequence_parallel and layout.tp > 1,
+    )
+    linear = paper_layer_bytes(*args, recompute="selective")
+    scores = 0.0 if flash_attention else paper_layer_bytes(*args) - linear
     return {"linear": linear, "scores": scores}
 
 

@@ -21,7 +21,7 @@ grew the most, or "does not fit".
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from zerotron.errors import ConfigError
 from zerotron.tuning.cost import Cluster, StepCost, predict, simulable
@@ -81,6 +81,7 @@ class Plan:
     global_batch: int
     ranked: list[Candidate] = field(default_factory=list)
     rejected: list[Candidate] = field(default_factory=list)
+    skipped: int = 0  # layouts whose lower bound could not enter the top: not evaluated
 
     @property
     def best(self) -> Candidate:
@@ -182,10 +183,11 @@ def plan(
 ) -> Plan:
     """Enumerate, estimate, predict and rank (see the module docstring).
 
-    Every layout gets a lower bound of its step (no pipeline idle); the pipeline schedule is
-    simulated only for layouts whose bound could still place them among the ``top`` fitting
-    ones or beat the best of them (a layout skipped this way keeps its bound, marked in
-    ``why``). ``top=0`` simulates every layout."""
+    Every layout first gets a lower bound of its step (the prediction without pipeline idle,
+    no simulation). In the order of these bounds, layouts are estimated and, when pipelined,
+    simulated, until ``top`` layouts that fit are known and the next bound is slower than all
+    of them: what remains cannot enter the top (counted in :attr:`Plan.skipped`).
+    ``top=0`` evaluates every layout."""
     space = space or SearchSpace()
     if global_batch < 1:
         raise ConfigError(
@@ -194,25 +196,29 @@ def plan(
         )
     flash = space.flash_attention
     result = Plan(shape, c, global_batch)
-    bounds = []
-    for layout in layouts(shape, c.world_size, global_batch, space, c.gpus_per_node):
-        mem = memory(shape, layout)
-        bound = predict(shape, layout, c, flash_attention=flash, bubble=False)
-        bounds.append(Candidate(layout, mem, bound, mem.fits(c.gpu_memory)))
-    bounds.sort(key=lambda k: k.cost.step_time)
-    exact: list[Candidate] = []
-    for cand in bounds:
-        fitting = sorted(k.cost.step_time for k in exact if k.fits)
-        cutoff = fitting[top - 1] if top and len(fitting) >= top else float("inf")
-        if cand.layout.pp == 1:
-            pass  # no pipeline: the bound is the prediction
-        elif cand.cost.step_time > cutoff * (1 + 1e-9):
-            cand.why = "not simulated: its lower bound is slower than the top layouts"
-        elif cand.layout.pp > 1:
-            cand.cost = predict(shape, cand.layout, c, flash_attention=flash)
-        exact.append(cand)
-    for cand in exact:
-        (result.ranked if cand.fits else result.rejected).append(cand)
+    bounds = [
+        (predict(shape, layout, c, flash_attention=flash, bubble=False), layout)
+        for layout in layouts(shape, c.world_size, global_batch, space, c.gpus_per_node)
+    ]
+    bounds.sort(key=lambda k: k[0].step_time)
+    memo: dict[Layout, MemoryBreakdown] = {}
+    fitting: list[float] = []  # exact step times of fitting layouts, sorted
+    for i, (bound, layout) in enumerate(bounds):
+        if top and len(fitting) >= top and bound.step_time > fitting[top - 1] * (1 + 1e-9):
+            result.skipped = len(bounds) - i
+            break
+        key = memory_key(layout)
+        if key not in memo:
+            memo[key] = memory(shape, key)
+        mem = memo[key]
+        cost = bound if layout.pp == 1 else predict(shape, layout, c, flash_attention=flash)
+        cand = Candidate(layout, mem, cost, mem.fits(c.gpu_memory))
+        if cand.fits:
+            result.ranked.append(cand)
+            fitting.append(cost.step_time)
+            fitting.sort()
+        else:
+            result.rejected.append(cand)
     result.ranked.sort(key=lambda k: (k.cost.step_time, k.memory.total))
     result.rejected.sort(key=lambda k: k.cost.step_time)
     for cand in result.rejected:
@@ -221,9 +227,16 @@ def plan(
         best = result.ranked[0]
         best.why = "fastest"
         for cand in result.ranked[1:]:
-            if not cand.why:
-                cand.why = why_slower(cand, best)
+            cand.why = why_slower(cand, best)
     return result
+
+
+def memory_key(layout: Layout) -> Layout:
+    """The layout with as few micro-batches as give the same memory: what a pipeline stage
+    holds in flight stops growing at m = p (1F1B: min(p - s, m); interleaved: the same for
+    every multiple of p), and without a pipeline one micro-batch is in flight. Estimating at
+    m = p spares the estimator from building a schedule of thousands of micro-batches."""
+    return replace(layout, num_microbatches=min(layout.num_microbatches, layout.pp))
 
 
 def _gb(n: float) -> str:

@@ -189,8 +189,11 @@ def print_tables(result: Plan, top: int) -> None:
         f"{c.intra_node_bandwidth / 1e9:.0f} GB/s in a node, "
         f"{c.inter_node_bandwidth / 1e9:.0f} GB/s between); global batch {result.global_batch}"
     )
-    n = len(result.ranked) + len(result.rejected)
-    console.print(f"{n} valid layouts: {len(result.ranked)} fit, {len(result.rejected)} do not")
+    n = len(result.ranked) + len(result.rejected) + result.skipped
+    console.print(
+        f"{n} valid layouts: {len(result.ranked)} fit, {len(result.rejected)} do not, "
+        f"{result.skipped} not evaluated (their lower bound is slower than the top {top})"
+    )
     table = Table(box=box.SIMPLE_HEAD, title="fastest layouts that fit")
     for col in ("#", "layout", "ZeRO", "mbs×m", "recompute", "step s", "TFLOP/s/GPU"):
         table.add_column(col, justify="right" if col not in ("layout", "recompute") else "left")
@@ -254,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             "global_batch_size": args.global_batch_size,
             "layouts_fit": len(result.ranked),
             "layouts_do_not_fit": len(result.rejected),
+            "layouts_not_evaluated": result.skipped,
             "top": [k.as_dict() for k in result.ranked[: args.top]],
             "faster_but_do_not_fit": [k.as_dict() for k in result.faster_but_too_big()[: args.top]],
         }
