@@ -20,6 +20,8 @@ grew the most, or "does not fit".
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -183,11 +185,11 @@ def plan(
 ) -> Plan:
     """Enumerate, estimate, predict and rank (see the module docstring).
 
-    Every layout first gets a lower bound of its step (the prediction without pipeline idle,
-    no simulation). In the order of these bounds, layouts are estimated and, when pipelined,
-    simulated, until ``top`` layouts that fit are known and the next bound is slower than all
-    of them: what remains cannot enter the top (counted in :attr:`Plan.skipped`).
-    ``top=0`` evaluates every layout."""
+    Layouts are predicted first (interleaved ones by a lower bound without pipeline idle,
+    simulated only when they could matter) and their memory estimated fastest first, until
+    ``top`` layouts that fit are known and the next is slower than all of them: what remains
+    cannot enter the top (counted in :attr:`Plan.skipped`). ``top=0`` evaluates every
+    layout."""
     space = space or SearchSpace()
     if global_batch < 1:
         raise ConfigError(
@@ -196,27 +198,33 @@ def plan(
         )
     flash = space.flash_attention
     result = Plan(shape, c, global_batch)
-    bounds = [
-        (predict(shape, layout, c, flash_attention=flash, bubble=False), layout)
-        for layout in layouts(shape, c.world_size, global_batch, space, c.gpus_per_node)
-    ]
-    bounds.sort(key=lambda k: k[0].step_time)
+    # A heap of (time, index, exact, cost, layout): 1F1B layouts are simulated at once (a few
+    # micro-batches suffice); interleaved ones enter with their lower bound and are simulated
+    # when they reach the top of the heap.
+    heap = []
+    for i, layout in enumerate(layouts(shape, c.world_size, global_batch, space, c.gpus_per_node)):
+        exact = layout.vpp == 1
+        cost = predict(shape, layout, c, flash_attention=flash, bubble=exact)
+        heap.append((cost.step_time, i, exact, cost, layout))
+    heapq.heapify(heap)
     memo: dict[Layout, MemoryBreakdown] = {}
-    fitting: list[float] = []  # exact step times of fitting layouts, sorted
-    for i, (bound, layout) in enumerate(bounds):
-        if top and len(fitting) >= top and bound.step_time > fitting[top - 1] * (1 + 1e-9):
-            result.skipped = len(bounds) - i
+    fitting: list[float] = []  # step times of the fitting layouts found, sorted
+    while heap:
+        time, i, exact, cost, layout = heapq.heappop(heap)
+        if top and len(fitting) >= top and time > fitting[top - 1] * (1 + 1e-9):
+            result.skipped = len(heap) + 1
             break
+        if not exact:
+            cost = predict(shape, layout, c, flash_attention=flash)
+            heapq.heappush(heap, (cost.step_time, i, True, cost, layout))
+            continue
         key = memory_key(layout)
         if key not in memo:
             memo[key] = memory(shape, key)
-        mem = memo[key]
-        cost = bound if layout.pp == 1 else predict(shape, layout, c, flash_attention=flash)
-        cand = Candidate(layout, mem, cost, mem.fits(c.gpu_memory))
+        cand = Candidate(layout, memo[key], cost, memo[key].fits(c.gpu_memory))
         if cand.fits:
             result.ranked.append(cand)
-            fitting.append(cost.step_time)
-            fitting.sort()
+            bisect.insort(fitting, cost.step_time)
         else:
             result.rejected.append(cand)
     result.ranked.sort(key=lambda k: (k.cost.step_time, k.memory.total))
