@@ -26,8 +26,8 @@ def test_step_flops_without_recompute_is_the_72_form():
 
 
 def _free_comm(**kw) -> Cluster:
-    """A cluster whose links are so fast that communication costs nothing."""
-    return Cluster(1, 64, 2**40, 1e12, 1e30, 1e30, hbm_bandwidth=1e12, efficiency=0.5, **kw)
+    """A cluster whose links and memory are so fast that only the matmuls cost time."""
+    return Cluster(1, 64, 2**40, 1e12, 1e30, 1e30, hbm_bandwidth=1e30, efficiency=0.5, **kw)
 
 
 TINY = ModelShape(8, 64, 4, 32, 1000)
@@ -82,7 +82,8 @@ def test_hand_computed_step_data_parallel():
     # per micro-batch forward: 2 layers × (2·32·(4·64² + 2·64·256) + 4·32²·64) + head 2·32·64·1024
     fwd = 2 * (2 * 32 * (4 * 64**2 + 2 * 64 * 256) + 4 * 32**2 * 64) + 2 * 32 * 64 * 1024
     act = 2 * 32 * 64 * (10 + 24)  # 2 layers of Korthikanti's s·b·h·(10 + 24/t) bytes
-    per_mb = 3 * fwd / RATE + 3 * act / 1e11  # backward = 2 x forward, memory traffic too
+    loss = 2 * 4 * 32 * 1024  # fp32 logits written and read, each way
+    per_mb = 3 * fwd / RATE + (3 * act + 2 * loss) / 1e11  # backward = 2 x forward's matmuls
     params = 2 * (12 * 64**2 + 13 * 64) + (1024 + 32) * 64 + 2 * 64
     allreduce = 2 * (2 - 1) / 2 * params * 2 / 1e9  # bf16 gradients, ring, intra-node
     got = predict(SMALL, Layout(dp=2, num_microbatches=2), HAND)
@@ -93,8 +94,9 @@ def test_hand_computed_step_tensor_parallel():
     # each rank: half of every matmul and of the 1024-row head; activations s·b·h·(10 + 24/2)
     fwd = (2 * (2 * 32 * (4 * 64**2 + 2 * 64 * 256) + 4 * 32**2 * 64) + 2 * 32 * 64 * 1024) / 2
     act = 2 * 32 * 64 * (10 + 12)
+    loss = 2 * 4 * 32 * 512  # half the vocabulary's logits on each rank
     a = 32 * 64 * 2  # b·s·h bf16 bytes, one all-reduce; ring factor 2(n-1)/n = 1 at n = 2
     comm = (4 * 2 + 1 + 1) * a + 3 * 32 * 4  # 4 per layer, embedding, head, CE's 3 × b·s fp32
-    per_mb = 3 * fwd / RATE + 3 * act / 1e11 + comm / 1e9
+    per_mb = 3 * fwd / RATE + (3 * act + 2 * loss) / 1e11 + comm / 1e9
     got = predict(SMALL, Layout(tp=2, num_microbatches=4), HAND)
     assert got.step_time == pytest.approx(4 * per_mb, rel=1e-12)

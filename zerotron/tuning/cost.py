@@ -224,6 +224,14 @@ def activation_bytes(shape: ModelShape, layout: Layout, flash_attention: bool = 
     return {"linear": linear, "scores": scores}
 
 
+def loss_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Memory traffic of the cross entropy over the vocabulary, one pass each way: the fp32
+    logits of one micro-batch on one TP rank written and read for the softmax in forward, the
+    softmax read and its gradient written in backward (``2 · 4 · b·s·V/t`` bytes per pass)."""
+    b, s = layout.micro_batch_size, shape.seq_length
+    return 2 * 4 * b * s * shape.padded_vocab(layout.tp) / layout.tp
+
+
 def predict(
     shape: ModelShape,
     layout: Layout,
@@ -259,12 +267,14 @@ def predict(
     for pp_rank in sorted({0, layout.pp - 1}):
         flops = extra = 0.0
         layers = 0
+        head_time = 0.0
         for n, _, post in chunk_layers(shape, layout, pp_rank):
             layers += n
             flops += n * layer_forward_flops(shape, b) / tp
             extra += n * recompute_flops(shape, b, layout.recompute) / tp
             if post:
                 flops += head_forward_flops(shape, b, tp) / tp
+                head_time = loss_bytes(shape, layout) / c.hbm_bandwidth
         per = {"forward": 0.0, "backward": 0.0}
         step: dict[str, float] = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0}
         inline: dict[str, float] = dict(step)
@@ -275,8 +285,8 @@ def predict(
             else:
                 per[t.phase] += sec / m
                 inline[t.group] += sec
-        fwd_math = flops / rate + layers * act_fwd
-        bwd_math = (2 * flops + extra) / rate + layers * (2 * act_fwd + act_extra)
+        fwd_math = flops / rate + layers * act_fwd + head_time
+        bwd_math = (2 * flops + extra) / rate + layers * (2 * act_fwd + act_extra) + head_time
         # one micro-batch through one model chunk (the stage's chunks averaged)
         tf = (fwd_math + per["forward"]) / v
         tb = (bwd_math + per["backward"]) / v
