@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "zerotron.launcher.launch",
         "start a multi-process / multi-node job (torch.distributed.run)",
     ),
+    "estimate": (
+        "zerotron.tuning.estimate_cli",
+        "per-rank memory of a layout before launching: breakdown, fits --gpu-memory?",
+    ),
     "schedule": (
         "zerotron.pipeline.timeline",
         "simulate a pipeline schedule: bubble vs (p-1)/(v*m), timeline picture",

@@ -1,5 +1,14 @@
 """Tuning: how much memory a run needs, and (later) which layout to run.
 
+- :mod:`~zerotron.tuning.estimate`: per-rank memory of a model and a layout (the interface the
+  planner and the tuner use): :class:`ModelShape`, :class:`Layout`, :func:`estimate`;
+- :mod:`~zerotron.tuning.model_states`: parameters, gradients, masters, optimizer states and
+  buffers as zerotron's ZeRO stages keep them;
+- :mod:`~zerotron.tuning.activations`: activations as zerotron's GPT keeps them, and
+  Korthikanti et al. 2022's formulas;
 - :mod:`~zerotron.tuning.zero_memory`: DeepSpeed's model-states memory estimates for ZeRO-2 and
-  ZeRO-3 (bytes per CPU and per GPU for each offload option), as pure functions.
+  ZeRO-3 (bytes per CPU and per GPU for each offload option), as pure functions, and the
+  per-element byte counts everything above shares;
+- :mod:`~zerotron.tuning.measure`: what a live run holds, per term (to check the estimator);
+- :mod:`~zerotron.tuning.estimate_cli`: ``zerotron estimate``.
 """

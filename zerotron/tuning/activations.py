@@ -40,7 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from zerotron.pipeline.schedules import activations_in_flight, build_schedule
+from zerotron.pipeline.schedules import (
+    Backward,
+    Forward,
+    activations_in_flight,
+    build_schedule,
+)
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -128,11 +133,11 @@ def recompute_workspace(case: ActivationCase) -> int:
 
 
 def embedding_bytes(case: ActivationCase) -> int:
-    """The first stage's input per micro-batch: the token ids (int64) and the embedding dropout's
-    mask."""
+    """The first stage's input per micro-batch: the token and position ids (int64; ``zerotron
+    pretrain``'s batches carry position ids) and the embedding dropout's mask."""
     s, b, h = case.seq_length, case.micro_batch_size, case.hidden_size
     mask = 1 if case.device != "cpu" else case.e
-    total = 8 * s * b
+    total = 2 * 8 * s * b
     if case.hidden_dropout > 0:
         total += mask * s * b * h // (case.tp if case.sp else 1)
     return total
@@ -147,7 +152,7 @@ def head_bytes(case: ActivationCase) -> int:
     shard = t if case.sp else 1
     total = (e * sb * h + 2 * stats * sb) // shard  # the final LayerNorm's input, statistics
     total += e * sb * h  # the output layer's input (all-gathered under SP)
-    total += 8 * sb  # the labels
+    total += 8 * sb + 4 * sb  # the labels; the loss mask (fp32) the mean is weighted by
     if t > 1:  # vocab-parallel loss: this rank's logits become the softmax, kept for backward
         total += e * sb * case.padded_vocab_size // t + sb  # and the "outside" mask
     elif case.device != "cpu":  # F.cross_entropy over fp32 logits keeps their log-softmax
@@ -191,9 +196,32 @@ def stage_in_flight(kind: str, p: int, m: int, v: int, stage: int) -> int:
     return _in_flight(kind, p, m, v)[stage]
 
 
+def chunk_in_flight(kind: str, p: int, m: int, v: int, stage: int, chunk: int) -> int:
+    """Micro-batches of model chunk ``chunk`` that stage ``stage`` holds at most: what the
+    embedding (chunk 0 of the first stage) and the head (last chunk of the last stage) keep."""
+    if p == 1:
+        return 1
+    return _chunk_in_flight(kind, p, m, v)[stage][chunk]
+
+
 @lru_cache(maxsize=256)
 def _in_flight(kind: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(activations_in_flight(build_schedule(kind, p, m, v)))
+
+
+@lru_cache(maxsize=256)
+def _chunk_in_flight(kind: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
+    peaks = []
+    for actions in build_schedule(kind, p, m, v):
+        held, peak = [0] * v, [0] * v
+        for a in actions:
+            if isinstance(a, Forward):
+                held[a.chunk] += 1
+                peak[a.chunk] = max(peak[a.chunk], held[a.chunk])
+            elif isinstance(a, Backward):
+                held[a.chunk] -= 1
+        peaks.append(tuple(peak))
+    return tuple(peaks)
 
 
 # ---- the paper's accounting --------------------------------------------------------------

@@ -247,18 +247,21 @@ def estimate(
         allgather_bucket_size=layout.allgather_bucket_size,
         param_persistence_threshold=layout.param_persistence_threshold,
         reduce_in_fp32=layout.reduce_in_fp32,
+        num_microbatches=layout.num_microbatches,
     )
     case = activation_case(shape, layout)
     kind = "interleaved" if layout.vpp > 1 else "1f1b"
     held = act.stage_in_flight(kind, layout.pp, layout.num_microbatches, layout.vpp, pipeline_rank)
     layers_per_chunk = shape.num_layers // (layout.pp * layout.vpp)
     activations = held * layers_per_chunk * act.layer_bytes(case)
-    # Embedding and head live in one chunk of the stage: a share of what is in flight.
-    ends = -(-held // layout.vpp)
-    if first:
-        activations += ends * act.embedding_bytes(case)
+    # The embedding lives in the first chunk of the first stage, the head in the last chunk of
+    # the last stage: as many of them as the schedule holds of those chunks.
+    p, m, v = layout.pp, layout.num_microbatches, layout.vpp
     loss = 0
+    if first:
+        activations += act.chunk_in_flight(kind, p, m, v, 0, 0) * act.embedding_bytes(case)
     if last:
+        ends = act.chunk_in_flight(kind, p, m, v, p - 1, v - 1)
         activations += ends * act.head_bytes(case)
         loss = act.loss_workspace(case, in_flight=ends)
     return MemoryBreakdown(

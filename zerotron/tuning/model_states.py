@@ -11,11 +11,13 @@ dtype, Ψ: this rank's parameters, N: data-parallel size, S: optimizer bytes per
   16-bit parameters have fp32 masters ``4Ψ``; ``SΨ`` states. Buckets all-reduce 16-bit
   gradients in 16 bits: a wire copy of every bucket may be in flight (``eΨ``).
 - ZeRO-1: full gradients in the parameters' dtype through the accumulation (``eΨ``, reduced on
-  the last micro-batch), at the step the rank's fp32 partition (``4Ψ/N``): the larger counts;
+  the last micro-batch), at the step the rank's partition (``G`` below): the larger counts;
   masters and states ``(4 + S)Ψ/N`` (fp32 masters even for fp32 parameters: the partitions are
   flat fp32 tensors).
-- ZeRO-2: gradients reduce-scattered every micro-batch into the fp32 partition (``4Ψ/N`` at the
-  step); masters and states as stage 1.
+- ZeRO-2: gradients reduce-scattered every micro-batch into the partition ``G``: ``eΨ/N`` in the
+  parameters' dtype, plus the fp32 copy of one piece (2M elements) the step works on; ``4Ψ/N``
+  where it must be fp32 (fp16's unscaling, offload, ZeRO-3 with more than one micro-batch);
+  masters and states as stage 1.
 - ZeRO-3: a partitioned parameter's shard *is* its fp32 master's chunk (no 16-bit copy) unless
   something is offloaded; parameters of at most ``param_persistence_threshold`` elements stay
   whole (``e`` each); gradients, masters, states as stage 2.
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 from zerotron.parallel.data_parallel import default_bucket_size
 from zerotron.tuning.zero_memory import FP32, OPTIMIZER_STATES
+from zerotron.zero.masters import STEP_PIECE
 from zerotron.zero.options import default_sizes
 
 
@@ -63,6 +66,7 @@ def model_state_bytes(
     allgather_bucket_size: int = 500_000_000,
     param_persistence_threshold: int = 100_000,
     reduce_in_fp32: bool = False,
+    num_microbatches: int = 1,
 ) -> StateBytes:
     """Model-state bytes of a rank whose parameters are ``modules`` (per module, the element
     counts of its own parameters, as ZeRO-3 gathers them); see the module docstring."""
@@ -82,7 +86,14 @@ def model_state_bytes(
 
     part = sum(-(-x // n) for x in numels)  # this rank's chunks (padded)
     reduce_bucket, _ = default_sizes(zero_stage, reduce_bucket_size, None)
-    grads_step = FP32 * part
+    # The partition holds the parameters' dtype, fp32 where it must: fp16 unscales an fp32
+    # copy, offload steps fp32 on the host, and stage 3 sums a second micro-batch in fp32.
+    wide = precision == "fp16" or offload_optimizer != "none"
+    wide = wide or (zero_stage == 3 and num_microbatches > 1)
+    if wide:
+        grads_step = FP32 * part
+    else:  # the step takes a piece at a time to fp32 (zero.masters.step_in_pieces)
+        grads_step = e * part + (FP32 * min(part, STEP_PIECE) if e < FP32 else 0)
     grads = max(e * psi, grads_step) if zero_stage == 1 else grads_step
     masters, states = FP32 * part, s * part
     host = 0

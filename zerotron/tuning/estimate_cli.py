@@ -1,0 +1,289 @@
+"""``zerotron estimate``: per-rank memory of a run, before launching it.
+
+    zerotron estimate --num-layers 48 --hidden-size 1600 --num-attention-heads 25 \\
+        --seq-length 1024 --micro-batch-size 4 --global-batch-size 512 --bf16 \\
+        --zero-stage 1 --num-gpus 8 --gpu-memory 80GB
+    zerotron estimate --deepspeed_config ds.json --num-layers 24 ... --num-gpus 16 --json
+    zerotron estimate --config run.yaml --world-size 8 --layout tp=2 --layout tp=2,pp=2 --plot m.png
+
+The model and the base layout come from the flags ``zerotron pretrain`` takes (Megatron's), a
+DeepSpeed JSON (``--deepspeed_config``) or ``--config FILE``, read by the same loaders
+(:mod:`zerotron.config`); ``--train-iters`` and ``--lr`` are not needed. The world size
+(``--world-size``, ``--num-gpus`` or ``--nodes`` × ``--gpus-per-node``) gives the data-parallel
+size. Each ``--layout k=v,...`` adds a layout derived from the base one (keys: tp, pp, dp, vpp,
+sp, zero, mbs, recompute, precision, offload_optimizer, offload_param; dp and the micro-batches
+per step follow from the world size and the global batch unless given); without ``--layout``
+the base layout is estimated.
+
+Output: a table of the terms per layout (GiB), and with ``--gpu-memory`` whether each fits and
+by how much (the exit status is 0 either way); ``--json`` prints the same as JSON, ``--plot
+FILE.png`` draws stacked bars per layout. Sizes: ``80GB`` and ``80GiB`` both mean 80 × 2³⁰ bytes
+(what nvidia-smi and DeepSpeed's estimators call GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from typing import Any
+
+from zerotron.errors import ConfigError
+from zerotron.tuning.estimate import Layout, MemoryBreakdown, ModelShape, estimate
+
+GIB = 2**30
+UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+TERMS = (
+    "parameters",
+    "gradients",
+    "master_weights",
+    "optimizer_states",
+    "activations",
+    "recompute_workspace",
+    "comm_buffers",
+    "loss_workspace",
+)
+# --layout keys -> Layout fields
+KEYS = {
+    "tp": "tp",
+    "pp": "pp",
+    "dp": "dp",
+    "vpp": "vpp",
+    "sp": "sequence_parallel",
+    "zero": "zero_stage",
+    "mbs": "micro_batch_size",
+    "recompute": "recompute",
+    "precision": "precision",
+    "offload_optimizer": "offload_optimizer",
+    "offload_param": "offload_param",
+}
+
+
+def parse_size(text: str, flag: str = "--gpu-memory") -> int:
+    """Bytes of ``"80GB"``, ``"80GiB"``, ``"40G"``, ``"512MiB"`` or a plain byte count (binary
+    units: see the module docstring)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    if m is None:
+        raise ConfigError(
+            f"{text!r} is not a size", where=flag, fix="write e.g. 80GB, 40GiB or 512MB"
+        )
+    return int(float(m.group(1)) * UNITS[m.group(2)])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="zerotron estimate",
+        allow_abbrev=False,
+        description="Per-rank memory (parameters, gradients, masters, optimizer states, "
+        "activations, buffers) of a run, from its flags. Other flags are zerotron pretrain's.",
+    )
+    p.add_argument("--world-size", "--num-gpus", dest="world_size", type=int, default=None)
+    p.add_argument("--nodes", type=int, default=None, help="with --gpus-per-node")
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=50257, help="the tokenizer's (GPT-2's)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="kernels to assume")
+    p.add_argument("--gpu-memory", default=None, help="device memory, e.g. 80GB: fits or not")
+    p.add_argument("--layout", action="append", default=[], metavar="K=V,...")
+    p.add_argument("--pipeline-rank", type=int, default=None, help="default: the fullest stage")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw stacked bars")
+    return p
+
+
+def world_size(args: argparse.Namespace) -> int:
+    """``--world-size`` / ``--num-gpus``, or ``--nodes × --gpus-per-node``; 1 if none."""
+    if args.nodes is not None or args.gpus_per_node is not None:
+        if args.world_size is not None:
+            raise ConfigError(
+                "give --world-size/--num-gpus or --nodes × --gpus-per-node, not both",
+                where="--world-size",
+            )
+        return (args.nodes or 1) * (args.gpus_per_node or 1)
+    return args.world_size or 1
+
+
+def load(rest: list[str], world: int) -> Any:
+    """The Config of ``zerotron pretrain``'s flags (``--train-iters 0`` when no length given:
+    nothing runs, so neither it nor ``--lr`` matters)."""
+    from zerotron.config import parse_megatron_args
+
+    if not any(a.split("=")[0] in ("--train-iters", "--train-samples") for a in rest):
+        rest = [*rest, "--train-iters", "0"]
+    return parse_megatron_args(rest, world_size=world)
+
+
+def derive(base: Layout, spec: str, world: int, global_batch: int | None) -> Layout:
+    """``base`` with the ``--layout`` overrides of ``spec`` (see the module docstring)."""
+    changes: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in KEYS:
+            raise ConfigError(
+                f"bad --layout item {item!r}", where="--layout", fix=f"keys: {', '.join(KEYS)}"
+            )
+        field = KEYS[key]
+        kind = type(getattr(base, field))
+        if kind is bool:
+            changes[field] = value.lower() in ("1", "true", "yes", "on")
+        elif kind is int:
+            try:
+                changes[field] = int(value)
+            except ValueError:
+                raise ConfigError(f"{key}={value!r} is not an integer", where="--layout") from None
+        else:
+            changes[field] = value
+    layout = dataclasses.replace(base, **changes)
+    if "dp" not in changes:
+        mp = layout.tp * layout.pp
+        if world % mp:
+            raise ConfigError(
+                f"world size {world} is not divisible by tp × pp = {mp} (layout {spec!r})",
+                where="--layout",
+                fix="choose tp and pp whose product divides the world size",
+            )
+        layout = dataclasses.replace(layout, dp=world // mp)
+    if global_batch:
+        per_step = layout.micro_batch_size * layout.dp
+        if global_batch % per_step:
+            raise ConfigError(
+                f"global batch {global_batch} is not divisible by micro-batch × dp = {per_step} "
+                f"(layout {spec!r})",
+                where="--layout",
+                fix="change mbs or the parallel sizes",
+            )
+        layout = dataclasses.replace(layout, num_microbatches=global_batch // per_step)
+    return layout
+
+
+def main(argv: list[str]) -> int:
+    args, rest = build_parser().parse_known_args(argv)
+    world = world_size(args)
+    cfg = load(rest, world)
+    shape = ModelShape.from_config(cfg, vocab_size=args.vocab_size)
+    base = Layout.from_config(cfg, device=args.device)
+    specs = args.layout or [""]
+    layouts = [
+        (
+            spec or "base",
+            derive(base, spec, world, cfg.training.global_batch_size) if spec else base,
+        )
+        for spec in specs
+    ]
+    results = [(name, lay, estimate(shape, lay, args.pipeline_rank)) for name, lay in layouts]
+    device = parse_size(args.gpu_memory) if args.gpu_memory else None
+    if args.json:
+        print(json.dumps(as_json(shape, results, device), indent=1))
+    else:
+        print_table(shape, results, device)
+    if args.plot:
+        plot(results, args.plot, device)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def as_json(shape: ModelShape, results: list, device: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": dataclasses.asdict(shape), "layouts": []}
+    out["model"]["parameters"] = shape.num_parameters()
+    for name, layout, mem in results:
+        entry: dict[str, Any] = {
+            "name": name,
+            "layout": dataclasses.asdict(layout),
+            "memory": mem.as_dict(),
+        }
+        if device is not None:
+            entry["gpu_memory"] = device
+            entry["fits"] = mem.fits(device)
+            entry["headroom"] = device - mem.total
+        out["layouts"].append(entry)
+    return out
+
+
+def _describe(layout: Layout, lines: bool = False) -> Any:
+    """A short description of ``layout`` (its parts as a list with ``lines``)."""
+    parts = [f"tp{layout.tp} pp{layout.pp} dp{layout.dp}"]
+    if layout.vpp > 1:
+        parts.append(f"vpp{layout.vpp}")
+    if layout.sequence_parallel:
+        parts.append("sp")
+    parts.append(f"zero{layout.zero_stage} {layout.precision}")
+    parts.append(f"mbs{layout.micro_batch_size}×{layout.num_microbatches}")
+    if layout.recompute != "none":
+        parts.append(f"{layout.recompute} recompute")
+    if layout.offload_optimizer != "none" or layout.offload_param != "none":
+        parts.append(f"offload {layout.offload_optimizer}/{layout.offload_param}")
+    return parts if lines else " ".join(parts)
+
+
+def print_table(shape: ModelShape, results: list, device: int | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"per-rank memory, GiB ({shape.num_parameters() / 1e6:.1f}M parameters)",
+        title_justify="left",
+    )
+    table.add_column("term")
+    for name, layout, _ in results:
+        table.add_column(f"{name}\n{_describe(layout)}", justify="right")
+    for term in TERMS:
+        table.add_row(
+            term.replace("_", " "), *(f"{getattr(m, term) / GIB:.2f}" for *_, m in results)
+        )
+    table.add_row("total", *(f"{m.total / GIB:.2f}" for *_, m in results), style="bold")
+    host = [m.host for *_, m in results]
+    if any(host):
+        table.add_row("host (offload)", *(f"{h / GIB:.2f}" for h in host))
+    if device is not None:
+        table.add_row(f"fits {device / GIB:.0f} GiB?", *(_verdict(m, device) for *_, m in results))
+    Console(file=sys.stdout, width=max(100, 28 + 30 * len(results))).print(table)
+
+
+def _verdict(mem: MemoryBreakdown, device: int) -> str:
+    room = device - mem.total
+    if room >= 0:
+        return f"yes, {room / GIB:.2f} GiB free"
+    return f"NO, {-room / GIB:.2f} GiB over"
+
+
+def plot(results: list, path: str, device: int | None) -> None:
+    """Stacked bars of the terms, one bar per layout (PNG, written crash-safe)."""
+    import io
+
+    from zerotron.fileio import atomic_write_bytes
+
+    try:  # lazy: keeps the CLI fast; matplotlib is an extra
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ConfigError(
+            f"drawing the breakdown needs matplotlib, which cannot be imported ({e})",
+            where="--plot",
+            fix="pip install 'zerotron[plot]', or leave out --plot",
+        ) from e
+    fig = Figure(figsize=(max(5.0, 1.6 * len(results) + 3.0), 4.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    names = [
+        "\n".join([name if len(name) <= 18 else f"layout {i + 1}", *_describe(lay, lines=True)])
+        for i, (name, lay, _) in enumerate(results)
+    ]
+    bottom = [0.0] * len(results)
+    for term in TERMS:
+        values = [getattr(m, term) / GIB for *_, m in results]
+        if not any(values):
+            continue
+        ax.bar(names, values, bottom=bottom, label=term.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if device is not None:
+        ax.axhline(device / GIB, color="black", linestyle="--", linewidth=1, label="device")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title("zerotron estimate: per-rank memory")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    atomic_write_bytes(path, buf.getvalue())

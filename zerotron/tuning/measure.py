@@ -1,0 +1,325 @@
+"""What a live run really holds, per term of the estimator, to check it against.
+
+- :class:`SavedActivations`: bytes autograd keeps for backward, by
+  ``torch.autograd.graph.saved_tensors_hooks``: each saved tensor's *storage* counted once while
+  any saved reference to it lives (parameters excluded), so :attr:`SavedActivations.peak` is
+  the most held at once: one micro-batch's forward, or a pipeline schedule's micro-batches in
+  flight.
+- :func:`model_states`: bytes of the tensors an Engine's optimizer holds, by kind (parameters,
+  gradients, fp32 masters, optimizer states), each storage counted once, the first kind to reach
+  it winning (views into one flat buffer cost the buffer once).
+- :class:`ModelStatePeaks`: :func:`model_states` taken at the optimizer's step (a pre-hook on
+  the torch optimizer: gradients reduced, masters and states allocated) and whenever
+  :meth:`ModelStatePeaks.sample` is called (e.g. after a micro-batch's backward), keeping each
+  term's largest value.
+
+Only what tensors hold is counted: allocator slack, temporaries and the C++ side of autograd are
+not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
+
+
+def _key(t: Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+class _Held:
+    """A saved tensor's slot: alive as long as autograd keeps the saved reference."""
+
+    __slots__ = ("owner", "key", "tensor", "__weakref__")
+
+    def __init__(self, owner: SavedActivations, key: Any, tensor: Tensor):
+        self.owner, self.key, self.tensor = owner, key, tensor
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.owner._release(self.key)
+
+
+class SavedActivations:
+    """Live and peak bytes of the tensors autograd saves inside the ``with`` block (storages
+    counted once; parameters of ``exclude`` not counted)."""
+
+    def __init__(self, exclude: nn.Module | None = None) -> None:
+        self._model = exclude
+        self._refs: dict[tuple[str, int], int] = {}
+        self._bytes: dict[tuple[str, int], int] = {}
+        self.live = 0
+        self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        self._patch_stage3(True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._patch_stage3(False)
+        self._hooks.__exit__(*exc)
+
+    def _patch_stage3(self, on: bool) -> None:
+        """ZeRO-3 packs saved tensors itself during a forward (its hooks hide ours): count what
+        it keeps as a tensor, leave what it turns into a parameter reference to it."""
+        from zerotron.zero.stage3 import coordinator_of
+
+        coordinator = coordinator_of(self._model) if self._model is not None else None
+        if coordinator is None:
+            return
+        if not on:
+            for name in ("_pack", "_unpack"):
+                coordinator.__dict__.pop(name, None)
+            return
+        pack, unpack = coordinator._pack, coordinator._unpack
+
+        def counted_pack(t: Tensor) -> Any:
+            out = pack(t)
+            return self._pack(t) if out is t else out
+
+        def counted_unpack(saved: Any) -> Tensor:
+            return saved.tensor if isinstance(saved, _Held) else unpack(saved)
+
+        coordinator._pack, coordinator._unpack = counted_pack, counted_unpack
+
+    def _pack(self, t: Tensor) -> Any:
+        if t.numel() == 0 or t.device.type == "meta":
+            return _Held(self, None, t)
+        key = _key(t)
+        # Parameters are model states (ZeRO-3's are gathered into new storage: ask each time).
+        if self._model is not None and any(
+            p.numel() and _key(p) == key for p in self._model.parameters()
+        ):
+            return _Held(self, None, t)
+        if key not in self._refs:
+            self._refs[key] = 0
+            self._bytes[key] = t.untyped_storage().nbytes()
+            self.live += self._bytes[key]
+            self.peak = max(self.peak, self.live)
+        self._refs[key] += 1
+        return _Held(self, key, t)
+
+    @staticmethod
+    def _unpack(held: _Held) -> Tensor:
+        return held.tensor
+
+    def _release(self, key: tuple[str, int]) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live -= self._bytes.pop(key)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now."""
+        self.peak = self.live
+
+
+def _tensors(obj: Any) -> Iterable[Tensor]:
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def model_states(optimizer: Any, model: nn.Module) -> dict[str, int]:
+    """Bytes per kind held by an Engine's wrapped ``optimizer`` (a ZeroOptimizer or a
+    MixedPrecisionOptimizer) for ``model``'s parameters (see the module docstring)."""
+    seen: set[tuple[str, int]] = set()
+
+    def count(tensors: Iterable[Any]) -> int:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, Tensor) or t.numel() == 0:
+                continue
+            key = _key(t)
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    params = list(model.parameters())
+    out = dict.fromkeys(KINDS, 0)
+    sub_groups = getattr(optimizer, "sub_groups", None)
+    if sub_groups is not None:  # ZeRO: flat fp32 partitions
+        offloaded = getattr(optimizer, "_offloaded", None)
+        if offloaded is None:
+            out["master_weights"] = count(s.master for s in sub_groups)
+            out["optimizer_states"] = count(_tensors(optimizer.optimizer.state))
+        out["parameters"] = count(
+            [p.data for p in params] + [getattr(p, "ds_tensor", None) for p in params]
+        )
+        out["gradients"] = count(
+            [p.grad for p in params]
+            + [s.grad for s in sub_groups]
+            + [getattr(s.master, "grad", None) for s in sub_groups]
+            # the fp32 piece being stepped (zero.masters.step_in_pieces)
+            + [q.grad for g in optimizer.optimizer.param_groups for q in g["params"]]
+        )
+        return out
+    masters = [m for m, p in zip(optimizer.master_params, optimizer.model_params) if m is not p]
+    out["master_weights"] = count(masters)
+    out["optimizer_states"] = count(_tensors(optimizer.optimizer.state))
+    out["parameters"] = count(p.data for p in params)
+    out["gradients"] = count(
+        [p.grad for p in params]
+        + [getattr(p, "main_grad", None) for p in params]
+        + [m.grad for m in masters]
+    )
+    return out
+
+
+class ModelStatePeaks:
+    """Each kind's largest :func:`model_states` seen at the optimizer's steps and at
+    :meth:`sample` calls."""
+
+    def __init__(self, optimizer: Any, model: nn.Module) -> None:
+        self.optimizer, self.model = optimizer, model
+        self.peaks = dict.fromkeys(KINDS, 0)
+        inner: torch.optim.Optimizer = optimizer.optimizer
+        self._handle = inner.register_step_pre_hook(lambda *_: self._on_step())
+
+    def _on_step(self) -> None:
+        self.sample()
+
+    def sample(self) -> dict[str, int]:
+        now = model_states(self.optimizer, self.model)
+        for k, v in now.items():
+            self.peaks[k] = max(self.peaks[k], v)
+        return now
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class LossWorkspace:
+    """The fused loss's buffers, live: the reused chunk buffers of the model's ``lm_head`` (or
+    its pipeline chunks') workspace, plus the input and weight gradients that each loss call's
+    autograd node holds from its forward until its backward (several under a pipeline)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        # A pipeline's StageModel registers its chunks' parameters, not their heads.
+        roots = [model, *getattr(model, "chunks", [])]
+        self._modules = [m for root in roots for m in root.modules()]
+        self._nodes: list[Any] = []
+        self.peak = 0
+
+    def add(self, loss: Tensor) -> None:
+        """A loss call's output: find its node (walking the graph), update the peak."""
+        stack, visited = [loss.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in visited:
+                continue
+            visited.add(id(node))
+            if hasattr(node, "grads"):
+                self._nodes.append(node)
+                break
+            stack.extend(n for n, _ in node.next_functions)
+        self.peak = max(self.peak, self.live())
+
+    def live(self) -> int:
+        seen: set[tuple[str, int]] = set()
+        total = 0
+        buffers = [
+            t
+            for m in self._modules
+            for t in getattr(getattr(m, "_workspace", None), "_buffers", {}).values()
+        ]
+        self._nodes = [n for n in self._nodes if n.grads is not None]  # backward clears them
+        held = [t for n in self._nodes for t in n.grads if isinstance(t, Tensor)]
+        for t in buffers + held:
+            if _key(t) not in seen:
+                seen.add(_key(t))
+                total += t.untyped_storage().nbytes()
+        return total
+
+
+def write_byte_tokenizer(directory: str) -> list[str]:
+    """A 257-token byte-level GPT-2 tokenizer (the 256 bytes and ``<|endoftext|>``, no merges)
+    written to ``directory``; returns the ``--vocab-file`` / ``--merge-file`` flags that use it.
+    Small models measured with it are not dominated by a 50257-row embedding."""
+    import json
+    from pathlib import Path
+
+    from zerotron.data.tokenizer import EOD_TOKEN, bytes_to_unicode
+    from zerotron.fileio import atomic_open
+
+    encoder = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    encoder[EOD_TOKEN] = len(encoder)
+    vocab, merges = Path(directory) / "vocab.json", Path(directory) / "merges.txt"
+    for path, text in ((vocab, json.dumps(encoder)), (merges, "#version: 0.2\n")):
+        with atomic_open(path, "w") as f:
+            f.write(text)
+    return ["--vocab-file", str(vocab), "--merge-file", str(merges)]
+
+
+def synthetic_batches(cfg: Any, vocab_size: int, seed: int = 0) -> Any:
+    """An endless iterator of random GPT micro-batches shaped as ``cfg`` says."""
+    gen = torch.Generator().manual_seed(seed)
+    b, s = cfg.training.micro_batch_size, cfg.model.seq_length
+    while True:
+        tokens = torch.randint(0, vocab_size, (b, s + 1), generator=gen)
+        yield {
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": torch.ones(b, s),
+            "position_ids": torch.arange(s).expand(b, s).contiguous(),
+        }
+
+
+def measure_run(cfg: Any, steps: int = 1) -> dict[str, int]:
+    """Build ``cfg``'s run on this rank (model-parallel groups already set up, as ``zerotron
+    pretrain`` sets them), train ``steps`` steps on random tokens and return what this rank
+    held, per estimator term: model states (:class:`ModelStatePeaks`), ``activations``
+    (:class:`SavedActivations`' peak: one micro-batch's forward, or the pipeline schedule's
+    micro-batches in flight) and ``loss_workspace`` (:class:`LossWorkspace`, TP=1)."""
+    import zerotron.models.lm_head as lm_head
+    from zerotron.training.build import build_run
+
+    run = build_run(cfg)
+    engine, model = run.engine, run.model
+    peaks = ModelStatePeaks(engine.optimizer, model)
+    data = synthetic_batches(cfg, run.tokenizer.vocab_size)
+    activations = 0
+    workspace = LossWorkspace(model)
+    fused = lm_head._fused_loss
+
+    def watched(*args: Any, **kwargs: Any) -> Tensor:
+        out = fused(*args, **kwargs)
+        workspace.add(out)
+        return out
+
+    lm_head._fused_loss = watched  # the head looks it up at each call
+    try:
+        for _ in range(steps):
+            if engine.pipeline is not None:
+                with SavedActivations(model) as saved:
+                    engine.train_batch(data)
+                activations = max(activations, saved.peak)
+                peaks.sample()  # optimizer states are made by the first step
+                continue
+            model.train()
+            for _ in range(cfg.training.num_micro_batches):
+                with SavedActivations(model) as saved:
+                    loss = run.engine.loss_fn(engine._forward, next(data))
+                activations = max(activations, saved.peak)
+                engine.backward(loss)
+                del loss
+                peaks.sample()
+            engine.step()
+            peaks.sample()
+    finally:
+        lm_head._fused_loss = fused
+        peaks.remove()
+    return {**peaks.peaks, "activations": activations, "loss_workspace": workspace.peak}
