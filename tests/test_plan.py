@@ -10,7 +10,7 @@ from zerotron.errors import ConfigError
 from zerotron.tuning.cost import Cluster, cluster
 from zerotron.tuning.estimate import Layout, ModelShape, check, estimate
 from zerotron.tuning.plan import GB, SearchSpace, layouts, memory_key, plan
-from zerotron.tuning.plan_cli import main, parse_bytes
+from zerotron.tuning.plan_cli import main
 
 SHAPE = ModelShape(4, 64, 4, 32, 1000)
 
@@ -113,13 +113,6 @@ def test_bubble_is_named_when_the_pipeline_loses():
     ]
     # idle share of the step: (p - 1) / (m + p - 1) = 3/11 with near-free communication
     assert pp4.why == "bubble 27% (pp 4, 8 micro-batches, v 1)"
-
-
-def test_parse_bytes():
-    assert parse_bytes("80GB") == 80 * 2**30
-    assert parse_bytes("81920MiB") == 80 * 2**30
-    with pytest.raises(ConfigError, match="memory size"):
-        parse_bytes("lots")
 
 
 ARGS = ["--model", "124M", "--seq-length", "256", "--gpus-per-node", "4", "--gpu-memory", "3GB"]

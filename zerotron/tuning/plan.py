@@ -57,6 +57,7 @@ class Candidate:
     cost: StepCost
     fits: bool
     why: str = ""
+    ties: int = 0  # layouts as fast as this one that use more memory (see Plan.distinct)
 
     def as_dict(self) -> dict:
         """JSON-ready: layout, memory terms, predicted times, the reason it lost."""
@@ -71,6 +72,7 @@ class Candidate:
             "breakdown_s": self.cost.breakdown(),
             "crosses_nodes": self.cost.crosses,
             "why": self.why,
+            "as_fast_with_more_memory": self.ties,
         }
 
 
@@ -105,7 +107,22 @@ class Plan:
     def faster_but_too_big(self) -> list[Candidate]:
         """Layouts predicted faster than the best that do not fit, fastest first."""
         limit = self.best.cost.step_time if self.ranked else float("inf")
-        return [c for c in self.rejected if c.cost.step_time < limit]
+        return [
+            c
+            for c in self.rejected
+            if c.cost.step_time < limit and not _same(c.cost.step_time, limit)
+        ]
+
+    def distinct(self) -> list[Candidate]:
+        """The fitting layouts with one per predicted step time: of layouts as fast as each
+        other, the one using the least memory (its ``ties`` counts the others)."""
+        out: list[Candidate] = []
+        for cand in self.ranked:
+            if out and _same(cand.cost.step_time, out[-1].cost.step_time):
+                out[-1].ties += 1
+            else:
+                out.append(cand)
+        return out
 
 
 def _divisors(n: int) -> list[int]:
@@ -224,7 +241,8 @@ def plan(
         cand = Candidate(layout, memo[key], cost, memo[key].fits(c.gpu_memory))
         if cand.fits:
             result.ranked.append(cand)
-            bisect.insort(fitting, cost.step_time)
+            if not any(_same(cost.step_time, t) for t in fitting):
+                bisect.insort(fitting, cost.step_time)  # the top counts distinct times
         else:
             result.rejected.append(cand)
     result.ranked.sort(key=lambda k: (k.cost.step_time, k.memory.total))
@@ -247,6 +265,10 @@ def memory_key(layout: Layout) -> Layout:
     return replace(layout, num_microbatches=min(layout.num_microbatches, layout.pp))
 
 
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(a, b)
+
+
 def _gb(n: float) -> str:
     return f"{n / GB:.1f} GB"
 
@@ -254,7 +276,7 @@ def _gb(n: float) -> str:
 def why_slower(cand: Candidate, best: Candidate) -> str:
     """The part of ``cand``'s step that grew the most against ``best``, in words."""
     a, b = cand.cost, best.cost
-    if a.step_time <= b.step_time * (1 + 1e-9):
+    if _same(a.step_time, b.step_time):
         return f"as fast; uses more memory ({_gb(cand.memory.total)})"
     parts_a, parts_b = a.breakdown(), b.breakdown()
     part = max(parts_a, key=lambda k: parts_a[k] - parts_b.get(k, 0.0))
@@ -265,9 +287,10 @@ def why_slower(cand: Candidate, best: Candidate) -> str:
             f"bubble {share:.0%} (pp {lay.pp}, {lay.num_microbatches} micro-batches, v {lay.vpp})"
         )
     if part == "compute":
+        more = a.compute / b.compute - 1
         if lay.recompute != "none" and lay.recompute != best.layout.recompute:
-            return f"{lay.recompute} recompute: extra forward ({share:.0%} of step is compute)"
-        return f"compute {share:.0%} of step (more work per GPU)"
+            return f"{lay.recompute} recompute: {more:+.1%} compute"
+        return f"slowest stage computes {more:+.1%} more"
     crossing = a.crosses.get(part, False)
     names = {
         "tp": "TP all-reduce",

@@ -14,27 +14,13 @@ overridden. The planner is :func:`zerotron.tuning.plan.plan`; see docs/planning.
 from __future__ import annotations
 
 import json
-import re
 import sys
 
 from zerotron.errors import ConfigError
 from zerotron.tuning.cost import GPUS, Cluster, cluster
 from zerotron.tuning.estimate import GPT2_SIZES, GPT2_VOCAB, RECOMPUTE, ModelShape
+from zerotron.tuning.estimate_cli import parse_size
 from zerotron.tuning.plan import GB, Plan, SearchSpace, plan
-
-_UNITS = {"": 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
-
-
-def parse_bytes(text: str, flag: str = "--gpu-memory") -> int:
-    """``"80GB"``, ``"80 GiB"``, ``"81920MB"`` or plain bytes; GB means 2^30 bytes (what
-    nvidia-smi calls an 80 GB A100: 81920 MiB)."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(I?B)?\s*", text.upper())
-    if not match:
-        raise ConfigError(
-            f"cannot read {text!r} as a memory size", where=flag, fix="write e.g. 80GB or 40GiB"
-        )
-    unit = match.group(2) + ("B" if match.group(2) else "")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _csv(kind, allowed=None):
@@ -152,7 +138,7 @@ def cluster_of(args) -> Cluster:
         args.gpu,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
-        gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+        gpu_memory=parse_size(args.gpu_memory) if args.gpu_memory else None,
         intra_node_bandwidth=args.intra_node_bandwidth and args.intra_node_bandwidth * gbps,
         inter_node_bandwidth=args.inter_node_bandwidth and args.inter_node_bandwidth * gbps,
         hbm_bandwidth=args.hbm_bandwidth and args.hbm_bandwidth * gbps,
@@ -194,13 +180,16 @@ def print_tables(result: Plan, top: int) -> None:
         f"{n} valid layouts: {len(result.ranked)} fit, {len(result.rejected)} do not, "
         f"{result.skipped} not evaluated (their lower bound is slower than the top {top})"
     )
-    table = Table(box=box.SIMPLE_HEAD, title="fastest layouts that fit")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title="fastest layouts that fit (one per step time: the one using the least memory)",
+    )
     for col in ("#", "layout", "ZeRO", "mbs×m", "recompute", "step s", "TFLOP/s/GPU"):
         table.add_column(col, justify="right" if col not in ("layout", "recompute") else "left")
     table.add_column("memory/rank", justify="right")
     table.add_column("bubble", justify="right")
     table.add_column("why it lost")
-    for i, cand in enumerate(result.ranked[:top], 1):
+    for i, cand in enumerate(result.distinct()[:top], 1):
         table.add_row(*_row(i, cand))
     console.print(table)
     faster = result.faster_but_too_big()[:top]
@@ -228,7 +217,7 @@ def _row(i: int, cand) -> list[str]:
         f"{cost.tflops_per_gpu:.1f}",
         f"{cand.memory.total / GB:.1f} GB",
         f"{cost.bubble_fraction:.1%}",
-        cand.why,
+        cand.why + (f" (+{cand.ties} as fast, more memory)" if cand.ties else ""),
     ]
 
 
@@ -258,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             "layouts_fit": len(result.ranked),
             "layouts_do_not_fit": len(result.rejected),
             "layouts_not_evaluated": result.skipped,
-            "top": [k.as_dict() for k in result.ranked[: args.top]],
+            "top": [k.as_dict() for k in result.distinct()[: args.top]],
             "faster_but_do_not_fit": [k.as_dict() for k in result.faster_but_too_big()[: args.top]],
         }
         print(json.dumps(out, indent=2))
