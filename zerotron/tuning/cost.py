@@ -1,8 +1,7 @@
 """The planner's cost model: predicted time of one training step for a model, layout and cluster.
 
-    from zerotron.tuning.cost import GPUS, cluster, predict
-    from zerotron.tuning.activations import paper_layer_bytes
-from zerotron.tuning.estimate import Layout, ModelShape
+    from zerotron.tuning.cost import cluster, predict
+    from zerotron.tuning.estimate import Layout, ModelShape
     c = cluster("a100-80gb", nodes=1)
     cost = predict(ModelShape.gpt2("1.5B"), Layout(tp=2, dp=4, micro_batch_size=4,
                                                    num_microbatches=16), c)
@@ -15,7 +14,11 @@ What a step costs, on the slowest pipeline stage (the last: it holds the LM head
   twice that, full recompute one more forward of the layers, selective recompute one more
   attention core. Summed over a step these are Narayanan et al. 2021's (arXiv 2104.04473, eq. 3)
   ``F = 96·B·s·l·h²·(1 + s/6h + V/16lh)`` with full recompute and ``72·B·s·l·h²·(1 + s/6h +
-  V/12lh)`` without (:func:`step_flops`; tests check both).
+  V/12lh)`` without (:func:`step_flops`; tests check both). Plus the memory-bound work at the
+  GPU's memory bandwidth: each layer's activations as Korthikanti et al. 2022 count them
+  (:func:`activation_bytes`: written once forward, read and their gradients written backward;
+  the attention scores only where attention materializes them) and the loss's fp32 logits
+  (:func:`loss_bytes`).
 - **Communication**: the closed-form bytes of :mod:`~zerotron.tuning.volume` (the ones the comm
   ledger is checked against), turned into wire bytes by the ring factors and divided by the
   bandwidth of the link the group uses: intra-node when every member of every group of that
@@ -28,11 +31,14 @@ What a step costs, on the slowest pipeline stage (the last: it holds the LM head
   with virtual stages) is built as data and run by :func:`zerotron.pipeline.simulate` with the
   per-micro-batch forward and backward times above; the makespan is the pipeline's time, so
   (p - 1)/(v·m) emerges from it (and, where a schedule does worse with these costs, so does
-  that). Large ``m`` is simulated at two small ``m`` and extrapolated: the idle time is affine
-  in m for these schedules (``tests/test_cost.py`` checks it against the full simulation).
+  that). Large ``m`` is simulated at two small ``m`` and extrapolated, and a backward/forward
+  ratio between whole numbers is interpolated between them: the idle time is affine in both
+  (``tests/test_cost.py`` checks against full simulations). Interleaved schedules are
+  simulated only up to :data:`SIMULATION_LIMIT`.
 
 Not modelled: the optimizer step, data loading, kernel launch gaps, overlap of gradient
-reduction with backward, and any micro-batch dependence of GEMM efficiency.
+reduction with backward, and any micro-batch dependence of GEMM efficiency (micro-batch sizes
+tie unless memory or per-micro-batch traffic separates them).
 """
 
 from __future__ import annotations

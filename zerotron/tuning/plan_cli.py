@@ -23,12 +23,21 @@ from zerotron.tuning.estimate_cli import parse_size
 from zerotron.tuning.plan import GB, Plan, SearchSpace, plan
 
 
-def _csv(kind, allowed=None):
+def _csv(kind, allowed, flag: str):
+    """A comma-separated list of ``allowed`` values (for the search-space flags)."""
+
     def parse(text: str):
-        values = tuple(kind(v) for v in text.split(",") if v.strip())
-        bad = [v for v in values if allowed is not None and v not in allowed]
+        try:
+            values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        bad = [v for v in values if v not in allowed] or ([] if values else [text])
         if bad:
-            raise ConfigError(f"unknown value(s) {bad}", fix=f"choose from {list(allowed)}")
+            raise ConfigError(
+                f"unknown value(s) {bad}",
+                where=flag,
+                fix=f"a comma-separated list of {list(allowed)}",
+            )
         return values
 
     return parse
@@ -64,8 +73,10 @@ def build_parser():
     s = p.add_argument_group("search")
     s.add_argument("--global-batch-size", type=int, required=True)
     s.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    s.add_argument("--zero-stages", type=_csv(int, (0, 1, 2, 3)), default=(0, 1, 2, 3))
-    s.add_argument("--recompute", type=_csv(str, RECOMPUTE), default=RECOMPUTE)
+    s.add_argument(
+        "--zero-stages", type=_csv(int, (0, 1, 2, 3), "--zero-stages"), default=(0, 1, 2, 3)
+    )
+    s.add_argument("--recompute", type=_csv(str, RECOMPUTE, "--recompute"), default=RECOMPUTE)
     s.add_argument("--no-sequence-parallel", action="store_true")
     s.add_argument("--max-micro-batch-size", type=int, default=64)
     s.add_argument("--max-virtual-stages", type=int, default=8)
