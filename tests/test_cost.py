@@ -100,3 +100,17 @@ def test_hand_computed_step_tensor_parallel():
     per_mb = 3 * fwd / RATE + (3 * act + 2 * loss) / 1e11 + comm / 1e9
     got = predict(SMALL, Layout(tp=2, num_microbatches=4), HAND)
     assert got.step_time == pytest.approx(4 * per_mb, rel=1e-12)
+
+
+@pytest.mark.parametrize("stage,factor", [(0, 2 * 2), (1, 2 + 2), (2, 2 + 2), (3, 2 * 2 + 2)])
+def test_zero_wire_bytes_are_the_zero_papers(stage, factor):
+    # one micro-batch, bf16 (p = g = 2 bytes): ZeRO 0 all-reduces 2(n-1)/n·Ψ·g; 1 and 2
+    # reduce-scatter gradients and all-gather parameters, (n-1)/n·Ψ·(g + p); 3 gathers twice,
+    # (n-1)/n·Ψ·(2p + g)
+    from zerotron.tuning.volume import rank_parameters, step_terms, wire_bytes
+
+    lay = Layout(dp=4, zero_stage=stage)
+    psi = rank_parameters(TINY, lay, 0)
+    got = sum(wire_bytes(t.op, t.nbytes, 4) for t in step_terms(TINY, lay, 0) if t.group == "dp")
+    assert psi % 4 == 0
+    assert got == pytest.approx(3 / 4 * psi * factor, rel=1e-12)
