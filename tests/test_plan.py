@@ -137,3 +137,15 @@ def test_cli_table(capsys):
 def test_cli_without_a_model_names_the_flags():
     with pytest.raises(ConfigError, match="--num-layers, --hidden-size, --num-attention-heads"):
         main(["--global-batch-size", "8"])
+
+
+def test_cli_reads_the_model_section_of_a_config(tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "model:\n  num_layers: 6\n  hidden_size: 128\n  num_attention_heads: 4\n"
+        "  seq_length: 64\ntraining:\n  micro_batch_size: 2\n"
+    )
+    assert main(["--config", str(cfg), "--gpus-per-node", "2", "--global-batch-size", "8",
+                 "--json"]) == 0  # fmt: skip
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert (model["num_layers"], model["hidden_size"], model["seq_length"]) == (6, 128, 64)

@@ -95,9 +95,7 @@ def build_parser():
 def model_shape(args) -> ModelShape:
     """The model from ``--config``, ``--model`` or Megatron's flags (flags win)."""
     if args.config:
-        from zerotron.config.megatron import load_config
-
-        base = ModelShape.from_config(load_config(args.config), vocab_size=args.vocab_size)
+        base = _shape_from_file(args.config, args.vocab_size)
     elif args.model:
         base = ModelShape.gpt2(args.model, seq_length=args.seq_length or 1024)
     else:
@@ -135,6 +133,30 @@ def model_shape(args) -> ModelShape:
             where="--hidden-size",
         )
     return shape
+
+
+def _shape_from_file(path: str, vocab_size: int) -> ModelShape:
+    """The model section of a zerotron YAML/JSON config (the rest of the file is a run's, not
+    the planner's: the planner chooses the layout and the batch split)."""
+    from zerotron.config.files import read_config_file
+    from zerotron.config.keys import nest_keys
+
+    data, locate = read_config_file(path)
+    model = nest_keys(data, where=locate).nested.get("model", {})
+    need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    missing = [k for k in need if model.get(k) is None]
+    if missing:
+        raise ConfigError(
+            f"the config's model section lacks {', '.join(missing)}",
+            where=path,
+            fix="add them to the file, or give them as flags (--num-layers ...)",
+        )
+    optional = ("ffn_hidden_size", "make_vocab_size_divisible_by", "max_position_embeddings")
+    return ModelShape(
+        **{k: model[k] for k in need},
+        vocab_size=vocab_size,
+        **{k: model[k] for k in optional if model.get(k) is not None},
+    )
 
 
 def cluster_of(args) -> Cluster:
