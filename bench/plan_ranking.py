@@ -18,7 +18,8 @@ The planner predicts the same layouts on a CPU "cluster" calibrated in this run:
 Printed: the CPU model, the calibration, each layout's measured and predicted step time, and
 the rank correlation (Spearman) of the two orders. Timings never enter the test suite.
 
-Run: ``python bench/plan_ranking.py [--iters 8 --rounds 2]``.
+Run: ``python bench/plan_ranking.py [--iters 8 --rounds 2]`` (``--quick``: 3 layouts, a
+sanity check).
 """
 
 from __future__ import annotations
@@ -185,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="first iterations not counted")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--quick", action="store_true", help="3 layouts, 3 iterations, 1 round")
     args = p.parse_args(argv)
+    if args.quick:
+        args.iters, args.warmup, args.rounds = 3, 1, 1
+        args.layouts = "dp2 mbs4,tp2 mbs8,pp2 mbs1"
     names = args.layouts.split(",")
     shape = ModelShape(LAYERS, HIDDEN, HEADS, SEQ, GPT2_VOCAB)
     with tempfile.TemporaryDirectory() as tmp:
@@ -209,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra, _ = LAYOUTS[name]
                 ms = run_ranks(_pretrain_rank, 2, _argv(data, args.iters, extra), timeout=600)[0]
                 measured[name].append(statistics.median(ms[args.warmup :]) / 1e3)
+                print(f"  round {r + 1}: {name} {measured[name][-1]:.3f} s", file=sys.stderr)
     rows = []
     for name in names:
         lay = LAYOUTS[name][1]

@@ -115,14 +115,25 @@ class Plan:
 
     def distinct(self) -> list[Candidate]:
         """The fitting layouts with one per predicted step time: of layouts as fast as each
-        other, the one using the least memory (its ``ties`` counts the others)."""
-        out: list[Candidate] = []
-        for cand in self.ranked:
-            if out and _same(cand.cost.step_time, out[-1].cost.step_time):
-                out[-1].ties += 1
-            else:
-                out.append(cand)
+        other (within a millionth), the one using the least memory (its ``ties`` counts the
+        others)."""
+        out = []
+        for group in _tie_groups(self.ranked):
+            group[0].ties = len(group) - 1
+            out.append(group[0])
         return out
+
+
+def _tie_groups(ranked: list[Candidate]) -> list[list[Candidate]]:
+    """``ranked`` (sorted by step time) cut into runs as fast as their first, each run sorted
+    by memory."""
+    groups: list[list[Candidate]] = []
+    for cand in ranked:
+        if groups and _same(cand.cost.step_time, groups[-1][0].cost.step_time):
+            groups[-1].append(cand)
+        else:
+            groups.append([cand])
+    return [sorted(g, key=lambda k: k.memory.total) for g in groups]
 
 
 def _divisors(n: int) -> list[int]:
@@ -228,7 +239,7 @@ def plan(
     fitting: list[float] = []  # step times of the fitting layouts found, sorted
     while heap:
         time, i, exact, cost, layout = heapq.heappop(heap)
-        if top and len(fitting) >= top and time > fitting[top - 1] * (1 + 1e-9):
+        if top and len(fitting) >= top and time > fitting[top - 1] * (1 + 1e-6):
             result.skipped = len(heap) + 1
             break
         if not exact:
@@ -246,6 +257,7 @@ def plan(
         else:
             result.rejected.append(cand)
     result.ranked.sort(key=lambda k: (k.cost.step_time, k.memory.total))
+    result.ranked = [k for group in _tie_groups(result.ranked) for k in group]
     result.rejected.sort(key=lambda k: k.cost.step_time)
     for cand in result.rejected:
         cand.why = f"does not fit: {_gb(cand.memory.total)} > {_gb(c.gpu_memory)}"
@@ -266,7 +278,8 @@ def memory_key(layout: Layout) -> Layout:
 
 
 def _same(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-9 * max(a, b)
+    """As fast: within a millionth (the model's own precision is far coarser)."""
+    return abs(a - b) <= 1e-6 * max(a, b)
 
 
 def _gb(n: float) -> str:
