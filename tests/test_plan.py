@@ -65,8 +65,19 @@ def _small_cluster(memory_gb: float) -> Cluster:
     return cluster("a100-80gb", nodes=1, gpus_per_node=4, gpu_memory=int(memory_gb * GB))
 
 
-def test_layouts_that_do_not_fit_are_dropped():
-    result = plan(GPT2, _small_cluster(3), 32, top=0)
+@pytest.fixture(scope="module")
+def full_3gb():
+    """Every layout of GPT-2 124M on 4 GPUs of 3 GB, batch 32, evaluated."""
+    return plan(GPT2, _small_cluster(3), 32, top=0)
+
+
+@pytest.fixture(scope="module")
+def full_80gb():
+    return plan(GPT2, _small_cluster(80), 32, top=0)
+
+
+def test_layouts_that_do_not_fit_are_dropped(full_3gb):
+    result = full_3gb
     assert result.ranked and result.rejected
     for cand in result.ranked:
         assert cand.memory.total <= 3 * GB
@@ -77,11 +88,11 @@ def test_layouts_that_do_not_fit_are_dropped():
 
 def test_nothing_fits_says_what_to_do():
     with pytest.raises(ConfigError, match="no layout of this model fits"):
-        _ = plan(GPT2, _small_cluster(0.01), 64).best
+        _ = plan(GPT2, _small_cluster(0.01), 8).best
 
 
-def test_ranking_is_by_predicted_step_time():
-    result = plan(GPT2, _small_cluster(80), 64, top=0)
+def test_ranking_is_by_predicted_step_time(full_80gb):
+    result = full_80gb
     times = [c.cost.step_time for c in result.ranked]
     # ascending; layouts as fast as each other (within a millionth) by memory instead
     assert all(b >= a * (1 - 1e-6) for a, b in zip(times, times[1:]))
@@ -89,9 +100,9 @@ def test_ranking_is_by_predicted_step_time():
     assert result.ranked[0].why == "fastest"
 
 
-def test_pruned_plan_has_the_same_top_as_the_full_one():
-    full = plan(GPT2, _small_cluster(3), 64, top=0)
-    pruned = plan(GPT2, _small_cluster(3), 64, top=4)
+def test_pruned_plan_has_the_same_top_as_the_full_one(full_3gb):
+    full = full_3gb
+    pruned = plan(GPT2, _small_cluster(3), 32, top=4)
     assert [c.layout for c in pruned.ranked[:4]] == [c.layout for c in full.ranked[:4]]
     assert pruned.skipped > 0
 
@@ -153,8 +164,8 @@ def test_cli_reads_the_model_section_of_a_config(tmp_path, capsys):
     assert (model["num_layers"], model["hidden_size"], model["seq_length"]) == (6, 128, 64)
 
 
-def test_layouts_as_fast_collapse_to_the_one_with_least_memory():
-    result = plan(GPT2, _small_cluster(80), 64, top=0)
+def test_layouts_as_fast_collapse_to_the_one_with_least_memory(full_80gb):
+    result = full_80gb
     distinct = result.distinct()
     assert result.distinct() == distinct  # asking twice counts the same ties
     assert sum(1 + k.ties for k in distinct) == len(result.ranked)
