@@ -55,9 +55,7 @@ def test_the_doc_has_a_row_for_each_area_and_only_known_statuses():
         assert area in areas
 
 
-@pytest.mark.parametrize(
-    "name", sorted({n for n, s, _ in ROWS if s in ("supported", "different")})
-)
+@pytest.mark.parametrize("name", sorted({n for n, s, _ in ROWS if s in ("supported", "different")}))
 def test_a_supported_name_is_importable_from_zerotron(name):
     assert resolve(name) is not None
 

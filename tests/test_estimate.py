@@ -75,8 +75,9 @@ def test_zero_paper_figure_1(stage):
 
 
 def _zerotron_states(stage: int, precision: str, microbatches: int = 1) -> float:
+    # 7.5B parameters in 100 modules of 75M (ZeRO-3 gathers one module at a time)
     s = model_state_bytes(
-        [[7_500_000_000]],
+        [[75_000_000]] * 100,
         precision=precision,
         zero_stage=stage,
         dp=64,
@@ -96,8 +97,10 @@ def test_zerotron_zero2_bf16_is_the_papers_p_os_g():
 
 
 def test_zerotron_zero3_is_the_papers_p_os_g_p():
-    # the shards are the fp32 masters' chunks; with accumulation the partition is fp32
-    assert round(_zerotron_states(3, "bf16", microbatches=2), 1) == ZERO_PAPER[3]
+    # the shards are the fp32 masters' chunks; with accumulation the partition is fp32; on top,
+    # what the paper leaves out: two 75M-parameter modules gathered whole in 16 bits
+    gathered = 2 * 75_000_000 * 2 / 1e9
+    assert round(_zerotron_states(3, "bf16", microbatches=2) - gathered, 1) == ZERO_PAPER[3]
 
 
 def test_zerotron_zero0_accumulates_in_fp32():
@@ -285,3 +288,11 @@ def test_cli_reads_a_deepspeed_json(tmp_path, capsys):
     assert (layout["dp"], layout["zero_stage"], layout["offload_optimizer"]) == (16, 2, "cpu")
     assert (layout["micro_batch_size"], layout["num_microbatches"]) == (4, 1)
     assert mem["master_weights"] == mem["optimizer_states"] == 0 and mem["host"] > 0
+
+
+@pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (3, 2), (4, 3)])
+def test_in_flight_peaks_saturate(p, v):
+    kind = "interleaved" if v > 1 else "1f1b"
+    cap = act.saturated(p, 10**6, v)
+    assert act._in_flight(kind, p, cap, v) == act._in_flight(kind, p, 3 * cap, v)
+    assert act._chunk_in_flight(kind, p, cap, v) == act._chunk_in_flight(kind, p, 3 * cap, v)

@@ -72,6 +72,7 @@ def test_unwritable_log_dir_is_refused_before_any_rank_starts(tmp_path):
     finally:
         ro.chmod(0o700)
 
+
 def test_the_rank_with_a_clean_error_is_named_over_a_peer_that_failed_earlier():
     # Rank 0 saw the connection close (t=1.0) before rank 1's own error line arrived (t=1.1)
     # and before rank 1 exited (t=2.0): rank 1 failed on its own, rank 0 because it left.

@@ -127,6 +127,15 @@ def _attention_core(case: ActivationCase, recompute: str) -> int:
     return 3 * 4 * sbh_t + 3 * 4 * as2b_t + context
 
 
+def tp_comm_bytes(case: ActivationCase) -> int:
+    """Sequence parallelism's all-gather in flight: a shard in, the whole ``[s, b, h]`` out
+    (tensor parallelism alone reduces in place)."""
+    if not case.sp:
+        return 0
+    sbh = case.seq_length * case.micro_batch_size * case.hidden_size
+    return case.e * (sbh + sbh // case.tp)
+
+
 def recompute_workspace(case: ActivationCase) -> int:
     """Full recompute: the one layer whose activations backward rebuilds at a time."""
     return layer_bytes(case, recompute="none") if case.recompute == "full" else 0
@@ -193,7 +202,7 @@ def stage_in_flight(kind: str, p: int, m: int, v: int, stage: int) -> int:
     schedule ``kind`` (``"1f1b"``, ``"interleaved"``, ``"gpipe"``); 1 without a pipeline."""
     if p == 1:
         return 1
-    return _in_flight(kind, p, m, v)[stage]
+    return _in_flight(kind, p, saturated(p, m, v), v)[stage]
 
 
 def chunk_in_flight(kind: str, p: int, m: int, v: int, stage: int, chunk: int) -> int:
@@ -201,7 +210,14 @@ def chunk_in_flight(kind: str, p: int, m: int, v: int, stage: int, chunk: int) -
     embedding (chunk 0 of the first stage) and the head (last chunk of the last stage) keep."""
     if p == 1:
         return 1
-    return _chunk_in_flight(kind, p, m, v)[stage][chunk]
+    return _chunk_in_flight(kind, p, saturated(p, m, v), v)[stage][chunk]
+
+
+def saturated(p: int, m: int, v: int) -> int:
+    """Micro-batches enough to reach every stage's peak: warm-up and the first steady cycles
+    fit in ``p(2v + 1)`` (a multiple of p, as the interleaved schedule needs), so longer
+    schedules are not built (tests/test_estimate.py checks the peaks do not move)."""
+    return min(m, p * (2 * v + 1))
 
 
 @lru_cache(maxsize=256)

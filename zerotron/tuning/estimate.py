@@ -234,8 +234,10 @@ def estimate(
             where="estimate(pipeline_rank=)",
         )
     first, last = pipeline_rank == 0, pipeline_rank == layout.pp - 1
+    word = shape.padded_vocab(layout.tp) // layout.tp * shape.hidden_size
     states = model_state_bytes(
         stage_modules(shape, layout.tp, layout.pp, pipeline_rank),
+        external=word if layout.pp == 1 else 0,  # the tied head reads the embedding's weight
         precision=layout.precision,
         zero_stage=layout.zero_stage,
         dp=layout.dp,
@@ -270,7 +272,7 @@ def estimate(
         master_weights=states.master_weights,
         optimizer_states=states.optimizer_states,
         activations=activations,
-        comm_buffers=states.comm_buffers,
+        comm_buffers=states.comm_buffers + act.tp_comm_bytes(case),
         loss_workspace=loss,
         host=states.host,
         recompute_workspace=act.recompute_workspace(case),

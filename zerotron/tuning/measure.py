@@ -8,6 +8,7 @@
 - :func:`model_states`: bytes of the tensors an Engine's optimizer holds, by kind (parameters,
   gradients, fp32 masters, optimizer states), each storage counted once, the first kind to reach
   it winning (views into one flat buffer cost the buffer once).
+- :class:`CommBuffers`: the collectives' buffers in flight, the most at once;
 - :class:`ModelStatePeaks`: :func:`model_states` taken at the optimizer's step (a pre-hook on
   the torch optimizer: gradients reduced, masters and states allocated) and whenever
   :meth:`ModelStatePeaks.sample` is called (e.g. after a micro-batch's backward), keeping each
@@ -245,6 +246,67 @@ class LossWorkspace:
         return total
 
 
+class CommBuffers:
+    """Bytes of the buffers collectives work in, the most at once: each asynchronous all-reduce,
+    reduce-scatter or all-gather counts its input and output from its launch until it is waited
+    for (an in-place all-reduce once; a gradient buffer reduced in place is a gradient, not
+    counted). ZeRO-3's gathered parameters are reported apart (:attr:`gathered_peak`)."""
+
+    NAMES = ("all_reduce_async", "reduce_scatter_async", "all_gather_async")
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self.live = 0
+        self.peak = 0
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> CommBuffers:
+        from zerotron.distributed import comm
+
+        for name in self.NAMES:
+            self._saved[name] = getattr(comm, name)
+            setattr(comm, name, self._wrap(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from zerotron.distributed import comm
+
+        for name, fn in self._saved.items():
+            setattr(comm, name, fn)
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def launched(t: Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
+            pending = fn(t, group, *args, **kwargs)
+            grads = {
+                _key(g)
+                for p in self._model.parameters()
+                for g in (getattr(p, "main_grad", None), p.grad)
+                if g is not None
+            }
+            if _key(t) in grads:
+                return pending
+            n, size = group.size, t.untyped_storage().nbytes()
+            extra = {"all_reduce_async": 0, "reduce_scatter_async": size // n}
+            nbytes = size + extra.get(name, size * n)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            wait = pending.wait
+            done = False
+
+            def waited() -> Tensor:
+                nonlocal done
+                out = wait()
+                if not done:
+                    done = True
+                    self.live -= nbytes
+                return out
+
+            pending.wait = waited
+            return pending
+
+        return launched
+
+
 def write_byte_tokenizer(directory: str) -> list[str]:
     """A 257-token byte-level GPT-2 tokenizer (the 256 bytes and ``<|endoftext|>``, no merges)
     written to ``directory``; returns the ``--vocab-file`` / ``--merge-file`` flags that use it.
@@ -301,6 +363,7 @@ def measure_run(cfg: Any, steps: int = 1) -> dict[str, int]:
         return out
 
     lm_head._fused_loss = watched  # the head looks it up at each call
+    comm_buffers = CommBuffers(model).__enter__()
     try:
         for _ in range(steps):
             if engine.pipeline is not None:
@@ -320,6 +383,19 @@ def measure_run(cfg: Any, steps: int = 1) -> dict[str, int]:
             engine.step()
             peaks.sample()
     finally:
+        comm_buffers.__exit__(None, None, None)
         lm_head._fused_loss = fused
         peaks.remove()
-    return {**peaks.peaks, "activations": activations, "loss_workspace": workspace.peak}
+    from zerotron.zero.stage3 import coordinator_of
+
+    states = dict(peaks.peaks)
+    coordinator = coordinator_of(model)
+    if coordinator is not None:  # ZeRO-3: parameters whole while gathered, the most at once
+        e = next(p.dtype for p in model.parameters()).itemsize
+        states["parameters"] += e * coordinator.peak_live_numel
+    return {
+        **states,
+        "activations": activations,
+        "loss_workspace": workspace.peak,
+        "comm_buffers": comm_buffers.peak,
+    }

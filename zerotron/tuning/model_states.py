@@ -20,14 +20,17 @@ dtype, Ψ: this rank's parameters, N: data-parallel size, S: optimizer bytes per
   masters and states as stage 1.
 - ZeRO-3: a partitioned parameter's shard *is* its fp32 master's chunk (no 16-bit copy) unless
   something is offloaded; parameters of at most ``param_persistence_threshold`` elements stay
-  whole (``e`` each); gradients, masters, states as stage 2.
+  whole (``e`` each), and so do, while gathered, two modules at once (backward fetches the next
+  before it lets the last go) and the tied embedding for the whole pass; gradients, masters,
+  states as stage 2.
 - ZeRO-1/2 buffers: each reduce bucket is packed rank-major in the wire dtype and its row comes
   back (``e(1 + 1/N)`` per element), and buckets launch while backward goes on, so at the end of
   backward all of them may be in flight (``eΨ(1 + 1/N)``); the all-gather of updated chunks
-  after the step uses the same amount. ZeRO-3: one reduce bucket (``reduce_bucket_size``,
-  default 4e6) and the largest module gathered, each ``e(1 + 1/N)`` per element.
-- Offload: ``offload_optimizer`` moves masters, states and the fp32 gradient partition to the
-  host (``cpu``; ``nvme``: to files, nothing counted); ``offload_param`` (stage 3) the shards.
+  after the step uses the same amount. ZeRO-3: the same for its (smaller) reduce buckets.
+- Offload: ``offload_optimizer`` moves masters and states to the host (``cpu``; ``nvme``: to
+  files, nothing counted), where the step also takes a copy of the fp32 gradient partition (the
+  device keeps its fp32 partition); ``offload_param`` (stage 3) the shards. Not checked against
+  a measurement (on CPU ranks host and device are one memory).
 """
 
 from __future__ import annotations
@@ -67,9 +70,12 @@ def model_state_bytes(
     param_persistence_threshold: int = 100_000,
     reduce_in_fp32: bool = False,
     num_microbatches: int = 1,
+    external: int = 0,
 ) -> StateBytes:
     """Model-state bytes of a rank whose parameters are ``modules`` (per module, the element
-    counts of its own parameters, as ZeRO-3 gathers them); see the module docstring."""
+    counts of its own parameters, as ZeRO-3 gathers them; ``external``: the elements of a module
+    read outside it, the tied embedding, gathered for the whole pass); see the module
+    docstring."""
     e = 4 if precision == "fp32" else 2
     s = OPTIMIZER_STATES[optimizer]
     numels = [n for module in modules for n in module]
@@ -99,23 +105,28 @@ def model_state_bytes(
     host = 0
     if offload_optimizer == "cpu":
         host += masters + states + grads_step
-    if offload_optimizer != "none":
+    if offload_optimizer != "none":  # the fp32 partition stays too: the host steps a copy
         masters = states = 0
-        grads = e * psi if zero_stage == 1 else e * part  # the 16-bit partition until copied
 
     if zero_stage < 3:
         comm = max(e * psi, e * min(psi, allgather_bucket_size)) * (n + 1) // n
         return StateBytes(e * psi, grads, masters, states, comm, host)
 
-    persistent = sum(x for x in numels if x <= param_persistence_threshold)
-    shard_part = sum(-(-x // n) for x in numels if x > param_persistence_threshold)
-    params = e * persistent
+    big = param_persistence_threshold
+    persistent = sum(x for x in numels if x <= big)
+    shard_part = sum(-(-x // n) for x in numels if x > big)
+    # Gathered whole: a module's parameters around its forward and backward, and the next
+    # module's before the last is released (two at once); a tied weight the model reads
+    # outside its module (``external``) for the whole pass.
+    sizes = [sum(x for x in m if x > big) for m in modules]
+    if external:
+        sizes.remove(external if external > big else 0)
+    gathered = 2 * max(sizes, default=0) + (external if external > big else 0)
+    params = e * (persistent + gathered)
     if offload_param == "cpu":
         host += e * shard_part
     elif offload_param == "none" and offload_optimizer != "none":
         params += e * shard_part  # shards apart from the (moved) masters
-    gathered = max(
-        (sum(x for x in m if x > param_persistence_threshold) for m in modules), default=0
-    )
-    comm = e * (min(psi, reduce_bucket) + gathered) * (n + 1) // n
+    comm = e * psi * (n + 1) // n  # every reduce bucket may be in flight (as stages 1-2)
+    del reduce_bucket
     return StateBytes(params, grads, masters, states, comm, host)
