@@ -124,8 +124,9 @@ def test_bubble_is_named_when_the_pipeline_loses():
         for k in result.ranked
         if k.layout.pp == 4 and k.layout.vpp == 1 and k.layout.micro_batch_size == 1
     ]
-    # idle share of the step: (p - 1) / (m + p - 1) = 3/11 with near-free communication
-    assert pp4.why == "bubble 27% (pp 4, 8 micro-batches, v 1)"
+    # idle share of the step: (p - 1) / (m + p - 1) = 3/11, less the little communication adds
+    assert pp4.why.startswith("bubble ") and pp4.why.endswith("% (pp 4, 8 micro-batches, v 1)")
+    assert float(pp4.why.split()[1].rstrip("%")) == pytest.approx(100 * 3 / 11, abs=0.2)
 
 
 ARGS = ["--model", "124M", "--seq-length", "256", "--gpus-per-node", "4", "--gpu-memory", "3GB"]

@@ -297,7 +297,7 @@ def why_slower(cand: Candidate, best: Candidate) -> str:
     lay = cand.layout
     if part == "bubble":
         return (
-            f"bubble {share:.0%} (pp {lay.pp}, {lay.num_microbatches} micro-batches, v {lay.vpp})"
+            f"bubble {share:.1%} (pp {lay.pp}, {lay.num_microbatches} micro-batches, v {lay.vpp})"
         )
     if part == "compute":
         more = a.compute / b.compute - 1
@@ -317,4 +317,4 @@ def why_slower(cand: Candidate, best: Candidate) -> str:
         "embedding": "tied-embedding all-reduce",
     }
     where = " crosses nodes" if crossing else ""
-    return f"{names[part]}{where} ({share:.0%} of step)"
+    return f"{names[part]}{where} ({share:.1%} of step)"
