@@ -174,3 +174,8 @@ def test_layouts_as_fast_collapse_to_the_one_with_least_memory(full_80gb):
         t = k.cost.step_time
         same = [o for o in result.ranked if abs(o.cost.step_time - t) <= 1e-6 * t]
         assert k.memory.total == min(o.memory.total for o in same)
+
+
+def test_cli_refuses_a_zero_bandwidth():
+    with pytest.raises(ConfigError, match="--inter-node-bandwidth must be positive"):
+        main([*ARGS, "--global-batch-size", "8", "--inter-node-bandwidth", "0"])

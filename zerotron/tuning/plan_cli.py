@@ -161,6 +161,18 @@ def _shape_from_file(path: str, vocab_size: int) -> ModelShape:
 
 def cluster_of(args) -> Cluster:
     """The cluster: the ``--gpu`` preset with every given flag replacing its field."""
+    for name in (
+        "intra_node_bandwidth",
+        "inter_node_bandwidth",
+        "hbm_bandwidth",
+        "peak_tflops",
+        "efficiency",
+    ):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be positive, got {value}", where="zerotron plan"
+            )
     for name in ("nodes", "gpus_per_node"):
         if getattr(args, name) < 1:
             raise ConfigError(
