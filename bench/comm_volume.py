@@ -57,7 +57,10 @@ from zerotron.distributed.topology import ProcessTopology  # noqa: E402
 from zerotron.models.gpt import GPT, GPTConfig  # noqa: E402
 from zerotron.models.gpt_stage import build_gpt_stages  # noqa: E402
 from zerotron.parallel.tensor.sequence_parallel import sequence_parallel_params  # noqa: E402
-from zerotron.pipeline import HEADER_BYTES, PipelineRuntime  # noqa: E402
+from zerotron.pipeline import PipelineRuntime  # noqa: E402
+from zerotron.tuning.estimate import Layout as PlanLayout  # noqa: E402
+from zerotron.tuning.estimate import ModelShape  # noqa: E402
+from zerotron.tuning.volume import Term, step_terms  # noqa: E402
 
 try:  # data parallelism may be missing from an older checkout: fall back to one all-reduce
     from zerotron.parallel.data_parallel import DataParallel
@@ -202,97 +205,29 @@ def _rank(rank: int, lay: Layout, model: Model) -> dict:
 # Closed form
 
 
-@dataclass(frozen=True)
-class Term:
-    """Bytes and calls of one ``(group, op)`` contribution; ``main`` marks the headline term."""
-
-    group: str
-    op: str
-    nbytes: int
-    calls: int
-    what: str
-    main: bool = False
-
-
-def _chunk_layers(model: Model, lay: Layout, pp_rank: int) -> list[tuple[int, bool, bool]]:
-    """(layers, holds the embedding, holds the head) for each local chunk, uniform split."""
-    parts = lay.pp * lay.v
-    last = parts - 1
-    out = []
-    for chunk in range(lay.v):
-        vs = chunk * lay.pp + pp_rank
-        out.append((model.layers // parts, vs == 0, vs == last))
-    return out
-
-
-def _param_count(model: Model, lay: Layout, pp_rank: int) -> int:
-    """Parameters this rank holds, from the GPT's shapes (tp-split matrices, biases, copies)."""
-    h, tp = model.hidden, lay.tp
-    per_layer = 12 * h * h // tp + 7 * h // tp + 6 * h  # qkv, dense, 4h, 4h->h; split biases; LNs
-    count = 0
-    for n, pre, post in _chunk_layers(model, lay, pp_rank):
-        count += n * per_layer
-        if pre:
-            count += model.vocab(tp) // tp * h + model.seq * h
-        if post:
-            count += 2 * h + (model.vocab(tp) // tp * h if lay.pp > 1 else 0)
-    return count
-
-
 def theory(model: Model, lay: Layout, tp_rank: int, pp_rank: int) -> list[Term]:
-    """Every ``(group, op)`` term of one step on the rank at (tp_rank, pp_rank)."""
+    """Every ``(group, op)`` term of one step on the rank at (tp_rank, pp_rank): the closed form
+    of :mod:`zerotron.tuning.volume` (the planner's cost model uses the same), fp32."""
     del tp_rank  # every TP rank moves the same bytes
-    b, s, h, m, tp = model.micro_batch, model.seq, model.hidden, model.microbatches, lay.tp
-    a = b * s * h * FP32
-    bs = b * s * FP32
-    chunks = _chunk_layers(model, lay, pp_rank)
-    terms: list[Term] = []
-    if tp > 1:
-        layers = sum(n for n, _, _ in chunks)
-        emb = sum(pre for _, pre, _ in chunks)
-        head = sum(post for _, _, post in chunks)
-        if lay.sp:
-            shard = a // tp
-            for n, what, main in (
-                (4 * layers, "4/layer (ag of shard, rs of b·s·h)", True),
-                (emb, "embedding fwd rs, bwd ag", False),
-                (head, "LM head fwd ag, bwd rs", False),
-            ):
-                if n:
-                    terms.append(Term("tp", "all_gather", n * m * shard, n * m, what, main))
-                    terms.append(Term("tp", "reduce_scatter", n * m * a, n * m, what, main))
-            sp_params = layers * 6 * h + head * 2 * h + emb * model.seq * h
-            terms.append(Term("tp", "all_reduce", sp_params * FP32, 1, "SP grads (LN, biases)"))
-        else:
-            terms.append(
-                Term("tp", "all_reduce", 4 * layers * m * a, 4 * layers * m, "4/layer", True)
-            )
-            if emb:
-                terms.append(Term("tp", "all_reduce", emb * m * a, emb * m, "embedding fwd"))
-            if head:
-                terms.append(Term("tp", "all_reduce", head * m * a, head * m, "LM head bwd"))
-        if any(post for _, _, post in chunks):
-            terms.append(Term("tp", "all_reduce", 3 * m * bs, 3 * m, "vocab-parallel CE 3×b·s"))
-    if lay.pp > 1:
-        act = a // tp if lay.sp else a
-        last = lay.pp * lay.v - 1
-        for chunk in range(lay.v):
-            vs = chunk * lay.pp + pp_rank
-            if vs < last:  # activation out (+ header), its gradient in
-                terms.append(Term("pp", "send", m * act, m, "activation", True))
-                terms.append(Term("pp", "send", m * HEADER_BYTES, m, "shape header"))
-                terms.append(Term("pp", "recv", m * act, m, "gradient", True))
-            if vs > 0:  # activation in (+ header), input gradient out
-                terms.append(Term("pp", "recv", m * act, m, "activation", True))
-                terms.append(Term("pp", "recv", m * HEADER_BYTES, m, "shape header"))
-                terms.append(Term("pp", "send", m * act, m, "gradient", True))
-        if pp_rank in (0, lay.pp - 1):
-            emb = model.vocab(tp) // tp * h * FP32
-            terms.append(Term("embedding", "all_reduce", emb, 1, "tied embedding grad"))
-    if lay.dp > 1:
-        grads = _param_count(model, lay, pp_rank) * FP32
-        terms.append(Term("dp", "all_reduce", grads, 1, "gradients once per step", True))
-    return terms
+    shape = ModelShape(
+        num_layers=model.layers,
+        hidden_size=model.hidden,
+        num_attention_heads=model.heads,
+        seq_length=model.seq,
+        vocab_size=model.orig_vocab,
+        make_vocab_size_divisible_by=model.divisible_by,
+    )
+    layout = PlanLayout(
+        tp=lay.tp,
+        pp=lay.pp,
+        dp=lay.dp,
+        vpp=lay.v,
+        sequence_parallel=lay.sp,
+        micro_batch_size=model.micro_batch,
+        num_microbatches=model.microbatches,
+        precision="fp32",
+    )
+    return step_terms(shape, layout, pp_rank)
 
 
 def _sum(terms: list[Term]) -> dict[tuple[str, str], tuple[int, int]]:

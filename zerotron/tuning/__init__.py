@@ -1,4 +1,4 @@
-"""Tuning: how much memory a run needs, and (later) which layout to run.
+"""Tuning: how much memory a run needs, and which layout to run.
 
 - :mod:`~zerotron.tuning.estimate`: per-rank memory of a model and a layout (the interface the
   planner and the tuner use): :class:`ModelShape`, :class:`Layout`, :func:`estimate`;
@@ -10,5 +10,11 @@
   ZeRO-3 (bytes per CPU and per GPU for each offload option), as pure functions, and the
   per-element byte counts everything above shares;
 - :mod:`~zerotron.tuning.measure`: what a live run holds, per term (to check the estimator);
-- :mod:`~zerotron.tuning.estimate_cli`: ``zerotron estimate``.
+- :mod:`~zerotron.tuning.estimate_cli`: ``zerotron estimate``;
+- :mod:`~zerotron.tuning.volume`: the bytes each rank communicates in a step, per group and op
+  (the closed form the comm ledger is checked against);
+- :mod:`~zerotron.tuning.cost`: the predicted time of a step (compute, communication, the
+  simulated pipeline bubble) on a described cluster;
+- :mod:`~zerotron.tuning.plan` and :mod:`~zerotron.tuning.plan_cli`: every valid layout, what
+  fits, ranked by predicted step time (``zerotron plan``).
 """
