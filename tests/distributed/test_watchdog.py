@@ -90,6 +90,21 @@ def test_a_wait_past_the_threshold_is_reported_with_the_stacks(tmp_path, capsys)
     )
     assert answer["kind"] == "answer" and answer["waiting"] is None
     assert report["heard"] == {}  # no heartbeat in this process to read the members' counts
+    assert report["busy"] is None and answer["busy"] is None
+
+
+def test_a_rank_busy_on_purpose_says_so_in_its_answer(tmp_path):
+    dog = watchdog._Dog(3, 0.2, str(tmp_path))
+    dog.thread.start()
+    try:
+        with watchdog.busy("writing its checkpoint files"):
+            (tmp_path / watchdog.REQUEST).write_text("1")
+            answer = _wait_for(tmp_path / f"rank3.{os.getpid()}.json")
+    finally:
+        dog.stop.set()
+        dog.thread.join()
+    assert answer["busy"] == "writing its checkpoint files"
+    assert watchdog._busy == []
 
 
 # -- the launcher's summary --------------------------------------------------------------------
@@ -192,6 +207,27 @@ def test_hang_watch_asks_every_rank_then_acts(tmp_path, action):
     else:
         assert said[-1] == "watchdog: --watchdog-action wait: the job keeps waiting"
         assert watch.poll(workers) is False  # the same wait is not reported twice
+
+
+def test_hang_watch_keeps_waiting_while_a_rank_writes_its_checkpoint(tmp_path):
+    said = []
+    watch = HangWatch(str(tmp_path), "abort", said.append, grace_s=0.0)
+    workers = {100: 0, 101: 1}
+    _write(tmp_path, _report(0, _w(ranks=(0, 1)), threshold=0.2, kind="stuck"))
+    assert watch.poll(workers) is False  # asks
+    time.sleep(0.01)
+    _write(tmp_path, _report(0, _w(ranks=(0, 1)), threshold=0.2))
+    _write(tmp_path, {**_report(1), "busy": "writing its checkpoint files"})
+    assert watch.poll(workers) is False and not watch.aborted
+    assert said[-1] == "watchdog: rank 1 is writing its checkpoint files: the job keeps waiting"
+    assert watch.poll(workers) is False  # not asked again before another threshold
+    time.sleep(0.25)
+    assert watch.poll(workers) is False  # the wait outlasted a threshold: asks again
+    assert said[-1].endswith("; asking every rank where it is")
+    time.sleep(0.01)
+    _write(tmp_path, _report(0, _w(ranks=(0, 1)), threshold=0.2))
+    _write(tmp_path, _report(1))  # done writing, and still not arriving: a hang
+    assert watch.poll(workers) is True and watch.aborted
 
 
 def test_launch_flags_and_environment(monkeypatch):

@@ -28,6 +28,7 @@ import torch
 
 import zerotron
 from zerotron.checkpoint import layout
+from zerotron.distributed import watchdog
 from zerotron.errors import CheckpointError, DiskFullError, ZerotronError
 from zerotron.fileio import (
     atomic_write_text,
@@ -366,8 +367,10 @@ def save_checkpoint(
 
     failure: ZerotronError | None = None
     try:
-        for relpath, obj in files.items():
-            _write_file(tmp / _check_relpath(relpath), obj)
+        # Its peers may wait at the next barrier for as long as this takes: not a hang.
+        with watchdog.busy("writing its checkpoint files"):
+            for relpath, obj in files.items():
+                _write_file(tmp / _check_relpath(relpath), obj)
     except (OSError, RuntimeError, ZerotronError) as e:
         failure = _write_failure(e, tmp)
         _discard(tmp, files, is_writer)

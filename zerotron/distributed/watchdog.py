@@ -31,6 +31,10 @@ The threshold is ``ZEROTRON_WATCHDOG_TIMEOUT`` seconds (``zerotron launch --watc
 save on one rank while the others wait at the barrier) does not fire, early enough that the
 reports and the launcher's summary are done long before torch's own timeout errors begin.
 The watchdog only reports; the rank keeps waiting, and ending the job is the launcher's choice.
+
+A rank doing something long on purpose while its peers wait (writing its checkpoint files) says
+so with :func:`busy`; its reports carry that, and the launcher keeps the job waiting while it
+lasts rather than ending a slow save as a hang.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from threading import get_ident
 from typing import Any
 
@@ -57,6 +62,7 @@ DEFAULT_FRACTION = 0.25  # of the process-group timeout
 
 _waits: dict[int, Wait] = {}  # thread id -> the wait it is in (at most one per thread)
 _dog: _Dog | None = None
+_busy: list[str] = []  # what this rank is doing on purpose that may keep its peers waiting
 
 
 class Wait:
@@ -166,6 +172,7 @@ class _Dog:
             "host": socket.gethostname(),
             "threshold_s": self.threshold,
             "waiting": None if wait is None else wait.describe(now),
+            "busy": _busy[-1] if _busy else None,
             "heard": {str(r): n for r, n in heard.items()},
             "stacks": stacks(),
         }
@@ -199,6 +206,18 @@ def where(w: dict[str, Any]) -> str:
         f"{w['op']} on the {w['group']} group {w['ranks']} (call {w['seq']} on the group, "
         f"{w['bytes']} bytes)"
     )
+
+
+@contextlib.contextmanager
+def busy(what: str) -> Iterator[None]:
+    """Mark a long task of this rank that may keep its peers waiting in a collective (e.g.
+    ``"writing its checkpoint files"``): while it lasts the launcher names it and keeps waiting
+    instead of ending the job; the process group's own timeout still bounds the wait."""
+    _busy.append(what)
+    try:
+        yield
+    finally:
+        _busy.pop()
 
 
 def stacks() -> dict[str, str]:

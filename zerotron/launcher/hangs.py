@@ -15,7 +15,10 @@ threshold. :class:`HangWatch` (polled by the launcher's process watchdog,
 3. ends the job (``--watchdog-action abort``, the default: every rank of the node is stopped,
    SIGTERM then SIGKILL after ``--shutdown_timeout``, and the launcher exits with
    :data:`HANG_EXIT_CODE`), or keeps waiting (``--watchdog-action wait``; the process group's
-   own timeout still bounds the wait).
+   own timeout still bounds the wait). A rank busy on purpose (it marked a long task with
+   :func:`zerotron.distributed.watchdog.busy`, as checkpoint writes do) is named with its task
+   and the job keeps waiting; the ranks are asked again after another threshold, so a wait that
+   outlasts the task still ends the job.
 
 Across nodes each node's launcher sees its own ranks' reports. A member on another node is
 judged by its heartbeat, which the waiting ranks read from the job's store: behind (fewer calls
@@ -61,13 +64,14 @@ class HangWatch:
     request_time: float = 0.0  # the request file's mtime (answers newer than it count)
     told: set[tuple] = field(default_factory=set)  # stuck waits already summarized
     aborted: bool = False
+    quiet_until: float = 0.0  # time.monotonic() before which a known stuck wait is not re-asked
     _period: float = 1.0  # the reporting ranks' watchdog period (they answer within it)
 
     def poll(self, workers: dict[int, int]) -> bool:
         reports = read_reports(self.directory, workers)
         if self.asked_at is None:
             stuck = [r for r in reports.values() if _stuck(r) and _key(r) not in self.told]
-            if not stuck:
+            if not stuck or time.monotonic() < self.quiet_until:
                 return False
             first = min(stuck, key=lambda r: r["rank"])
             self.say(f"watchdog: {describe(first)}; asking every rank where it is")
@@ -82,8 +86,16 @@ class HangWatch:
         lines = summarize(reports, answered, sorted(workers.values()))
         for line in lines:
             self.say(f"watchdog: {line}")
-        self.told |= {_key(rep) for rep in stuck.values()}
         self.asked_at = None
+        busy = {r: rep["busy"] for r, rep in reports.items() if r in answered and rep.get("busy")}
+        if busy:
+            # A rank busy on purpose (a slow checkpoint write) is not a hang: ask again after
+            # another threshold, and end the job only if the wait outlasts the busy task.
+            self.say("watchdog: " + "; ".join(f"rank {r} is {what}" for r, what in busy.items())
+                     + ": the job keeps waiting")  # fmt: skip
+            self.quiet_until = time.monotonic() + min(r["threshold_s"] for r in stuck.values())
+            return False
+        self.told |= {_key(rep) for rep in stuck.values()}
         if self.action == "wait":
             self.say("watchdog: --watchdog-action wait: the job keeps waiting")
             return False
