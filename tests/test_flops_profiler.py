@@ -275,14 +275,15 @@ def test_a_bad_flops_profiler_value_names_the_key():
         load_deepspeed_config({"train_batch_size": 1, "flops_profiler": {"top_modules": 0}})
 
 
-def _train(config_extra: dict, steps: int = 3) -> None:
+def _train(config_extra: dict, steps: int = 3, gas: int = 1) -> None:
     config = {
         "train_micro_batch_size_per_gpu": B,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         **config_extra,
     }
     engine, _, _, _ = zerotron.initialize(model=_gpt(), config=config)
-    for step in range(steps):
+    for step in range(steps * gas):
         loss = engine(_tokens(step), labels=_tokens(step + 10)).mean()
         engine.backward(loss)
         engine.step()
@@ -316,3 +317,12 @@ def test_output_file_takes_the_profile(tmp_path, capsys):
     text = path.read_text()
     assert re.findall(r"Profile Summary at step (\d+):", text) == ["1"]
     assert "bwd latency:" not in text  # without wall_clock_breakdown, as DeepSpeed
+
+
+def test_with_accumulation_the_profile_is_one_micro_batchs(capsys):
+    profiler = {"enabled": True, "profile_step": 0, "detailed": False}
+    _train({"flops_profiler": profiler}, steps=2, gas=2)
+    out = capsys.readouterr().out
+    assert re.findall(r"Profile Summary at step (\d+):", out) == ["1"]
+    rows = dict(re.findall(r"^(.+?:) +(\S.*?)\s*$", out, re.M))
+    assert rows["fwd flops per GPU:"] == number_to_string(L * LAYER + 3 * HEAD)
