@@ -326,3 +326,26 @@ def test_with_accumulation_the_profile_is_one_micro_batchs(capsys):
     assert re.findall(r"Profile Summary at step (\d+):", out) == ["1"]
     rows = dict(re.findall(r"^(.+?:) +(\S.*?)\s*$", out, re.M))
     assert rows["fwd flops per GPU:"] == number_to_string(L * LAYER + 3 * HEAD)
+
+
+def test_the_pipeline_engine_profiles_its_stage(capsys):
+    from torch import nn
+
+    from zerotron.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.Linear(16, 4)]
+    module = PipelineModule(layers=layers, num_stages=1, loss_fn=nn.MSELoss())
+    config = {
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "flops_profiler": {"enabled": True, "profile_step": 0, "detailed": False},
+    }
+    engine, _, _, _ = zerotron.initialize(model=module, config=config)
+    g = torch.Generator().manual_seed(0)
+    batches = iter([(torch.randn(B, 8, generator=g), torch.randn(B, 4, generator=g))] * 4)
+    engine.train_batch(batches)
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^(.+?:) +(\S.*?)\s*$", out, re.M))
+    assert rows["fwd MACs per GPU:"] == f"{B * (8 * 16 + 16 * 4)} MACs"  # one micro-batch

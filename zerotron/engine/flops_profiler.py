@@ -20,7 +20,8 @@ Used three ways, with DeepSpeed's names:
   :func:`after_step` (one line in the Engine's step). Rank 0 profiles the forward of step
   ``profile_step`` (its last micro-batch, as DeepSpeed) and prints the profile when the step
   ends; with ``wall_clock_breakdown`` the summary adds that step's backward and step latency
-  from the Engine's timers.
+  from the Engine's timers. Under pipeline parallelism the forward is the stage's chunk's (one
+  chunk per stage; interleaved stages are not profiled).
 
 The printing is :mod:`zerotron.engine.flops_profile_text`.
 """
@@ -83,6 +84,12 @@ def flop_counter() -> Any:
     from torch.utils.flop_counter import FlopCounterMode
 
     return FlopCounterMode(display=False, custom_mapping=flop_formulas())
+
+
+def _rank() -> int:
+    from zerotron.distributed.state import state
+
+    return state().rank
 
 
 def _sync() -> None:
@@ -360,17 +367,26 @@ class StepProfile:
         )
         self._timers_before: dict[str, float] | None = None
         self._forwards = 0
-        module = engine.module
+        # What a forward calls: the model, or under pipeline parallelism this stage's chunk
+        # (it calls the model, or holds the model's part: either way the model's tree is summed)
+        chunks = list(getattr(engine.pipeline, "modules", None) or [engine.module])
+        self._hooks = []
+        if len(chunks) > 1:
+            if _rank() == 0:
+                print(
+                    "flops_profiler: not with interleaved pipeline stages (several chunks per "
+                    "stage); nothing is profiled",
+                    flush=True,
+                )
+            return
         self._hooks = [
-            module.register_forward_pre_hook(self._before_forward),
-            module.register_forward_hook(self._after_forward),
+            chunks[0].register_forward_pre_hook(self._before_forward),
+            chunks[0].register_forward_hook(self._after_forward),
         ]
 
     def _active(self) -> bool:
-        from zerotron.distributed.state import state
-
         step = self.options.flops_profiler_profile_step
-        return self.engine.global_steps == step and state().rank == 0
+        return self.engine.global_steps == step and _rank() == 0
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if not self._active():
