@@ -4,8 +4,8 @@ DeepSpeed's API is here too, so ``import zerotron as deepspeed`` runs a DeepSpee
 its top-level names (:func:`initialize`, :func:`init_distributed`, :func:`get_accelerator`,
 ``DeepSpeedEngine``...: see ``_API``), ``zerotron.zero``, and DeepSpeed's modules in
 :mod:`zerotron.compat` under their DeepSpeed names (``zerotron.comm``, ``zerotron.utils``,
-``zerotron.ops``, ``zerotron.pipe``...: see :data:`COMPAT_MODULES`). Everything is imported on
-first use, so ``import zerotron`` stays cheap.
+``zerotron.ops``, ``zerotron.pipe``, ``zerotron.profiling``...: see :data:`COMPAT_MODULES`).
+Everything is imported on first use, so ``import zerotron`` stays cheap.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ COMPAT_MODULES = (
     "compression",
     "moe",
     "ops",
+    "profiling",
 )
 
 # DeepSpeed's top-level names: name -> the zerotron module that holds it.

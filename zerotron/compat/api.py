@@ -175,6 +175,7 @@ def initialize(
         monitor=MonitorMaster.from_config(cfg.monitor, get_rank()),
         checkpoint_tag_validation=cfg.checkpoint.checkpoint_tag_validation,
         autotuning=cfg.autotuning,
+        flops_profiler=cfg.flops_profiler,
     )
     engine.config = resolved  # DeepSpeed's engine.config: the config dict (HF's Trainer reads it)
     loader = None

@@ -31,7 +31,7 @@ from zerotron.config.convert import (
     from_field,
     parse_at,
 )
-from zerotron.config.sections import AutotuningConfig, ZeroConfig
+from zerotron.config.sections import AutotuningConfig, FlopsProfilerConfig, ZeroConfig
 from zerotron.errors import ConfigError, UnsupportedError
 
 AUTO = "auto"
@@ -294,6 +294,12 @@ SPEC: dict[str, Any] = {
     },
     "zero_optimization": _ZERO,
     "autotuning": _autotuning(),  # zerotron tune (zerotron/tuning/tune.py)
+    "flops_profiler": {  # zerotron/engine/flops_profiler.py
+        name.removeprefix("flops_profiler_"): Leaf(
+            name, from_field(FlopsProfilerConfig, name), info.default
+        )
+        for name, info in FlopsProfilerConfig.model_fields.items()
+    },
     "activation_checkpointing": {
         "partition_activations": Leaf("partition_activations", BOOL, False),
         "cpu_checkpointing": Leaf("cpu_checkpointing", BOOL, False),
@@ -346,7 +352,6 @@ SPEC: dict[str, Any] = {
     "data_efficiency": Refused("DeepSpeed Data Efficiency is not implemented"),
     "sparse_attention": Refused("sparse attention is not implemented", lambda v: not v),
     "elasticity": Refused("elastic training is not implemented"),
-    "flops_profiler": Refused("the flops profiler is not implemented"),
     "quantize_training": Refused("quantization-aware training is not implemented"),
     "eigenvalue": Refused("eigenvalue computation is not implemented"),
     "progressive_layer_drop": Refused("progressive layer dropping is not implemented"),

@@ -41,6 +41,7 @@ from zerotron.config.sections import (
     AutotuningConfig,
     CheckpointConfig,
     DataConfig,
+    FlopsProfilerConfig,
     ModelConfig,
     MonitorConfig,
     OptimizerConfig,
@@ -76,6 +77,7 @@ class Config(BaseModel):
     )
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
 
     _inputs: dict = PrivateAttr(default_factory=dict)
     _warnings: list = PrivateAttr(default_factory=list)

@@ -13,7 +13,8 @@ are timed on the wall clock (whole steps: data, forward, backward, reduction, op
 
 (DeepSpeed divides its ``train_batch_size * 1e6`` by milliseconds; zerotron's throughput is
 samples per second. FLOPs are the forward's, counted once on the warm-up step before the
-measured ones by torch's FlopCounterMode — taught the GEMMs of zerotron's CPU oneDNN path —
+measured ones by :func:`zerotron.engine.flops_profiler.flop_counter` (torch's FlopCounterMode,
+taught zerotron's CPU GEMMs and attention) —
 times 3 for the backward, as DeepSpeed's profiler does.)
 
 With ``model_info.profile`` the run is DeepSpeed's model-info profiling run instead: the first
@@ -33,6 +34,7 @@ from torch import nn
 
 from zerotron.config.sections import AutotuningConfig
 from zerotron.distributed.state import is_model_parallel_initialized, state
+from zerotron.engine.flops_profiler import flop_counter
 from zerotron.fileio import atomic_write_text
 
 
@@ -48,22 +50,6 @@ def _memory_now() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
-
-
-def _mm_t_flops(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
-    """``a @ b^T``: 2·M·N·K."""
-    return 2 * a_shape[0] * b_shape[0] * a_shape[1]
-
-
-def _cpu_gemms() -> dict[Any, Any]:
-    """FLOP formulas for the GEMMs of zerotron's CPU oneDNN path (zerotron.kernels.onednn),
-    which torch's counter does not know."""
-    ops = {}
-    for namespace, name in (("zerotron", "onednn_mm_t"), ("mkldnn", "_linear_pointwise")):
-        packet = getattr(getattr(torch.ops, namespace), name, None)
-        if packet is not None:
-            ops[packet] = _mm_t_flops  # the counter looks ops up by their packet
-    return ops
 
 
 class AutotuningProbe:
@@ -98,9 +84,7 @@ class AutotuningProbe:
             self._memory_before = _memory_now()
         elif self.global_steps == self._counted_step and self._counter is None:
             try:
-                from torch.utils.flop_counter import FlopCounterMode
-
-                self._counter = FlopCounterMode(display=False, custom_mapping=_cpu_gemms())
+                self._counter = flop_counter()
                 self._counter.__enter__()
             except Exception:  # FLOPs are a bonus: a model the counter cannot trace still runs
                 self._counter = None

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from zerotron.distributed import comm
 from zerotron.distributed.state import ParallelState, state
 from zerotron.engine import autotuning_metrics
+from zerotron.engine import flops_profiler as flops_profiling
 from zerotron.engine.core import Engine
 from zerotron.optim import OptimizerParamScheduler, build_ds_scheduler, build_optimizer
 from zerotron.parallel.data_parallel import DataParallel
@@ -43,7 +44,7 @@ from zerotron.zero import ZeroOptimizer, ZeroOptions
 
 if TYPE_CHECKING:
     from zerotron.config import Config
-    from zerotron.config.sections import AutotuningConfig
+    from zerotron.config.sections import AutotuningConfig, FlopsProfilerConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -213,6 +214,7 @@ def build_engine(
     ps: ParallelState | None = None,
     scheduler: Callable[[Any], Any] | None = None,
     autotuning: AutotuningConfig | None = None,
+    flops_profiler: FlopsProfilerConfig | None = None,
     **engine_options: Any,
 ) -> Engine:
     """An Engine training ``model`` with a fresh torch ``optimizer`` wrapped as ``setup`` says.
@@ -222,9 +224,12 @@ def build_engine(
     ``gradient_accumulation_steps``, ``pipeline``, ``checkpoint_metadata``, ``state_fitter``,
     ...), all but ``data_parallel``, which comes from the wrapping. ``autotuning``: the config's
     autotuning section; when enabled the run measures itself for ``zerotron tune``.
+    ``flops_profiler``: the config's flops_profiler section; when enabled rank 0 prints the
+    FLOPs profile of step ``profile_step`` (:mod:`zerotron.engine.flops_profiler`).
     """
     wrapped, data_parallel = wrap_optimizer(model, optimizer, setup, ps)
     lr_scheduler = scheduler(wrapped) if scheduler is not None else None
     engine = Engine(model, wrapped, lr_scheduler, data_parallel=data_parallel, **engine_options)
     autotuning_metrics.attach(engine, autotuning)  # the config's "autotuning" block, if enabled
+    flops_profiling.attach(engine, flops_profiler)  # its "flops_profiler" block, if enabled
     return engine

@@ -41,7 +41,7 @@ from zerotron.checkpoint.fit import StateFitter
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_world_size
 from zerotron.distributed.state import state
-from zerotron.engine import autotuning_metrics, checkpoint_io
+from zerotron.engine import autotuning_metrics, checkpoint_io, flops_profiler
 from zerotron.engine.deepspeed_surface import DeepSpeedSurface
 from zerotron.engine.monitors import MonitorMaster, training_events
 from zerotron.engine.optimizers import optimizer_part
@@ -314,6 +314,7 @@ class Engine(DeepSpeedSurface, nn.Module):
             if self.monitor.enabled:
                 self._write_monitor_events()
         self.tput_timer.stop(global_step=True)
+        flops_profiler.after_step(self)  # the config's flops_profiler prints its profiled step
         every = self._steps_per_print
         if timing and every and self.global_steps % every == 0:
             self._print_wall_clock()

@@ -235,5 +235,6 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         timers=timers,
         pipeline=pipeline,
         autotuning=cfg.autotuning,
+        flops_profiler=cfg.flops_profiler,
     )
     return Run(cfg, tokenizer, model, engine, flops_params)

@@ -11,6 +11,7 @@ from zerotron.config.sections.data import DataConfig, parse_data_path, parse_spl
 from zerotron.config.sections.model import ModelConfig
 from zerotron.config.sections.parallel import ParallelConfig
 from zerotron.config.sections.precision import PrecisionConfig
+from zerotron.config.sections.profiling import FlopsProfilerConfig
 from zerotron.config.sections.runtime import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
@@ -32,6 +33,7 @@ SECTIONS: dict[str, type[Section]] = {
     "activation_checkpointing": ActivationCheckpointingConfig,
     "monitor": MonitorConfig,
     "autotuning": AutotuningConfig,
+    "flops_profiler": FlopsProfilerConfig,
 }
 """Section name (the Config attribute) -> its class, in the order ``describe`` walks them."""
 
@@ -50,6 +52,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "Float",
+    "FlopsProfilerConfig",
     "Int",
     "ModelConfig",
     "MonitorConfig",
