@@ -135,3 +135,16 @@ def test_convert_reports_its_steps_on_stderr(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("convert: 4/4 steps (100%), "), err
     assert ", ETA 0:00:00, wrote " in err[0]
+
+
+def test_zero_to_fp32_counts_the_zero_files_read(tmp_path, capsys):
+    """zerotron zero-to-fp32: one step per ZeRO file (2 model-parallel ranks x dp 2 = 4)."""
+    from tests.test_zero_to_fp32 import toy_params, write_zero_checkpoint
+    from zerotron.cli import main
+
+    by_mp = {(tp, 0): toy_params(seed=tp) for tp in range(2)}
+    write_zero_checkpoint(tmp_path / "c", by_mp, dp=2)
+    assert main(["zero-to-fp32", str(tmp_path / "c"), str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("zero-to-fp32: 4/4 files (100%), "), err
+    assert err[0].endswith(", ETA 0:00:00, zero_dp_rank_1_mp_rank_01_000_optim_states.pt")

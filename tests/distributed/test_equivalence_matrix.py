@@ -95,7 +95,9 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
 
 # --mock-data (synthetic documents, zerotron.data.mock) trains every layout as one process does:
 # the same 5 losses, validation loss and gradient norms (weights are compared on the corpus
-# layouts above). Run in the two-rank spawn: no process start of their own.
+# layouts above). Run in the two-rank spawn: no process start of their own. Their vocabulary is
+# Megatron's NullTokenizer --vocab-size 1000 (1001 ids with EOD, 1024 rows): a small embedding.
+MOCK_DATA = ("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000")
 MOCK_LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "mock_tp2": (2, TP2),
     "mock_pp2": (2, PP2),
@@ -113,7 +115,7 @@ def _argv(data: str | None, flags: tuple[str, ...], *extra: object) -> list[str]
     """A layout's flags on ``data`` (None: on --mock-data)."""
     tp, _ = _sizes(flags)
     padding = ("--make-vocab-size-divisible-by", str(PADDED_VOCAB_MULTIPLE // tp))
-    source = ("--mock-data",) if data is None else ("--data-path", data)
+    source = MOCK_DATA if data is None else ("--data-path", data)
     return [*TINY, *source, *padding, *flags, *map(str, extra)]
 
 
