@@ -35,7 +35,7 @@ import zerotron
 
 PACKAGE = Path(zerotron.__file__).resolve().parent
 
-# DESIGN.md's layers, top to bottom ("base" is errors.py and fileio.py).
+# DESIGN.md's layers, top to bottom ("base" is errors.py, fileio.py and progress.py).
 LAYERS = (
     "cli",
     "launcher",
@@ -64,6 +64,7 @@ PLACES = {
     "__main__": "cli",
     "errors": "base",
     "fileio": "base",
+    "progress": "base",
     # DeepSpeed's module names: zerotron.<name> is zerotron.compat.<name> (zerotron/__init__.py).
     **{name: "compat" for name in zerotron.COMPAT_MODULES},
 }
@@ -94,8 +95,8 @@ ALLOWED_MODEL_IMPORTS: dict[tuple[str, str], str] = {
     ("zerotron.checkpoint.hf", "zerotron.models.gpt"): "HF GPT-2 conversion",
 }
 
-# Loose modules at the top of zerotron/: the entry point, the CLI, and the two bottom modules.
-LOOSE_MODULES = {"__init__", "__main__", "cli", "errors", "fileio"}
+# Loose modules at the top of zerotron/: the entry point, the CLI, and the bottom modules.
+LOOSE_MODULES = {"__init__", "__main__", "cli", "errors", "fileio", "progress"}
 
 
 @dataclass(frozen=True)

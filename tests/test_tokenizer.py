@@ -274,3 +274,19 @@ def test_vocab_padding_prints_megatrons_line(capsys):
     )
     vocab_size_with_padding(50257, log=False)
     assert capsys.readouterr().out == ""
+
+
+def test_null_tokenizer_reads_ids_and_adds_eod_after_vocab_size():
+    """Megatron's NullTokenizer: --vocab-size N gives N + 1 ids, EOD = N; text is ids."""
+    null = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert (null.vocab_size, null.eod) == (101, 100)
+    assert null.tokenize("12 7  3\n100") == [12, 7, 3, 100]
+    assert null.detokenize([12, 7, 3]) == "12 7 3"
+    with pytest.raises(TokenizerError, match="integers only"):
+        null.tokenize("12 seven")
+    with pytest.raises(TokenizerError, match="not below the vocabulary 101"):
+        null.tokenize("101")
+    with pytest.raises(ConfigError, match="NullTokenizer takes --vocab-size"):
+        build_tokenizer("NullTokenizer")
+    with pytest.raises(ConfigError, match="--vocab-size is NullTokenizer's"):
+        build_tokenizer("GPT2BPETokenizer", vocab_size=100)

@@ -32,7 +32,8 @@ the reference weights moved, so a tolerance cannot pass merely because nothing c
 
 Cost: one spawn per world size (2, 4 and 8 ranks), each rank running that size's layouts one
 after another (process groups destroyed between them); 2 ranks also check pp2 save and exact
-resume.
+resume, and ``--mock-data`` on tp2, pp2 and dp2 with ZeRO stage 2 (losses and gradient norms
+against one process on mock data).
 """
 
 from __future__ import annotations
@@ -92,16 +93,30 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
 }
 
 
+# --mock-data (synthetic documents, zerotron.data.mock) trains every layout as one process does:
+# the same 5 losses, validation loss and gradient norms (weights are compared on the corpus
+# layouts above). Run in the two-rank spawn: no process start of their own. Their vocabulary is
+# Megatron's NullTokenizer --vocab-size 1000 (1001 ids with EOD, 1024 rows): a small embedding.
+MOCK_DATA = ("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000")
+MOCK_LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "mock_tp2": (2, TP2),
+    "mock_pp2": (2, PP2),
+    "mock_dp2_zero2": (2, ("--zero-stage", "2")),
+}
+
+
 def _sizes(flags: tuple[str, ...]) -> tuple[int, int]:
     """(tp, pp) of a layout's flags."""
     get = {k: int(v) for k, v in zip(flags, flags[1:]) if k.endswith("parallel-size")}
     return get.get("--tensor-model-parallel-size", 1), get.get("--pipeline-model-parallel-size", 1)
 
 
-def _argv(data: str, flags: tuple[str, ...], *extra: object) -> list[str]:
+def _argv(data: str | None, flags: tuple[str, ...], *extra: object) -> list[str]:
+    """A layout's flags on ``data`` (None: on --mock-data)."""
     tp, _ = _sizes(flags)
     padding = ("--make-vocab-size-divisible-by", str(PADDED_VOCAB_MULTIPLE // tp))
-    return [*TINY, "--data-path", data, *padding, *flags, *map(str, extra)]
+    source = MOCK_DATA if data is None else ("--data-path", data)
+    return [*TINY, *source, *padding, *flags, *map(str, extra)]
 
 
 def _pretrain(world: int, argv: list[str]):
@@ -122,7 +137,9 @@ def _layouts_rank(rank: int, world: int, data: str, root: str, resume: bool) -> 
     for name, (size, flags) in LAYOUTS.items():
         if size == world:
             out[name] = _pretrain(world, _argv(data, flags, "--save", f"{root}/{name}"))
-    if resume:
+    if resume:  # the two-rank spawn: also the mock-data layouts
+        for name, (_, flags) in MOCK_LAYOUTS.items():
+            out[name] = _pretrain(world, _argv(None, flags))
         parts = f"{root}/pp2_parts"
         out["first"] = _pretrain(world, _argv(data, PP2, "--save", parts, "--exit-interval", 3))
         out["second"] = _pretrain(world, _argv(data, PP2, "--load", parts, "--save", parts))
@@ -144,6 +161,12 @@ def reference(data_prefix, tmp_path_factory) -> dict:
     assert len(result["grad_norms"]) == ITERS
     assert all(float(n) > CLIP for n in result["grad_norms"])  # every step clips
     return {**result, "initial": initial, "final": final}
+
+
+@pytest.fixture(scope="module")
+def mock_reference() -> dict:
+    """The single-process run on --mock-data."""
+    return _pretrain(1, _argv(None, ()))
 
 
 def _run_world(world: int, data: str, root: Path, resume: bool = False) -> list[dict]:
@@ -178,10 +201,8 @@ def _assemble(root: Path, tp: int, pp: int, like: dict[str, torch.Tensor]) -> di
     return full
 
 
-def _check_layout(name: str, results: list[dict], root: Path, ref: dict) -> list[str]:
-    """Compare one layout with the reference; returns what failed, prints the differences."""
-    world, flags = LAYOUTS[name]
-    tp, pp = _sizes(flags)
+def _check_losses(name: str, results: list[dict], ref: dict) -> tuple[list[str], float]:
+    """Every rank's step losses, validation loss and grad norms against the reference's."""
     problems = []
     steps = sorted(ref["losses"])
     assert steps == list(range(1, ITERS + 1))
@@ -199,7 +220,14 @@ def _check_layout(name: str, results: list[dict], root: Path, ref: dict) -> list
     for rank, r in enumerate(results):
         if r[name]["grad_norms"] != ref["grad_norms"]:
             problems.append(f"{name} rank {rank}: grad norms {r[name]['grad_norms']}")
+    return problems, loss_err
 
+
+def _check_layout(name: str, results: list[dict], root: Path, ref: dict) -> list[str]:
+    """Compare one layout with the reference; returns what failed, prints the differences."""
+    world, flags = LAYOUTS[name]
+    tp, pp = _sizes(flags)
+    problems, loss_err = _check_losses(name, results, ref)
     meta = json.loads((root / name / tag_for_iteration(ITERS) / "metadata.json").read_text())
     if sorted(meta["files"]) != sorted(model_files(tp, pp)):
         problems.append(f"{name}: checkpoint files {meta['files']}")
@@ -257,6 +285,19 @@ def two_ranks(data_prefix, tmp_path_factory) -> tuple[list[dict], Path]:
 def test_two_ranks_dp_tp_sp_pp_equal_one_process(two_ranks, reference):
     results, root = two_ranks
     _check_results(2, results, root, reference)
+
+
+@TWO_RANKS
+def test_mock_data_trains_tp2_pp2_dp2_zero2_as_one_process(two_ranks, mock_reference):
+    """--mock-data needs no corpus, and every layout reads the samples one process reads."""
+    results, _ = two_ranks
+    assert len(mock_reference["losses"]) == ITERS
+    problems = []
+    for name in MOCK_LAYOUTS:
+        found, loss_err = _check_losses(name, results, mock_reference)
+        print(f"{name:20s} world 2: max rel loss diff {loss_err:.1e}")
+        problems += found
+    assert not problems, "\n".join(problems)
 
 
 @TWO_RANKS

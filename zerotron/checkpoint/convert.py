@@ -18,6 +18,7 @@ from zerotron.checkpoint.reshard import reshard_checkpoint
 from zerotron.config.args import ArgumentParser
 from zerotron.data.tokenizer import vocab_size_with_padding
 from zerotron.errors import ConfigError
+from zerotron.progress import Progress
 
 
 def build_parser() -> ArgumentParser:
@@ -48,6 +49,11 @@ def build_parser() -> ArgumentParser:
     return p
 
 
+def _progress(steps: int) -> Progress:
+    """The command's steps (read, convert or split per target rank, write) on stderr."""
+    return Progress("convert", steps, unit="steps")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     targets = (args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
@@ -57,14 +63,17 @@ def main(argv: list[str]) -> int:
                 "resharding takes --load CKPT --save OUT (and no --from-hf / --to-hf)",
                 where="zerotron convert",
             )
-        path = reshard_checkpoint(
-            args.load,
-            args.save,
-            targets[0] or 1,
-            targets[1] or 1,
-            tag=args.tag,
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        )
+        tp, pp = targets[0] or 1, targets[1] or 1
+        with _progress(2 + tp * pp) as bar:
+            path = reshard_checkpoint(
+                args.load,
+                args.save,
+                tp,
+                pp,
+                tag=args.tag,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                progress=bar,
+            )
         print(
             f"resharded {args.load} -> {path} (tensor parallel {targets[0] or 1}, pipeline "
             f"parallel {targets[1] or 1}; model weights only: resume with --finetune or "
@@ -72,16 +81,26 @@ def main(argv: list[str]) -> int:
         )
         return 0
     if args.from_hf and args.save and not (args.load or args.to_hf):
-        hf_sd, hf_config = load_hf_dir(args.from_hf)
-        padded = vocab_size_with_padding(hf_config["vocab_size"], args.make_vocab_size_divisible_by)
-        config, sd = from_hf_state_dict(hf_sd, hf_config, padded)
-        path = save_gpt(args.save, config, sd, tag=args.tag or "release", source=args.from_hf)
+        with _progress(3) as bar:
+            hf_sd, hf_config = load_hf_dir(args.from_hf)
+            bar.update(1, info=f"read {args.from_hf}")
+            padded = vocab_size_with_padding(
+                hf_config["vocab_size"], args.make_vocab_size_divisible_by
+            )
+            config, sd = from_hf_state_dict(hf_sd, hf_config, padded)
+            bar.update(1, info="converted")
+            path = save_gpt(args.save, config, sd, tag=args.tag or "release", source=args.from_hf)
+            bar.update(1, info=f"wrote {path}")
         print(f"imported {args.from_hf} -> {path}")
         return 0
     if args.load and args.to_hf and not (args.from_hf or args.save):
-        model, _ = load_gpt(args.load, args.tag)
-        hf_sd, hf_config = to_hf_state_dict(model.state_dict(), model.config)
-        save_hf_dir(args.to_hf, hf_sd, hf_config)
+        with _progress(3) as bar:
+            model, _ = load_gpt(args.load, args.tag)
+            bar.update(1, info=f"read {args.load}")
+            hf_sd, hf_config = to_hf_state_dict(model.state_dict(), model.config)
+            bar.update(1, info="converted")
+            save_hf_dir(args.to_hf, hf_sd, hf_config)
+            bar.update(1, info=f"wrote {args.to_hf}")
         print(f"exported {args.load} -> {args.to_hf}")
         return 0
     raise ConfigError(

@@ -51,6 +51,7 @@ from zerotron.checkpoint.state import repad_vocab
 from zerotron.data.tokenizer import vocab_size_with_padding
 from zerotron.errors import CheckpointError, ConfigError
 from zerotron.pipeline.partition import partition_uniform, stage_layers
+from zerotron.progress import Progress
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 TIED_COPY = "output_layer.weight"  # the last pipeline stage's copy of the word embedding
@@ -386,6 +387,7 @@ def reshard_checkpoint(
     *,
     tag: str | None = None,
     make_vocab_size_divisible_by: int = 128,
+    progress: Progress | None = None,
 ) -> Path:
     """Write ``load_dir``'s checkpoint (tag ``tag``, default the latest) to ``save_dir`` under
     the same tag, laid out for (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``).
@@ -395,7 +397,8 @@ def reshard_checkpoint(
     version and the step counters (iteration, consumed samples, LR-scheduler state) of the
     source; optimizer and RNG states are not resharded (:data:`DROPPED_ENTRIES`), so resume with
     ``--finetune`` or ``--no-load-optim``. metadata.json records the new layout and, under
-    ``resharded_from``, the old one.
+    ``resharded_from``, the old one. ``progress`` (total ``2 + tp × pp``) counts the read,
+    each target rank's split and the write.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     for flag, size in (("tensor", tp), ("pipeline", pp)):
@@ -406,6 +409,8 @@ def reshard_checkpoint(
             )
     tag = resolve_tag(load_dir, tag)
     full, meta, extra = _load_merged(load_dir, tag)
+    if progress is not None:
+        progress.update(1, info=f"read {tag}")
     num_layers = num_layers_of(full)
     if num_layers < pp:
         raise ConfigError(
@@ -424,6 +429,8 @@ def reshard_checkpoint(
                 full, t, tp, p, pp, orig_vocab_size=orig, padded_vocab_size=rows
             )
             files[model_file(t, p, pp)] = {**kept, "model": state}
+            if progress is not None:
+                progress.update(1, info=f"split {model_file(t, p, pp)}")
     src_tp, src_pp = checkpoint_layout(meta)
     new_meta = {k: v for k, v in meta.items() if k not in _WRITTEN_BY_SAVE}
     new_meta["layout"] = {
@@ -444,7 +451,10 @@ def reshard_checkpoint(
         "pipeline_model_parallel_size": src_pp,
         "padded_vocab_size": (meta.get("vocab") or {}).get("padded_size"),
     }
-    return save_checkpoint(save_dir, tag, files, new_meta)
+    path = save_checkpoint(save_dir, tag, files, new_meta)
+    if progress is not None:
+        progress.update(1, info=f"wrote {path}")
+    return path
 
 
 # Keys save_checkpoint writes into metadata.json itself.

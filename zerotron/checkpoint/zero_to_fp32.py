@@ -48,6 +48,7 @@ from zerotron.checkpoint import layout
 from zerotron.checkpoint.save_load import load_file, read_metadata, resolve_tag, save_checkpoint
 from zerotron.errors import CheckpointError, ConfigError
 from zerotron.fileio import check_free_space, commit, disk_full_is_clear, temp_path
+from zerotron.progress import Progress
 
 ZERO_FILE = re.compile(r"zero_dp_rank_(\d+)_mp_rank_(\d{2})_(\d{3})_optim_states\.pt")
 SHARED_PARAMS_KEY = "shared_params"
@@ -341,9 +342,15 @@ def _metadata(tag_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def _fill(tag_dir: Path, rank: MpRank, write: Any, only: set[str] | None = None) -> None:
+def _fill(
+    tag_dir: Path,
+    rank: MpRank,
+    write: Any,
+    only: set[str] | None = None,
+    progress: Progress | None = None,
+) -> None:
     """Call ``write(name, start, fp32 piece)`` for every piece (of the parameters in
-    ``only``, if given), one zero file at a time."""
+    ``only``, if given), one zero file at a time; ``progress`` counts the files."""
     by_rank: dict[int, list[tuple[ParamPlan, Piece]]] = {}
     for plan in rank.plans:
         if only is not None and plan.name not in only:
@@ -351,13 +358,14 @@ def _fill(tag_dir: Path, rank: MpRank, write: Any, only: set[str] | None = None)
         for piece in plan.pieces:
             by_rank.setdefault(piece.rank, []).append((plan, piece))
     for r, name in enumerate(rank.files):
-        if r not in by_rank:
-            continue
-        parts = _load(tag_dir, name)["fp32_partitions"]
-        for plan, piece in by_rank.get(r, []):
-            src = parts[piece.partition].reshape(-1)[piece.offset : piece.offset + piece.length]
-            write(plan.name, piece.start, src.to(torch.float32))
-        del parts  # unmaps this rank's file before the next is touched
+        if r in by_rank:
+            parts = _load(tag_dir, name)["fp32_partitions"]
+            for plan, piece in by_rank[r]:
+                src = parts[piece.partition].reshape(-1)[piece.offset : piece.offset + piece.length]
+                write(plan.name, piece.start, src.to(torch.float32))
+            del parts  # unmaps this rank's file before the next is touched
+        if progress is not None:
+            progress.update(1, info=name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +393,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
 
 
 def _state_dict(
-    tag_dir: Path, rank: MpRank, only: set[str] | None = None
+    tag_dir: Path, rank: MpRank, only: set[str] | None = None, progress: Progress | None = None
 ) -> dict[str, torch.Tensor]:
     """The state dict of one model-parallel rank; with ``only``, of those names (aliases
     of tied parameters included when their parameter is)."""
@@ -397,7 +405,7 @@ def _state_dict(
     def write(name: str, start: int, piece: torch.Tensor) -> None:
         flat[name][start : start + piece.numel()].copy_(piece)
 
-    _fill(tag_dir, rank, write, wanted)
+    _fill(tag_dir, rank, write, wanted, progress)
     shapes = {p.name: p.shape for p in rank.plans}
     own = {
         name: flat[name].view(shapes[name]) if name in flat else rank.extras[name].clone()
@@ -504,6 +512,7 @@ def _write_safetensors(
     path: Path,
     meta: Mapping[str, str],
     only: set[str] | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """One ``.safetensors`` file of the rank's tensors (those in ``only``, if given)."""
     plans = {p.name: p for p in rank.plans}
@@ -527,7 +536,7 @@ def _write_safetensors(
         metadata["shared"] = json.dumps(shared)
     writer = SafetensorsWriter(path, tensors, metadata)
     try:
-        _fill(tag_dir, rank, writer.write, set(names))
+        _fill(tag_dir, rank, writer.write, set(names), progress)
         for name, t in rank.extras.items():
             if name in names:
                 writer.write(name, 0, t)
@@ -547,34 +556,42 @@ def zero_to_fp32(
     tag: str | None = None,
     *,
     format: str = "safetensors",
+    progress: bool = False,
 ) -> list[Path]:
     """Consolidate the fp32 weights of a ZeRO checkpoint into ``out``; the files written.
 
-    See the module docstring for the two formats.
+    See the module docstring for the two formats. ``progress`` reports the ZeRO files read on
+    stderr (:mod:`zerotron.progress`: a bar on a terminal, else a line every 10 s).
     """
     root, tag = find_checkpoint(checkpoint_dir, tag)
     tag_dir = layout.tag_dir(root, tag)
     ranks = _mp_ranks(tag_dir)
     out = Path(out)
-    if format == "safetensors":
+    if format not in ("safetensors", "megatron"):
+        raise ConfigError(
+            f"unknown format {format!r}", where="--format", fix="use safetensors or megatron"
+        )
+    total = sum(len(r.files) for r in ranks)
+    with Progress("zero-to-fp32", total, unit="files", enabled=progress) as bar:
+        if format == "megatron":
+            return [_write_megatron(tag_dir, ranks, out, bar)]
         source = {"source": str(tag_dir)}
         if len(ranks) == 1:
-            return [_write_safetensors(tag_dir, ranks[0], out, source)]
+            return [_write_safetensors(tag_dir, ranks[0], out, source, progress=bar)]
         pp_size = max(r.pp for r in ranks) + 1
         return [
             _write_safetensors(
-                tag_dir, r, out / f"{layout.model_dir(r.tp, r.pp, pp_size)}.safetensors", source
+                tag_dir,
+                r,
+                out / f"{layout.model_dir(r.tp, r.pp, pp_size)}.safetensors",
+                source,
+                progress=bar,
             )
             for r in ranks
         ]
-    if format == "megatron":
-        return [_write_megatron(tag_dir, ranks, out)]
-    raise ConfigError(
-        f"unknown format {format!r}", where="--format", fix="use safetensors or megatron"
-    )
 
 
-def _write_megatron(tag_dir: Path, ranks: list[MpRank], out: Path) -> Path:
+def _write_megatron(tag_dir: Path, ranks: list[MpRank], out: Path, progress: Progress) -> Path:
     meta = _metadata(tag_dir)
     for key in ("tag", "iteration", "files", "versions", "saved_at", "format_version"):
         meta.pop(key, None)
@@ -585,7 +602,7 @@ def _write_megatron(tag_dir: Path, ranks: list[MpRank], out: Path) -> Path:
     meta["source"] = str(tag_dir)
     files = {
         layout.model_file(r.tp, r.pp, pp_size): {
-            "model": _state_dict(tag_dir, r),
+            "model": _state_dict(tag_dir, r, progress=progress),
             "checkpoint_version": layout.CHECKPOINT_VERSION,
         }
         for r in ranks
@@ -615,7 +632,7 @@ def build_parser() -> Any:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    paths = zero_to_fp32(args.checkpoint_dir, args.out, args.tag, format=args.format)
+    paths = zero_to_fp32(args.checkpoint_dir, args.out, args.tag, format=args.format, progress=True)
     for path in paths:
         print(f"wrote {path}")
     return 0

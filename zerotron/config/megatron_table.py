@@ -119,9 +119,6 @@ UNSUPPORTED: dict[str, Known] = {
     "--use-torch-fsdp2": Known(False, "FSDP2 is not used (ZeRO stage 3 is the same idea)"),
     "--tp-comm-overlap": Known(False, "TP communication/GEMM overlap is not implemented"),
     "--rampup-batch-size": Known(True, "batch-size ramp-up is not implemented"),
-    "--mock-data": Known(
-        False, "mock data is not implemented; tokenize a corpus with `zerotron preprocess`"
-    ),
     "--train-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
     "--valid-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
     "--test-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
@@ -133,7 +130,6 @@ UNSUPPORTED: dict[str, Known] = {
     ),
     "--use-dist-ckpt": Known(False, "distributed checkpoints are not implemented"),
     "--tokenizer-model": Known(True, "SentencePiece/HF tokenizer models are not supported"),
-    "--vocab-size": Known(True, "the vocabulary size comes from the tokenizer"),
     "--checkpoint-activations": Known(
         False, "removed from Megatron-LM; use --recompute-granularity full"
     ),

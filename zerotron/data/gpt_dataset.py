@@ -89,6 +89,10 @@ class GPTDataset(torch.utils.data.Dataset):
     (float32 ``[s]``), ``position_ids`` (int64 ``[s]``) and, only with ``reset_attention_mask``,
     ``attention_mask`` (bool ``[1, s, s]``, True = may attend). The object pickles by file
     names, so DataLoader workers reopen the memory maps instead of copying them.
+
+    ``indexed_dataset`` may be anything with the reader's ``prefix``, ``num_documents``,
+    ``sizes``, ``doc_idx``, ``get`` and ``document``; one with ``in_memory = True`` (mock data,
+    :mod:`zerotron.data.mock`) gets its index arrays built in memory instead of cached on disk.
     """
 
     def __init__(
@@ -147,15 +151,19 @@ class GPTDataset(torch.utils.data.Dataset):
                 )
             return ib.build_gpt_indices(doc_sizes, docs, num_samples, seq_length, seed)
 
-        arrays, self._index_files, self.cache_hit = ib.load_or_build(
-            cache_dir if cache_dir is not None else prefix.parent,
-            f"{prefix.name}_{name}",
-            self.description,
-            INDEX_KEYS,
-            build,
-            is_builder=is_builder,
-            barrier=barrier,
-        )
+        if getattr(indexed_dataset, "in_memory", False):
+            # Mock data (zerotron.data.mock): no files to cache next to; every rank builds.
+            arrays, self._index_files, self.cache_hit = build(), {}, False
+        else:
+            arrays, self._index_files, self.cache_hit = ib.load_or_build(
+                cache_dir if cache_dir is not None else prefix.parent,
+                f"{prefix.name}_{name}",
+                self.description,
+                INDEX_KEYS,
+                build,
+                is_builder=is_builder,
+                barrier=barrier,
+            )
         self._set_arrays(arrays)
 
     def _set_arrays(self, arrays: dict[str, np.ndarray]) -> None:
@@ -220,6 +228,8 @@ class GPTDataset(torch.utils.data.Dataset):
     # Pickle by file names: a DataLoader worker reopens the memory maps.
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
+        if not self._index_files:  # built in memory over mock data: pickled whole
+            return state
         state["indexed_dataset"] = str(self.indexed_dataset.prefix)
         for key in INDEX_KEYS:
             del state[key]
@@ -227,6 +237,8 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        if not self._index_files:
+            return
         self.indexed_dataset = MMapIndexedDataset(state["indexed_dataset"])
         self._set_arrays(
             {k: np.load(p, mmap_mode="r", allow_pickle=False) for k, p in self._index_files.items()}

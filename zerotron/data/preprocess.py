@@ -39,6 +39,7 @@ from zerotron.config.args import ArgumentParser
 from zerotron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
 from zerotron.data.tokenizer import GPT2BPETokenizer, build_tokenizer
 from zerotron.errors import ConfigError, DataError, UnsupportedError
+from zerotron.progress import Progress
 
 CHUNK_BYTES = 1 << 18  # raw input bytes per task: big enough to amortize IPC, small to balance
 CHUNK_LINES = 4096
@@ -285,26 +286,17 @@ def encode_chunks(chunks: Iterator[Chunk], encoder: Encoder, workers: int) -> It
 
 
 class _Progress:
-    """A rich progress bar on a terminal, else a log line every ``log_interval`` documents."""
+    """Tokenizing progress: a bar over the input bytes on a terminal (:mod:`zerotron.progress`),
+    else Megatron's ``Processed N documents (...)`` line every ``log_interval`` documents."""
 
     def __init__(self, total_bytes: int, log_interval: int, tty: bool):
         self.start = time.perf_counter()
         self.docs = self.nbytes = self.tokens = 0
         self.log_interval = log_interval
         self.next_log = log_interval
-        self.bar = None
-        if tty:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("tokenizing"),
-                BarColumn(),
-                TextColumn("{task.percentage:>3.0f}%"),
-                TextColumn("{task.fields[rates]}"),
-                TimeRemainingColumn(),
-            )
-            self.task = self.bar.add_task("", total=max(total_bytes, 1), rates="")
-            self.bar.start()
+        self.bar = Progress(
+            "tokenizing", total=max(total_bytes, 1), unit="bytes", tty=tty, log_seconds=None
+        )
 
     def rates(self) -> str:
         dt = max(time.perf_counter() - self.start, 1e-9)
@@ -317,16 +309,14 @@ class _Progress:
         self.docs += docs
         self.nbytes += nbytes
         self.tokens += tokens
-        if self.bar is not None:
-            self.bar.update(self.task, completed=position, rates=self.rates())
+        if self.bar.is_bar:
+            self.bar.update(completed=position, info=self.rates())
         elif self.docs >= self.next_log:
-            print(f"Processed {self.docs:,} documents ({self.rates()}).", file=sys.stderr)
-            sys.stderr.flush()
+            self.bar.note(f"Processed {self.docs:,} documents ({self.rates()}).")
             self.next_log = (self.docs // self.log_interval + 1) * self.log_interval
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        self.bar.close()
 
 
 # --------------------------------------------------------------------------- the command
@@ -447,7 +437,13 @@ def build_parser() -> ArgumentParser:
     g.add_argument(
         "--tokenizer-type",
         default="GPT2BPETokenizer",
-        help="tokenizer to use; only GPT2BPETokenizer so far",
+        help="GPT2BPETokenizer, or NullTokenizer (text is ids written out; needs --vocab-size)",
+    )
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="NullTokenizer's vocabulary: ids 0..N-1, end-of-document N",
     )
     g.add_argument(
         "--vocab-file",
@@ -529,7 +525,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_args(args)
     tokenizer = build_tokenizer(
-        args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_json
+        args.tokenizer_type,
+        args.vocab_file,
+        args.merge_file,
+        args.tokenizer_json,
+        vocab_size=args.vocab_size,
     )
     # `kill` (SIGTERM) unwinds like Ctrl-C, so temporary files are removed on the way out.
     in_main_thread = threading.current_thread() is threading.main_thread()

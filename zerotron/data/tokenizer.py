@@ -31,6 +31,7 @@ import regex
 import tiktoken
 
 from zerotron.config.sections.data import TOKENIZER_TYPES, UNSUPPORTED_TOKENIZER_TYPES
+from zerotron.data.null_tokenizer import NullTokenizer
 from zerotron.errors import ConfigError, TokenizerError, UnsupportedError
 
 GPT2_DIR = Path(__file__).with_name("gpt2")
@@ -463,14 +464,33 @@ def build_tokenizer(
     vocab_file: str | os.PathLike | None = None,
     merge_file: str | os.PathLike | None = None,
     tokenizer_json: str | os.PathLike | None = None,
-) -> GPT2BPETokenizer:
-    """The tokenizer Megatron's ``--tokenizer-type`` names (only GPT-2 BPE so far)."""
+    *,
+    vocab_size: int | None = None,
+) -> GPT2BPETokenizer | NullTokenizer:
+    """The tokenizer Megatron's ``--tokenizer-type`` names: GPT-2 BPE, or ``NullTokenizer``
+    (with ``vocab_size``, Megatron's ``--vocab-size``)."""
     if tokenizer_type not in TOKENIZER_TYPES:
         cls = UnsupportedError if tokenizer_type in UNSUPPORTED_TOKENIZER_TYPES else ConfigError
         raise cls(
             f"tokenizer type {tokenizer_type!r} is not supported",
             where="--tokenizer-type",
             fix=f"supported: {', '.join(TOKENIZER_TYPES)}",
+        )
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None or any(
+            f is not None for f in (vocab_file, merge_file, tokenizer_json)
+        ):
+            raise ConfigError(
+                "NullTokenizer takes --vocab-size N and no vocabulary files",
+                where="--tokenizer-type NullTokenizer",
+                fix="pass --vocab-size N (ids 0..N-1, EOD N) and drop --vocab-file/--merge-file",
+            )
+        return NullTokenizer(vocab_size)
+    if vocab_size is not None:
+        raise ConfigError(
+            f"--vocab-size is NullTokenizer's; {tokenizer_type} has its vocabulary from its files",
+            where="--vocab-size",
+            fix="drop --vocab-size, or use --tokenizer-type NullTokenizer",
         )
     if tokenizer_json is not None:
         if vocab_file is not None or merge_file is not None:

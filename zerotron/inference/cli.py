@@ -140,6 +140,7 @@ def _generate(args, device: torch.device) -> int:
         tok_meta.get("type") or "GPT2BPETokenizer",
         args.vocab_file or tok_meta.get("vocab_file"),
         args.merge_file or tok_meta.get("merge_file"),
+        vocab_size=tok_meta.get("vocab_size"),  # NullTokenizer's
     )
     if tokenizer.vocab_size != model.config.orig_vocab_size:
         raise ConfigError(

@@ -26,7 +26,12 @@ from torch import nn
 from zerotron.checkpoint import build_metadata
 from zerotron.checkpoint.fit import VocabPadding
 from zerotron.config import Config
-from zerotron.data.tokenizer import GPT2BPETokenizer, build_tokenizer, vocab_size_with_padding
+from zerotron.data.tokenizer import (
+    GPT2BPETokenizer,
+    NullTokenizer,
+    build_tokenizer,
+    vocab_size_with_padding,
+)
 from zerotron.distributed.rng import model_parallel_seed
 from zerotron.distributed.state import ParallelState, state
 from zerotron.engine import Engine
@@ -142,7 +147,7 @@ class Run:
     """
 
     cfg: Config
-    tokenizer: GPT2BPETokenizer
+    tokenizer: GPT2BPETokenizer | NullTokenizer
     model: GPT | StageModel
     engine: Engine
     flops_params: int = 0
@@ -171,7 +176,9 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
     """Tokenizer, model (seeded, in the training dtype, on ``device``), optimizer, Engine."""
     device = device or default_device()
     d = cfg.data
-    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file)
+    tokenizer = build_tokenizer(
+        d.tokenizer_type, d.vocab_file, d.merge_file, vocab_size=d.vocab_size
+    )
     padded = vocab_size_with_padding(
         tokenizer.vocab_size,
         cfg.model.make_vocab_size_divisible_by,
@@ -208,6 +215,7 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
             "type": d.tokenizer_type,
             "vocab_file": d.vocab_file,
             "merge_file": d.merge_file,
+            **({"vocab_size": d.vocab_size} if d.vocab_size is not None else {}),
         },
         params_dtype=cfg.precision.params_dtype,
     )

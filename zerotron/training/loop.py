@@ -24,6 +24,7 @@ from zerotron.distributed import comm
 from zerotron.distributed.init import get_rank
 from zerotron.engine.timers import Timers
 from zerotron.errors import ConfigError, TrainingError
+from zerotron.progress import Progress
 from zerotron.training import log
 from zerotron.training.build import Run
 from zerotron.training.preemption import Preemption
@@ -69,44 +70,18 @@ class _Interval:
         self.start = time.perf_counter()
 
 
-class _Output:
-    """Print log lines; with a terminal, under a progress bar with ETA."""
-
-    def __init__(self, total: int, done: int):
-        self.progress = None
-        self.quiet = get_rank() != 0
-        if sys.stdout.isatty() and not self.quiet:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.progress = Progress(
-                TextColumn("training"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total}"),
-                TimeRemainingColumn(),
-                transient=True,
-            )
-            self.task = self.progress.add_task("train", total=total, completed=done)
-
-    def __enter__(self) -> _Output:
-        if self.progress is not None:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-    def print(self, line: str) -> None:
-        if self.quiet:
-            return
-        if self.progress is not None:
-            self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
-        else:
-            print(line, flush=True)
-
-    def advance(self) -> None:
-        if self.progress is not None:
-            self.progress.advance(self.task)
+def _output(total: int, done: int) -> Progress:
+    """Log lines on rank 0; on a terminal under a progress bar with ETA (gone when done)."""
+    return Progress(
+        "training",
+        total=total,
+        unit="iterations",
+        completed=done,
+        stream=sys.stdout,
+        log_seconds=None,  # the iteration lines are the log
+        enabled=get_rank() == 0,
+        transient=True,
+    )
 
 
 def evaluate(run: Run, data_iter: Iterator, state: TrainState) -> float:
@@ -176,7 +151,7 @@ def train(
     reported_memory = False
     saved_at = None
     started = time.perf_counter()
-    with _Output(t.train_iters, state.iteration) as out:
+    with _output(t.train_iters, state.iteration) as out:
         out.print(" training ...")
         while state.iteration < t.train_iters:
             loss = float(engine.train_batch(train_iter))
@@ -194,7 +169,7 @@ def train(
             else:
                 interval.loss_sum += loss
                 interval.counted += 1
-            out.advance()
+            out.update(1)
 
             if state.iteration % t.log_interval == 0:
                 elapsed = time.perf_counter() - interval.start

@@ -35,6 +35,7 @@ import torch
 from zerotron.checkpoint import read_latest_tag
 from zerotron.config import Config, parse_megatron_args
 from zerotron.data.gpt_dataset import build_train_valid_test_datasets
+from zerotron.data.mock import build_mock_datasets
 from zerotron.data.samplers import build_pretraining_data_loader
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_rank, get_world_size, init_distributed
@@ -166,27 +167,43 @@ def _resume(run: Run, state: TrainState) -> None:
 def _data_iterators(run: Run, state: TrainState, ps: ParallelState):
     cfg = run.cfg
     d, t = cfg.data, cfg.training
-    if not d.data_path:
+    if not d.data_path and not d.mock_data:
         raise ConfigError(
             "no training data",
             where="--data-path",
-            fix="pass --data-path PREFIX (made by `zerotron preprocess`), or --train-iters 0",
+            fix="pass --data-path PREFIX (made by `zerotron preprocess`), --mock-data to train on "
+            "synthetic tokens, or --train-iters 0",
         )
-    datasets = build_train_valid_test_datasets(
-        d.data_path,
-        d.split,
-        cfg.train_valid_test_num_samples,
-        cfg.model.seq_length,
-        t.seed,
+    masks = dict(
         eod_token=run.tokenizer.eod,
         eod_mask_loss=d.eod_mask_loss,
         reset_position_ids=d.reset_position_ids,
         reset_attention_mask=d.reset_attention_mask,
-        cache_dir=d.data_cache_path,
-        vocab_size=run.tokenizer.vocab_size,  # an id past it would fail in the embedding
-        is_builder=ps.rank == 0,
-        barrier=comm.barrier if ps.world_size > 1 else None,
     )
+    if d.mock_data:
+        if d.data_path:  # Megatron-LM builds the mock datasets and ignores the path too
+            print_rank_0(" WARNING: --data-path is ignored with --mock-data")
+        datasets = build_mock_datasets(
+            d.split,
+            cfg.train_valid_test_num_samples,
+            cfg.model.seq_length,
+            t.seed,
+            vocab_size=run.tokenizer.vocab_size,
+            **masks,
+        )
+    else:
+        datasets = build_train_valid_test_datasets(
+            d.data_path,
+            d.split,
+            cfg.train_valid_test_num_samples,
+            cfg.model.seq_length,
+            t.seed,
+            **masks,
+            cache_dir=d.data_cache_path,
+            vocab_size=run.tokenizer.vocab_size,  # an id past it would fail in the embedding
+            is_builder=ps.rank == 0,
+            barrier=comm.barrier if ps.world_size > 1 else None,
+        )
     consumed = (state.consumed_train_samples, state.consumed_valid_samples, 0)
     # A DataLoader draws its worker seed from the global RNG when iterated; keep that draw out of
     # the training RNG stream so a resumed run replays the same dropout masks.

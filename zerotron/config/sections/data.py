@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from zerotron.config.sections.base import Int, Section, check_choice
 from zerotron.errors import ConfigError
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer",)
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "NullTokenizer")
 """Tokenizers zerotron implements."""
 
 UNSUPPORTED_TOKENIZER_TYPES = (
@@ -23,7 +23,6 @@ UNSUPPORTED_TOKENIZER_TYPES = (
     "Llama2Tokenizer",
     "TikTokenizer",
     "MultimodalTokenizer",
-    "NullTokenizer",
 )
 """Megatron-LM tokenizer types zerotron knows about but does not implement."""
 
@@ -36,10 +35,21 @@ class DataConfig(Section):
         description="Dataset prefix, or a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...', or several "
         "prefixes weighted by their size.",
     )
+    mock_data: bool = Field(
+        False,
+        description="Train on synthetic documents (zerotron.data.mock) instead of --data-path: "
+        "deterministic by --seed, the same samples for every layout (Megatron's --mock-data).",
+    )
     split: str = Field(
         "969,30,1", description="Train,valid,test proportions of the documents (Megatron's)."
     )
     tokenizer_type: str = Field("GPT2BPETokenizer", description="Tokenizer.")
+    vocab_size: Int | None = Field(
+        None,
+        ge=1,
+        description="NullTokenizer's vocabulary: ids 0..N-1 and the end-of-document id N "
+        "(Megatron's --vocab-size).",
+    )
     vocab_file: str | None = Field(
         None, description="GPT-2 encoder.json (Megatron's --vocab-file); default: the bundled one."
     )
@@ -84,6 +94,24 @@ class DataConfig(Section):
     def _check_tokenizer(cls, value: str) -> str:
         check_choice("data.tokenizer_type", value, TOKENIZER_TYPES, UNSUPPORTED_TOKENIZER_TYPES)
         return value
+
+    @model_validator(mode="after")
+    def _check_vocab_size(self) -> DataConfig:
+        null = self.tokenizer_type == "NullTokenizer"
+        if null and self.vocab_size is None:
+            raise ConfigError(
+                "NullTokenizer needs a vocabulary size",
+                where="data.vocab_size",
+                fix="pass --vocab-size N (ids 0..N-1, end-of-document N)",
+            )
+        if not null and self.vocab_size is not None:
+            raise ConfigError(
+                f"--vocab-size is NullTokenizer's; {self.tokenizer_type} takes its vocabulary "
+                "from its files",
+                where="data.vocab_size",
+                fix="drop --vocab-size, or use --tokenizer-type NullTokenizer",
+            )
+        return self
 
     @property
     def blend(self) -> tuple[list[str], list[float] | None] | None:
