@@ -175,6 +175,8 @@ def initialize(
         monitor=MonitorMaster.from_config(cfg.monitor, get_rank()),
         checkpoint_tag_validation=cfg.checkpoint.checkpoint_tag_validation,
         autotuning=cfg.autotuning,
+        profile_steps=cfg.monitor.profile_steps,
+        profile_dir=cfg.monitor.profile_dir,
     )
     engine.config = resolved  # DeepSpeed's engine.config: the config dict (HF's Trainer reads it)
     loader = None

@@ -271,6 +271,9 @@ SPEC: dict[str, Any] = {
     ),
     "zero_force_ds_cpu_optimizer": Leaf("zero_force_ds_cpu_optimizer", BOOL, True),
     "wall_clock_breakdown": Leaf("wall_clock_breakdown", BOOL, False),
+    # zerotron's own keys (DeepSpeed has no timeline recorder): --profile-steps, --profile-dir
+    "profile_steps": Leaf("profile_steps", OPT_STR, None),
+    "profile_dir": Leaf("profile_dir", OPT_STR, None),
     "fp16": {
         "enabled": Leaf("fp16", BOOL, False),
         "auto_cast": Leaf("fp16_auto_cast", BOOL, False),

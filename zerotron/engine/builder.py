@@ -36,6 +36,7 @@ from zerotron.engine import autotuning_metrics
 from zerotron.engine.core import Engine
 from zerotron.optim import OptimizerParamScheduler, build_ds_scheduler, build_optimizer
 from zerotron.parallel.data_parallel import DataParallel
+from zerotron.pipeline import profile as step_profile
 from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
 from zerotron.precision.grads import IsCounted, ReduceFn
 from zerotron.precision.loss_scaler import LossScaler
@@ -213,6 +214,8 @@ def build_engine(
     ps: ParallelState | None = None,
     scheduler: Callable[[Any], Any] | None = None,
     autotuning: AutotuningConfig | None = None,
+    profile_steps: str | None = None,
+    profile_dir: str | None = None,
     **engine_options: Any,
 ) -> Engine:
     """An Engine training ``model`` with a fresh torch ``optimizer`` wrapped as ``setup`` says.
@@ -222,9 +225,12 @@ def build_engine(
     ``gradient_accumulation_steps``, ``pipeline``, ``checkpoint_metadata``, ``state_fitter``,
     ...), all but ``data_parallel``, which comes from the wrapping. ``autotuning``: the config's
     autotuning section; when enabled the run measures itself for ``zerotron tune``.
+    ``profile_steps`` ("A:B"): record those steps' timeline into ``profile_dir``
+    (:mod:`zerotron.pipeline.profile`).
     """
     wrapped, data_parallel = wrap_optimizer(model, optimizer, setup, ps)
     lr_scheduler = scheduler(wrapped) if scheduler is not None else None
     engine = Engine(model, wrapped, lr_scheduler, data_parallel=data_parallel, **engine_options)
     autotuning_metrics.attach(engine, autotuning)  # the config's "autotuning" block, if enabled
+    step_profile.attach(engine, profile_steps, profile_dir)  # --profile-steps, if given
     return engine

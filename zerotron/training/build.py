@@ -235,5 +235,7 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         timers=timers,
         pipeline=pipeline,
         autotuning=cfg.autotuning,
+        profile_steps=cfg.monitor.profile_steps,
+        profile_dir=cfg.monitor.profile_dir or cfg.checkpoint.save,
     )
     return Run(cfg, tokenizer, model, engine, flops_params)
