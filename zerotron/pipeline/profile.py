@@ -168,7 +168,7 @@ def pipeline_outputs(directory: Path, ranks: list[dict[str, Any]]) -> list[dict[
             "colour = micro-batch, grey = idle (waiting, communicating)",
             title=f"measured {kind} schedule, step {steps[-1]}",
             # as wide as the simulated picture of the same schedule: by actions, not by time
-            width=min(max(8.0, 1.5 * max(map(len, timeline.events)) + 1.3), 60.0),
+            width=min(max(8.0, 0.75 * max(map(len, timeline.events)) + 1.3), 60.0),
         )
     return out
 
