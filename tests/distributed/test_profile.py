@@ -4,8 +4,9 @@ One ``zerotron pretrain`` run on 2 gloo ranks (pp=2, 1F1B, 4 micro-batches, the 
 test_pretrain_parallel) records steps 2..3. Each stage must have executed exactly its schedule's
 actions, in order, in each recorded step; the Chrome trace must be valid JSON with a process per
 rank, a thread per stream and the expected events; the timeline picture and the bubble lines
-must be there. The analysis itself is checked without processes: a simulated timeline turned
-into recorded spans must measure the simulator's bubble.
+must be there, and each rank's metrics file must hold a ``profile`` record (--metrics-dir is
+also where the profile goes). The analysis itself is checked without processes: a simulated
+timeline turned into recorded spans must measure the simulator's bubble.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from zerotron.pipeline import Backward, Forward, build_schedule, measure, simula
 from zerotron.pipeline.measured import decode, encode, executed_actions, measured_timeline
 from zerotron.pipeline.profile import FIGURE, TRACE, stage_spans
 from zerotron.pipeline.timeline import report
+from zerotron.training.metrics import metrics_path, read_metrics
 from zerotron.training.pretrain import pretrain
 
 from .spawn import run_ranks
@@ -42,7 +44,7 @@ ARGS = [
 
 def _rank(rank: int, data: str, directory: str) -> str:
     out = io.StringIO()
-    argv = [*ARGS, "--data-path", data, "--profile-dir", directory]  # no --save: no checkpoint
+    argv = [*ARGS, "--data-path", data, "--metrics-dir", directory]  # no --save: no checkpoint
     with contextlib.redirect_stdout(out):
         pretrain(parse_megatron_args(argv, world_size=2))
     return out.getvalue()
@@ -105,6 +107,19 @@ def test_figure_and_bubble_lines(run):
         assert f"pipeline bubble of step {step} (idle / busy): measured" in stdout[0]
         assert theory in stdout[0]
     assert "pipeline bubble" not in stdout[1]  # rank 0 reports
+
+
+@RUN
+def test_profile_record_in_the_metrics_file(run):
+    save, _, _ = run
+    for rank in (0, 1):
+        (record,) = [r for r in read_metrics(metrics_path(save, rank)) if r["kind"] == "profile"]
+        assert record["iteration_range"] == list(STEPS)
+        assert record["trace"] == TRACE
+        if rank == 0:
+            assert [b["step"] for b in record["bubbles"]] == [2, 3]
+            assert all(b["theory"] == 1 / M for b in record["bubbles"])
+            assert record["figure"] == FIGURE
 
 
 # ---- without processes ----------------------------------------------------------------------

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.state import ParallelState, state
-from zerotron.engine import autotuning_metrics
+from zerotron.engine import autotuning_metrics, run_metrics
 from zerotron.engine.core import Engine
 from zerotron.optim import OptimizerParamScheduler, build_ds_scheduler, build_optimizer
 from zerotron.parallel.data_parallel import DataParallel
@@ -214,6 +214,7 @@ def build_engine(
     ps: ParallelState | None = None,
     scheduler: Callable[[Any], Any] | None = None,
     autotuning: AutotuningConfig | None = None,
+    metrics: run_metrics.RunMetrics | None = None,
     profile_steps: str | None = None,
     profile_dir: str | None = None,
     **engine_options: Any,
@@ -225,6 +226,7 @@ def build_engine(
     ``gradient_accumulation_steps``, ``pipeline``, ``checkpoint_metadata``, ``state_fitter``,
     ...), all but ``data_parallel``, which comes from the wrapping. ``autotuning``: the config's
     autotuning section; when enabled the run measures itself for ``zerotron tune``.
+    ``metrics``: this rank's metrics-file writer (:mod:`zerotron.engine.run_metrics`), or None.
     ``profile_steps`` ("A:B"): record those steps' timeline into ``profile_dir``
     (:mod:`zerotron.pipeline.profile`).
     """
@@ -232,5 +234,6 @@ def build_engine(
     lr_scheduler = scheduler(wrapped) if scheduler is not None else None
     engine = Engine(model, wrapped, lr_scheduler, data_parallel=data_parallel, **engine_options)
     autotuning_metrics.attach(engine, autotuning)  # the config's "autotuning" block, if enabled
+    run_metrics.attach(engine, metrics)
     step_profile.attach(engine, profile_steps, profile_dir)  # --profile-steps, if given
     return engine

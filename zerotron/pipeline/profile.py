@@ -18,8 +18,9 @@ barrier, rank 0 merges them into
   a printed line per recorded step: the measured bubble against (p − 1)/(v·m).
 
 Rank 0 needs every rank's file: ``<dir>`` must be on a file system all nodes share (as
-``--save`` is). Each rank's ``profile`` metrics record (``metrics.write("profile", ...)``, when
-a metrics writer is set) names the trace and the steps; rank 0's also holds the bubbles.
+``--save`` is). Each rank's ``profile`` record in the run's metrics file (the Engine's
+:mod:`~zerotron.engine.run_metrics` writer, or :attr:`StepProfiler.metrics`) names the steps
+and the trace (relative to ``<dir>``); rank 0's also holds the bubbles and the figure.
 """
 
 from __future__ import annotations
@@ -214,4 +215,6 @@ def after_step(engine: Any) -> None:
     """After each optimizer step."""
     profiler = vars(engine).get("_step_profiler")
     if profiler is not None:
+        if profiler.metrics is None:  # the run's metrics file (zerotron.engine.run_metrics)
+            profiler.metrics = vars(engine).get("_run_metrics")
         profiler.after_step(engine.global_steps)

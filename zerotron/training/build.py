@@ -236,6 +236,6 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         pipeline=pipeline,
         autotuning=cfg.autotuning,
         profile_steps=cfg.monitor.profile_steps,
-        profile_dir=cfg.monitor.profile_dir or cfg.checkpoint.save,
+        profile_dir=cfg.monitor.profile_dir or cfg.training.metrics_dir or cfg.checkpoint.save,
     )
     return Run(cfg, tokenizer, model, engine, flops_params)
