@@ -222,3 +222,32 @@ def test_cuda_events_resolve_against_the_anchor():
     recorder.spans = [trace.Span("B0", "compute", _Event(12.5), _Event(13.0), {})]
     (span,) = recorder.finish()
     assert (span.start, span.end) == (recorder._epoch0 + 2_500_000, recorder._epoch0 + 3_000_000)
+
+
+def test_deepspeed_script_records_its_steps(tmp_path):
+    """A DeepSpeed-style loop (engine(x), engine.backward, engine.step) with the config's
+    ``profile_steps`` / ``profile_dir``: steps 2..3 of 4 land in the trace, phases by step."""
+    import torch
+    from torch import nn
+
+    import zerotron
+
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "profile_steps": "2:3",
+        "profile_dir": str(tmp_path),
+    }
+    engine, *_ = zerotron.initialize(model=nn.Linear(8, 1), config=config)
+    for _ in range(4 * 2):
+        loss = engine(torch.randn(4, 8)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    events = json.loads((tmp_path / TRACE).read_text())["traceEvents"]
+    phases = [(e["name"], e["args"]["step"]) for e in events if e["ph"] == "X"]
+    per_step = ["forward", "backward", "backward_allreduce"]  # x2 micro-batches, then "step"
+    expected = [(n, s) for s in (2, 3) for n in ["forward", "backward"] + per_step + ["step"]]
+    assert phases == expected
+    assert not (tmp_path / FIGURE).exists()  # no pipeline: no pipeline picture
