@@ -41,6 +41,8 @@ ARGS = [
     "--profile-steps", f"{STEPS[0]}:{STEPS[1]}",
 ]  # fmt: skip
 
+REQUIRED = [*ARGS[:10], "--train-iters", "3", "--lr", "1"]  # what a parse needs
+
 
 def _rank(rank: int, data: str, directory: str) -> str:
     out = io.StringIO()
@@ -194,9 +196,7 @@ def test_recorder_spans_and_chrome_events_on_cpu():
 @pytest.mark.parametrize("text", ["0:2", "3:2", "a:b", "1:2:3", "", "-1:2"])
 def test_bad_profile_steps_are_refused(text):
     with pytest.raises(ConfigError, match="profile.steps"):
-        parse_megatron_args(
-            [*ARGS[:10], "--train-iters", "3", "--lr", "1", "--profile-steps", text], world_size=1
-        )
+        parse_megatron_args([*REQUIRED, "--profile-steps", text], world_size=1)
 
 
 def test_profile_steps_need_a_directory():
@@ -251,3 +251,11 @@ def test_deepspeed_script_records_its_steps(tmp_path):
     expected = [(n, s) for s in (2, 3) for n in ["forward", "backward"] + per_step + ["step"]]
     assert phases == expected
     assert not (tmp_path / FIGURE).exists()  # no pipeline: no pipeline picture
+
+
+def test_megatrons_profile_flags_point_to_profile_steps():
+    from zerotron.errors import UnsupportedError
+
+    for extra in (["--profile"], ["--profile-step-start", "10"]):
+        with pytest.raises(UnsupportedError, match="--profile-steps A:B"):
+            parse_megatron_args([*REQUIRED, *extra], world_size=1)
