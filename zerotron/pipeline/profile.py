@@ -87,18 +87,29 @@ class StepProfiler:
         atomic_write_text(files / f"rank{rank}.json", json.dumps(mine))
         if get_world_size() > 1:
             comm.barrier()  # every rank's file is written
-        record: dict[str, Any] = {"iteration_range": [self.first, self.last], "trace": TRACE}
+        record: dict[str, Any] = {
+            "iteration_range": [self.first, self.last],
+            "trace": self._relative(TRACE),
+        }
         if rank == 0:
             ranks = [_read(files / f"rank{r}.json") for r in range(get_world_size())]
             write_trace(self.directory / TRACE, ranks)
             self.bubbles = pipeline_outputs(self.directory, ranks)
             if self.bubbles:
                 record["bubbles"] = self.bubbles
-                record["figure"] = FIGURE
+                record["figure"] = self._relative(FIGURE)
             print(f" profile of steps {self.first}..{self.last}: {self.directory / TRACE} "
                   "(open in https://ui.perfetto.dev)", flush=True)  # fmt: skip
         if self.metrics is not None:
             self.metrics.write("profile", **record)
+
+    def _relative(self, name: str) -> str:
+        """``name`` in the profile directory, relative to the metrics file's directory (the
+        same directory unless --profile-dir moved the profile elsewhere)."""
+        base = getattr(self.metrics, "directory", None)
+        if base is None:
+            return name
+        return os.path.relpath(self.directory / name, base)
 
 
 def _layout() -> dict[str, int]:
