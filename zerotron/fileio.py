@@ -1,21 +1,29 @@
-"""Crash-safe file writes: write under a temporary name, fsync, rename.
+"""Crash-safe file writes: write under a temporary name, fsync, rename; and append-only logs.
 
 A reader never sees a half-written file: either the old content or the new. Used by
 preprocessing (.bin/.idx), index caches and checkpoints.
+
+Append-only JSON-lines logs (:class:`MetricsFile`, the run's metrics file of ``zerotron
+report``) are the other crash-safe shape: each record is one line, written and flushed at once,
+so a crash loses at most the line being written, and readers skip a truncated last line. They
+live here, at the bottom of the layers, so the Engine and the training loop write through one
+class; :mod:`zerotron.training.metrics` is their documented entry.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from zerotron.errors import ConfigError, DiskFullError
+from zerotron.errors import ConfigError, DataError, DiskFullError
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -234,3 +242,100 @@ def recover_dir(final: str | os.PathLike) -> bool:
         if old.exists() and final.exists():
             shutil.rmtree(old, ignore_errors=True)
     return restored
+
+
+def metrics_path(directory: str | os.PathLike, rank: int) -> Path:
+    """Rank ``rank``'s metrics file in a run directory: ``<directory>/metrics/rank<R>.jsonl``."""
+    return Path(directory) / "metrics" / f"rank{int(rank)}.jsonl"
+
+
+def _jsonable(value: object) -> object:
+    """JSON for what training code hands over: tensors and numpy scalars, paths, sets."""
+    if hasattr(value, "item") and callable(value.item):  # 0-d tensor, numpy scalar
+        return value.item()
+    if hasattr(value, "tolist") and callable(value.tolist):
+        return value.tolist()
+    if isinstance(value, (os.PathLike, type)):
+        return str(value)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return repr(value)
+
+
+class MetricsFile:
+    """One rank's append-only metrics log: ``{"kind": ..., "time": ..., **fields}`` per line.
+
+    Each :meth:`write` is one ``write`` of one complete line, then a flush: a crash (or a
+    kill) loses at most that line. Opening an existing file appends (a resumed run continues
+    its log) after cutting off a truncated last line a crash left, so new records never join
+    a fragment.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _cut_partial_last_line(self.path)
+        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open: a log)
+
+    def write(self, kind: str, **fields: object) -> None:
+        """Append one record of ``kind`` stamped with the wall-clock time, and flush it."""
+        if self._f.closed:
+            return  # written after close (an exit path): nothing to keep it in
+        record = {"kind": kind, "time": time.time(), **fields}
+        line = json.dumps(record, default=_jsonable, separators=(",", ":"))
+        with disk_full_is_clear(self.path):
+            self._f.write(line + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> MetricsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _cut_partial_last_line(path: Path) -> None:
+    """Truncate ``path`` after its last newline (what a crash mid-line left is no record)."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            tail = min(size, 1 << 20)
+            f.seek(size - tail)
+            end = f.read(tail).rfind(b"\n")
+            f.truncate(size - tail + end + 1 if end >= 0 else (0 if tail == size else size))
+    except FileNotFoundError:
+        return
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a metrics file, in order; a truncated (crash-cut) last line is skipped.
+
+    A corrupt line anywhere else is a :class:`~zerotron.errors.DataError` naming it.
+    """
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # no newline after it: the line a crash cut
+                continue
+            raise DataError(
+                f"a metrics file line is not a JSON record: {line[:80]!r}",
+                where=f"{path}:{number}",
+                fix="remove that line (two writers on one rank file?) and run again",
+            ) from None
+        if isinstance(record, dict) and "kind" in record:
+            records.append(record)
+    return records

@@ -79,6 +79,11 @@ class Known(NamedTuple):
 
 
 _GPT2 = "zerotron implements the GPT-2 architecture"
+_PROFILE = (
+    "Megatron's nsys / torch profiler switches are not implemented; --profile-steps A:B records "
+    "steps A..B on every rank into a Chrome trace and the measured pipeline timeline "
+    "(docs/profiling.md)"
+)
 UNSUPPORTED: dict[str, Known] = {
     "--use-flash-attn": Known(
         False,
@@ -130,6 +135,11 @@ UNSUPPORTED: dict[str, Known] = {
     ),
     "--use-dist-ckpt": Known(False, "distributed checkpoints are not implemented"),
     "--tokenizer-model": Known(True, "SentencePiece/HF tokenizer models are not supported"),
+    "--profile": Known(False, _PROFILE),
+    "--use-pytorch-profiler": Known(False, _PROFILE),
+    "--profile-step-start": Known(True, _PROFILE),
+    "--profile-step-end": Known(True, _PROFILE),
+    "--profile-ranks": Known(True, _PROFILE),
     "--checkpoint-activations": Known(
         False, "removed from Megatron-LM; use --recompute-granularity full"
     ),

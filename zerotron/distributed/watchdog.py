@@ -5,7 +5,8 @@ barrier, a batch of point-to-point messages) with :func:`enter` and :func:`leave
 group's name and ranks, the bytes, the call's number on the group (every member numbers its
 calls on a group alike, so a member with a lower number has not reached this call yet) and, for
 point-to-point, the peers. That costs one ``time.monotonic()``, one small object and a dict
-write per call; nothing else runs on the calling thread.
+write per call; nothing else runs on the calling thread. While a timeline is recorded
+(:mod:`~zerotron.distributed.trace`, :func:`observe`), the same marks open and close its spans.
 
 One daemon thread per rank (:func:`start`, from :func:`zerotron.distributed.init_distributed`)
 looks every ``period`` seconds. When a wait has lasted ``threshold`` seconds it reports once:
@@ -63,6 +64,7 @@ DEFAULT_FRACTION = 0.25  # of the process-group timeout
 _waits: dict[int, Wait] = {}  # thread id -> the wait it is in (at most one per thread)
 _dog: _Dog | None = None
 _busy: list[str] = []  # what this rank is doing on purpose that may keep its peers waiting
+_observer: Any = None  # the timeline recorder (zerotron.distributed.trace) while one records
 
 
 class Wait:
@@ -71,13 +73,14 @@ class Wait:
     Only a reference to the call is kept: reading its fields is the watchdog thread's work.
     """
 
-    __slots__ = ("call", "since", "previous", "told")
+    __slots__ = ("call", "since", "previous", "told", "span")
 
     def __init__(self, call: Any, previous: Wait | None) -> None:
         self.call = call
         self.since = time.monotonic()
         self.previous = previous
         self.told = False
+        self.span: Any = None  # the recorder's span of this wait, while one records
 
     def describe(self, now: float) -> dict[str, Any]:
         call = self.call
@@ -97,16 +100,27 @@ def enter(call: Any) -> Wait:
     """Mark the calling thread as waiting in ``call`` (a :class:`~.failures.Call`)."""
     tid = get_ident()
     wait = _waits[tid] = Wait(call, _waits.get(tid))
+    if _observer is not None:
+        wait.span = _observer.begin_wait(call)
     return wait
 
 
 def leave(wait: Wait) -> None:
     """The wait of :func:`enter` is over (finished or failed)."""
+    if wait.span is not None and _observer is not None:
+        _observer.end(wait.span)
     tid = get_ident()
     if wait.previous is None:
         _waits.pop(tid, None)
     else:
         _waits[tid] = wait.previous
+
+
+def observe(observer: Any) -> None:
+    """Tell ``observer`` of every wait (``begin_wait(call) -> span`` at :func:`enter`,
+    ``end(span)`` at :func:`leave`); None stops. The timeline recorder uses this seam."""
+    global _observer
+    _observer = observer
 
 
 def threshold_for(timeout_s: float) -> float | None:

@@ -32,11 +32,12 @@ from torch import Tensor, nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.state import ParallelState, state
-from zerotron.engine import autotuning_metrics
+from zerotron.engine import autotuning_metrics, run_metrics
 from zerotron.engine import flops_profiler as flops_profiling
 from zerotron.engine.core import Engine
 from zerotron.optim import OptimizerParamScheduler, build_ds_scheduler, build_optimizer
 from zerotron.parallel.data_parallel import DataParallel
+from zerotron.pipeline import profile as step_profile
 from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
 from zerotron.precision.grads import IsCounted, ReduceFn
 from zerotron.precision.loss_scaler import LossScaler
@@ -215,6 +216,9 @@ def build_engine(
     scheduler: Callable[[Any], Any] | None = None,
     autotuning: AutotuningConfig | None = None,
     flops_profiler: FlopsProfilerConfig | None = None,
+    metrics: run_metrics.RunMetrics | None = None,
+    profile_steps: str | None = None,
+    profile_dir: str | None = None,
     **engine_options: Any,
 ) -> Engine:
     """An Engine training ``model`` with a fresh torch ``optimizer`` wrapped as ``setup`` says.
@@ -226,10 +230,15 @@ def build_engine(
     autotuning section; when enabled the run measures itself for ``zerotron tune``.
     ``flops_profiler``: the config's flops_profiler section; when enabled rank 0 prints the
     FLOPs profile of step ``profile_step`` (:mod:`zerotron.engine.flops_profiler`).
+    ``metrics``: this rank's metrics-file writer (:mod:`zerotron.engine.run_metrics`), or None.
+    ``profile_steps`` ("A:B"): record those steps' timeline into ``profile_dir``
+    (:mod:`zerotron.pipeline.profile`).
     """
     wrapped, data_parallel = wrap_optimizer(model, optimizer, setup, ps)
     lr_scheduler = scheduler(wrapped) if scheduler is not None else None
     engine = Engine(model, wrapped, lr_scheduler, data_parallel=data_parallel, **engine_options)
     autotuning_metrics.attach(engine, autotuning)  # the config's "autotuning" block, if enabled
     flops_profiling.attach(engine, flops_profiler)  # its "flops_profiler" block, if enabled
+    run_metrics.attach(engine, metrics)
+    step_profile.attach(engine, profile_steps, profile_dir)  # --profile-steps, if given
     return engine

@@ -51,6 +51,7 @@ from zerotron.engine.timers import WALL_CLOCK_TIMERS, NullTimer, NullTimers, Tim
 from zerotron.errors import UnsupportedError
 from zerotron.kernels import apply_process_settings
 from zerotron.parallel.declarations import allreduce_tied_grads
+from zerotron.pipeline import profile as step_profile
 from zerotron.precision.step import StepResult
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
@@ -213,11 +214,13 @@ class Engine(DeepSpeedSurface, nn.Module):
     def _timed(self, name: str, on: bool = True) -> Iterator[None]:
         """The block timed by ``self.timers(name)`` when ``on``."""
         timer = self.timers(name) if on else NullTimer()
+        span = step_profile.phase(self, name)  # --profile-steps: None unless recording
         timer.start()
         try:
             yield
         finally:
             timer.stop()
+            step_profile.end_phase(span)
 
     def _refuse_under_pipeline(self, what: str) -> None:
         if self.pipeline is not None:
@@ -319,6 +322,7 @@ class Engine(DeepSpeedSurface, nn.Module):
         if timing and every and self.global_steps % every == 0:
             self._print_wall_clock()
         autotuning_metrics.after_step(self)  # an autotuning experiment ends after its profile
+        step_profile.after_step(self)  # --profile-steps: the recording ends after its last step
         return result
 
     def _write_monitor_events(self) -> None:

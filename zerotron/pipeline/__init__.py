@@ -13,6 +13,10 @@
   and receives match pairwise, in order, between stages, and nothing deadlocks.
 - :mod:`~zerotron.pipeline.timeline`: the bubble (measured vs (p-1)/(v·m)), the
   timeline picture, and ``zerotron schedule``.
+- :mod:`~zerotron.pipeline.measured`: the runtime's recorded actions back as a schedule and
+  as a measured timeline (drawn and measured like a simulated one).
+- :mod:`~zerotron.pipeline.profile`: ``--profile-steps A:B``: record those steps on every rank,
+  write the Chrome trace, the measured timeline picture and the bubble.
 - :mod:`~zerotron.pipeline.partition`: which layers each (virtual) stage holds.
 - :mod:`~zerotron.pipeline.runtime`: :class:`PipelineRuntime`, which executes a
   stage's actions on the pipeline group (batched p2p, shape headers, freed sent outputs).

@@ -39,6 +39,10 @@ output deallocation. ``torch.autograd.backward(output, grad)`` then works on the
 needs the chunk's last operation not to save its own output for backward (true of a
 transformer layer's residual add); outputs that are views or leaves are never freed.
 
+Timeline: while a recorder is active (:mod:`zerotron.distributed.trace`, ``--profile-steps``),
+each training step records a ``schedule`` span around its actions and one span per action
+(:func:`~zerotron.pipeline.measured.begin_action`); otherwise that costs one check per action.
+
 Results: :meth:`PipelineRuntime.train_step` returns the mean loss over the micro-batches on the
 last pipeline stage and None elsewhere (no extra communication; broadcast it over the pipeline
 group if every rank must log it). Gradients accumulate into ``.grad``: zero them before the
@@ -54,10 +58,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotron.distributed import comm
+from zerotron.distributed import comm, trace
 from zerotron.distributed.state import state
 from zerotron.errors import ConfigError, DataError, DistributedError
 from zerotron.pipeline.check import check_schedule
+from zerotron.pipeline.measured import WINDOW, begin_action
 from zerotron.pipeline.schedules import (
     Action,
     Backward,
@@ -162,13 +167,20 @@ class PipelineRuntime:
         self, actions: list[Action], batches: list[Batch], training: bool, grad_scale: float
     ) -> torch.Tensor | None:
         step = _Step(batches, training, grad_scale / self.num_microbatches)
+        recorder = trace.active() if training else None  # None: not recording (the usual)
+        window = None if recorder is None else recorder.begin(WINDOW, "compute", **self._shape())
         for action in actions:
+            span = None if recorder is None else begin_action(recorder, action)
             if isinstance(action, Forward):
                 self._forward(step, action)
             elif isinstance(action, Backward):
                 self._backward(step, action)
             else:
                 self._communicate(step, comm_ops(action))
+            if span is not None:
+                recorder.end(span)
+        if window is not None:
+            recorder.end(window)
         if step.outputs or step.inputs or step.grads_in or step.grads_out:
             left = sorted({*step.outputs, *step.inputs, *step.grads_in, *step.grads_out})
             raise DistributedError(
@@ -178,6 +190,16 @@ class PipelineRuntime:
         if not step.losses:
             return None
         return torch.stack(step.losses).mean()
+
+    def _shape(self) -> dict[str, Any]:
+        """What a recorded step's window carries: enough to rebuild the schedule."""
+        return {
+            "kind": self.kind,
+            "stage": self.stage,
+            "stages": self.num_stages,
+            "microbatches": self.num_microbatches,
+            "chunks": self.num_chunks,
+        }
 
     def _vstage(self, chunk: int) -> int:
         return virtual_stage(self.stage, chunk, self.num_stages)

@@ -16,6 +16,9 @@ same work, so it equals (T - t_ideal) / t_ideal. Theory (Narayanan et al. 2021) 
 (p - 1) / m for GPipe and 1F1B and (p - 1) / (v m) for the interleaved schedule; the schedules
 here reach it exactly under these costs. :func:`idle_fraction` is the other common reading,
 idle / (idle + busy), the share of the devices' time wasted: (p - 1) / (m + p - 1) for 1F1B.
+
+A measured timeline (:mod:`~zerotron.pipeline.measured`, from ``--profile-steps``) is measured
+by :func:`report` and drawn by :func:`draw_timeline` the same way.
 """
 
 from __future__ import annotations
@@ -59,10 +62,11 @@ def theoretical_bubble(num_stages: int, num_microbatches: int, virtual_stages: i
 
 def measure(schedule: Schedule, fwd_cost: float = 1.0, bwd_cost: float = 2.0) -> BubbleReport:
     """Simulate ``schedule`` and measure its bubble (see the module docstring)."""
-    return _report(simulate(schedule, fwd_cost, bwd_cost))
+    return report(simulate(schedule, fwd_cost, bwd_cost))
 
 
-def _report(timeline: Timeline) -> BubbleReport:
+def report(timeline: Timeline) -> BubbleReport:
+    """The bubble of a timeline, simulated or measured (:mod:`~zerotron.pipeline.measured`)."""
     p, m, v = timeline.num_stages, timeline.num_microbatches, timeline.virtual_stages
     busy = sum(timeline.busy(s) for s in range(p))
     idle = p * timeline.makespan - busy
@@ -118,6 +122,32 @@ def draw(
     chunk as a subscript with virtual stages; later chunks are drawn lighter). Grey is idle.
     Time is in units of one full-stage forward, so schedules with different v compare directly.
     """
+    timeline = simulate(schedule, fwd_cost, bwd_cost)
+    v = timeline.virtual_stages
+    xlabel = (
+        f"time (one stage's forward = 1, backward = {bwd_cost / fwd_cost:g});  "
+        "F forward, B backward (hatched), colour = micro-batch"
+        + (", subscript = model chunk (later chunks lighter)" if v > 1 else "")
+        + ", grey = idle"
+    )
+    # Time in units of one full-stage forward (v chunks), so schedules with different v compare.
+    draw_timeline(timeline, out_path, unit=v * fwd_cost, xlabel=xlabel, title=title)
+
+
+def draw_timeline(
+    timeline: Timeline,
+    out_path: str | os.PathLike,
+    *,
+    unit: float,
+    xlabel: str,
+    title: str | None = None,
+    measured: str = "measured",
+    width: float | None = None,
+) -> None:
+    """Write a PNG of ``timeline`` (simulated, or measured by
+    :mod:`~zerotron.pipeline.measured`): one row per stage, stage 0 on top, time divided by
+    ``unit``; the title gives the bubble against (p-1)/(v·m) (``measured`` names the bubble).
+    ``width`` in inches (default: from the time span, 8 to 60)."""
     try:  # lazy: keeps the CLI fast; matplotlib is an extra
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -128,13 +158,11 @@ def draw(
             fix="pip install 'zerotron[plot]', or leave out --out",
         ) from e
 
-    timeline = simulate(schedule, fwd_cost, bwd_cost)
     p, m, v = timeline.num_stages, timeline.num_microbatches, timeline.virtual_stages
-    unit = v * fwd_cost  # simulated time of one full-stage forward
     span = timeline.makespan / unit
     # Layout in inches: 1.0 left for stage names, 0.3 right; rows 0.55 high; 0.75 below for
     # the axis and caption, 0.6 above for the title.
-    width = min(max(8.0, 0.5 * span + 1.3), 60.0)
+    width = width or min(max(8.0, 0.5 * span + 1.3), 60.0)
     height = 0.55 * p + 1.35
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
@@ -144,21 +172,15 @@ def draw(
     ax.set_xlim(0, span)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
-    ax.set_xlabel(
-        f"time (one stage's forward = 1, backward = {bwd_cost / fwd_cost:g});  "
-        "F forward, B backward (hatched), colour = micro-batch"
-        + (", subscript = model chunk (later chunks lighter)" if v > 1 else "")
-        + ", grey = idle",
-        fontsize=9,
-    )
+    ax.set_xlabel(xlabel, fontsize=9)
     ax.tick_params(length=0)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    report = _report(timeline)
+    bubble = report(timeline)
     ax.set_title(
         (title + "\n" if title else "")
-        + f"p={p}, m={m}, v={v}: bubble {report.bubble:.4f} measured, "
-        f"{report.theory:.4f} = (p-1)/(v·m) theory",
+        + f"p={p}, m={m}, v={v}: bubble {bubble.bubble:.4f} {measured}, "
+        f"{bubble.theory:.4f} = (p-1)/(v·m) theory",
         fontsize=10,
         loc="left",
     )

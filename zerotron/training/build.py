@@ -244,5 +244,7 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         pipeline=pipeline,
         autotuning=cfg.autotuning,
         flops_profiler=cfg.flops_profiler,
+        profile_steps=cfg.monitor.profile_steps,
+        profile_dir=cfg.monitor.profile_dir or cfg.training.metrics_dir or cfg.checkpoint.save,
     )
     return Run(cfg, tokenizer, model, engine, flops_params)

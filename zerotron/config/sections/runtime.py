@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from zerotron.config.sections.base import Int, Section
+from zerotron.errors import ConfigError
 
 
 class CheckpointConfig(Section):
@@ -90,3 +91,40 @@ class MonitorConfig(Section):
     wall_clock_breakdown: bool = Field(
         False, description="Time forward, backward and step on every rank and log them."
     )
+    profile_steps: str | None = Field(
+        None,
+        description="Record steps A:B (e.g. 5:6; counted from 1) on every rank: forwards, "
+        "backwards, sends/receives and collectives into a Chrome trace (trace.json), the "
+        "measured pipeline timeline (figures/pipeline_timeline.png) and its bubble.",
+    )
+    profile_dir: str | None = Field(
+        None,
+        description="Where --profile-steps writes (default: the metrics directory, else --save).",
+    )
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _check_profile_steps(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_steps(value)
+        return value
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """(A, B) of profile_steps, None when not profiling."""
+        return None if self.profile_steps is None else parse_steps(self.profile_steps)
+
+
+def parse_steps(text: str, where: str = "monitor.profile_steps") -> tuple[int, int]:
+    """``"A:B"`` (or ``"A"``: one step) -> (A, B) with 1 <= A <= B."""
+    parts = str(text).strip().split(":")
+    first, last = 0, -1
+    if len(parts) <= 2 and all(p.strip().isdigit() for p in parts):
+        first, last = int(parts[0]), int(parts[-1])
+    if not 1 <= first <= last:
+        raise ConfigError(
+            f"{text!r} is not a range A:B of steps with 1 <= A <= B",
+            where=where,
+            fix="give the first and last step to record, e.g. 5:6 (steps count from 1)",
+        )
+    return first, last
