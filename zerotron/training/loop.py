@@ -26,6 +26,7 @@ from zerotron.engine.timers import Timers
 from zerotron.errors import ConfigError, TrainingError
 from zerotron.training import log
 from zerotron.training.build import Run
+from zerotron.training.memory_breakdown import MemoryBreakdownRecorder
 from zerotron.training.preemption import Preemption
 from zerotron.training.throughput import model_flops_per_token, tflops_per_second
 
@@ -173,13 +174,15 @@ def train(
     summary = TrainSummary(state=state, losses={})
     writer = _tensorboard(run)
     interval = _Interval()
+    breakdown = MemoryBreakdownRecorder(run)  # --memory-breakdown-step
     reported_memory = False
     saved_at = None
     started = time.perf_counter()
     with _Output(t.train_iters, state.iteration) as out:
         out.print(" training ...")
         while state.iteration < t.train_iters:
-            loss = float(engine.train_batch(train_iter))
+            with breakdown.around(state.iteration + 1):
+                loss = float(engine.train_batch(train_iter))
             state.iteration += 1
             state.consumed_train_samples += gbs
             step = engine.last_step
