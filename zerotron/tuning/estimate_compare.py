@@ -23,6 +23,7 @@ from zerotron.fileio import read_metrics
 from zerotron.tuning.estimate import Layout, ModelShape, estimate
 
 MIB = 2**20
+SCALARS = 64  # bytes: a loss or norm reduced on its own, no term of the estimate
 FIGURE = Path("figures") / "memory_estimate_vs_measured.png"
 
 
@@ -125,6 +126,8 @@ def _ratio(estimated: int | None, measured: int | None) -> str:
         return "-"
     if measured == 0:
         return "=" if estimated == 0 else "inf"
+    if estimated == 0 and measured <= SCALARS:
+        return "scalars only"
     return f"{estimated / measured:.3f}"
 
 
