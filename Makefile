@@ -10,7 +10,7 @@ JOBS   ?= 2
 # Files holding tests marked `timing`: the serial pass collects only these.
 TIMING := $(shell grep -rlE 'pytest\.mark\.timing' tests)
 
-.PHONY: demo test lint venv clean multihost-deps
+.PHONY: demo test lint venv clean multihost-deps report-deps
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 # Two passes: everything else on $(JOBS) workers, then the wall-clock and page-fault asserts
 # (marker `timing`) alone, so that the other tests' load cannot distort them.
-test: $(STAMP) multihost-deps
+test: $(STAMP) multihost-deps report-deps
 	$(PY) -m ruff check zerotron tests bench examples
 	$(PY) -m pytest -q -n $(JOBS) -m 'not timing' tests
 	$(PY) -m pytest -q -n 0 -m timing $(TIMING)
@@ -42,6 +42,21 @@ multihost-deps:
 	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else \
 	  echo "multi-host tests need:$$missing (apt-get install as root); they are skipped without root"; \
+	fi
+
+# The report test (tests/test_report.py) opens `zerotron report`'s page in headless Chromium:
+# install Debian's chromium when it is missing (needs root and apt-get).
+REPORT_PKGS := chromium
+report-deps:
+	@missing=""; for p in $(REPORT_PKGS); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing for the report test:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	else \
+	  echo "the report test needs:$$missing (apt-get install as root); it fails without it"; \
 	fi
 
 lint: $(STAMP)

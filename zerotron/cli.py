@@ -44,6 +44,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "zerotron.pipeline.timeline",
         "simulate a pipeline schedule: bubble vs (p-1)/(v*m), timeline picture",
     ),
+    "report": (
+        "zerotron.training.report",
+        "one offline HTML page of runs' metrics: loss, lr, loss scale, MFU, memory, restarts",
+    ),
     "plan": (
         "zerotron.tuning.plan_cli",
         "rank the layouts of a model on a cluster by predicted step time (what fits, why)",

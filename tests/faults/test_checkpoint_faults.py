@@ -84,6 +84,7 @@ def test_full_disk_is_refused_before_writing_with_sizes(data_prefix, tmp_path, c
             "iter_0000001",
             "latest",
             "latest_checkpointed_iteration.txt",
+            "metrics",  # the run's metrics file (zerotron report), beside the checkpoints
         ]
 
 

@@ -118,6 +118,7 @@ def initialize(
         default_device,
     )
     from zerotron.engine.monitors import MonitorMaster
+    from zerotron.engine.run_metrics import from_config as metrics_from_config
     from zerotron.parallel.data_parallel import broadcast_parameters
 
     if model is None:
@@ -175,6 +176,7 @@ def initialize(
         monitor=MonitorMaster.from_config(cfg.monitor, get_rank()),
         checkpoint_tag_validation=cfg.checkpoint.checkpoint_tag_validation,
         autotuning=cfg.autotuning,
+        metrics=metrics_from_config(cfg, get_rank(), config=resolved),  # "metrics_dir"
     )
     engine.config = resolved  # DeepSpeed's engine.config: the config dict (HF's Trainer reads it)
     loader = None

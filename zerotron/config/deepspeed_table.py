@@ -44,6 +44,7 @@ def STEPS_PER_PRINT(path: str, value: Any) -> int:
         return NEVER
     return POSITIVE(INT)(path, value)
 
+
 BATCH_FIELDS = {
     "global_batch_size": "train_batch_size",
     "micro_batch_size": "train_micro_batch_size_per_gpu",
@@ -271,6 +272,8 @@ SPEC: dict[str, Any] = {
     ),
     "zero_force_ds_cpu_optimizer": Leaf("zero_force_ds_cpu_optimizer", BOOL, True),
     "wall_clock_breakdown": Leaf("wall_clock_breakdown", BOOL, False),
+    # zerotron's own: the metrics file of `zerotron report` (DeepSpeed has no such key)
+    "metrics_dir": Leaf("metrics_dir", OPT_STR, None),
     "fp16": {
         "enabled": Leaf("fp16", BOOL, False),
         "auto_cast": Leaf("fp16_auto_cast", BOOL, False),

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from zerotron.distributed import comm
 from zerotron.distributed.state import ParallelState, state
-from zerotron.engine import autotuning_metrics
+from zerotron.engine import autotuning_metrics, run_metrics
 from zerotron.engine.core import Engine
 from zerotron.optim import OptimizerParamScheduler, build_ds_scheduler, build_optimizer
 from zerotron.parallel.data_parallel import DataParallel
@@ -213,6 +213,7 @@ def build_engine(
     ps: ParallelState | None = None,
     scheduler: Callable[[Any], Any] | None = None,
     autotuning: AutotuningConfig | None = None,
+    metrics: run_metrics.RunMetrics | None = None,
     **engine_options: Any,
 ) -> Engine:
     """An Engine training ``model`` with a fresh torch ``optimizer`` wrapped as ``setup`` says.
@@ -222,9 +223,11 @@ def build_engine(
     ``gradient_accumulation_steps``, ``pipeline``, ``checkpoint_metadata``, ``state_fitter``,
     ...), all but ``data_parallel``, which comes from the wrapping. ``autotuning``: the config's
     autotuning section; when enabled the run measures itself for ``zerotron tune``.
+    ``metrics``: this rank's metrics-file writer (:mod:`zerotron.engine.run_metrics`), or None.
     """
     wrapped, data_parallel = wrap_optimizer(model, optimizer, setup, ps)
     lr_scheduler = scheduler(wrapped) if scheduler is not None else None
     engine = Engine(model, wrapped, lr_scheduler, data_parallel=data_parallel, **engine_options)
     autotuning_metrics.attach(engine, autotuning)  # the config's "autotuning" block, if enabled
+    run_metrics.attach(engine, metrics)
     return engine

@@ -49,6 +49,7 @@ from zerotron.checkpoint.zero_to_fp32 import BUFFER_NAMES_KEY, SHARED_PARAMS_KEY
 from zerotron.distributed import comm
 from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import ParallelState, state
+from zerotron.engine import run_metrics
 from zerotron.errors import CheckpointError, ConfigError
 from zerotron.fileio import atomic_open
 
@@ -119,7 +120,7 @@ def save_engine_checkpoint(
     if ps.dp_rank == 0:
         files[_model_file(ps)] = saved
         files.update(part.extra_files(module_state, ps))
-    return save_checkpoint(
+    path = save_checkpoint(
         save_dir,
         tag,
         files,
@@ -129,6 +130,8 @@ def save_engine_checkpoint(
         barrier=comm.barrier if ps.world_size > 1 else None,
         any_rank=_any_rank(ps, engine.device) if ps.world_size > 1 else None,
     )
+    run_metrics.saved(engine, path)  # the metrics file's "checkpoint" record
+    return path
 
 
 def _any_rank(ps: ParallelState, device: torch.device) -> Callable[[bool], bool]:
@@ -305,6 +308,7 @@ def load_engine_checkpoint(
     refitted = part.load_module_state(engine.module, weights, fit, where)
     if load_module_only:
         reload_masters(engine)
+        run_metrics.loaded(engine, where)
         return where, {}
     if opt_state is not None:
         part.load_optimizer_state(
@@ -326,6 +330,7 @@ def load_engine_checkpoint(
             get_rng_tracker().set_states(extra[RNG_TRACKER_KEY])
     engine.global_steps = int(saved.get("global_steps", 0))
     engine.global_samples = int(saved.get("global_samples", 0))
+    run_metrics.loaded(engine, where)  # the metrics file's next "run" record: a resume
     return where, {k: v for k, v in saved.items() if k not in OWN_ENTRIES}
 
 

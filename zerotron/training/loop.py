@@ -22,6 +22,7 @@ import torch
 from zerotron.checkpoint import tag_for_iteration
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_rank
+from zerotron.engine import run_metrics
 from zerotron.engine.timers import Timers
 from zerotron.errors import ConfigError, TrainingError
 from zerotron.training import log
@@ -173,8 +174,9 @@ def train(
     )
     summary = TrainSummary(state=state, losses={})
     writer = _tensorboard(run)
+    metrics = run_metrics.of(engine)  # the run's metrics file (zerotron report), or None
     interval = _Interval()
-    breakdown = MemoryBreakdownRecorder(run)  # --memory-breakdown-step
+    breakdown = MemoryBreakdownRecorder(run, metrics)  # --memory-breakdown-step
     reported_memory = False
     saved_at = None
     started = time.perf_counter()
@@ -205,6 +207,8 @@ def train(
                 # No finite loss in the interval is not a loss of 0: say nan, as the step did.
                 lm = interval.loss_sum / interval.counted if interval.counted else math.nan
                 tokens = interval.iterations * gbs * m.seq_length
+                if metrics is not None:
+                    _write_step(metrics, engine, state, lm, interval, tokens / elapsed, per_iter)
                 line = log.iteration_line(
                     iteration=state.iteration,
                     train_iters=t.train_iters,
@@ -245,6 +249,8 @@ def train(
                 out.print(log.RULE + "\n" + line + "\n" + log.RULE)
                 if writer is not None:
                     writer.add_scalar("lm loss validation", value, state.iteration)
+                if metrics is not None:
+                    _write_eval(metrics, state.iteration, value, "valid")
                 interval.start = time.perf_counter()  # evaluation is not training time
 
             # Megatron's order: a signal's checkpoint comes before the interval's.
@@ -288,6 +294,8 @@ def train(
             f"validation loss at the end of training for {name} data", {"lm loss": value}
         )
         print_rank_0(log.RULE + "\n" + line + "\n" + log.RULE)
+        if metrics is not None:
+            _write_eval(metrics, state.iteration, value, "valid" if name == "val" else "test")
         if name == "val":
             summary.valid_loss = value
         else:
@@ -296,6 +304,44 @@ def train(
         with contextlib.suppress(Exception):
             writer.close()
     return summary
+
+
+def _write_step(
+    metrics: run_metrics.RunMetrics,
+    engine: Any,
+    state: TrainState,
+    loss: float,
+    interval: _Interval,
+    tokens_per_s: float,
+    step_time_s: float,
+) -> None:
+    """The metrics file's ``step`` record of a log interval (the values its log line shows)."""
+    step = engine.last_step
+    mfu = None
+    if metrics.peak_flops and metrics.flops_per_token:
+        world = max(metrics.layout.get("world_size", 1), 1)
+        mfu = tokens_per_s * metrics.flops_per_token / world / metrics.peak_flops
+    metrics.write(
+        "step",
+        iteration=state.iteration,
+        consumed_samples=state.consumed_train_samples,
+        loss=run_metrics.finite(loss),
+        lr=run_metrics.finite(engine.get_lr()[0]),
+        loss_scale=run_metrics.finite(engine.cur_scale),
+        skipped=step is not None and not step.update_successful,
+        skipped_iterations=interval.skipped,
+        nan_iterations=interval.nans,
+        grad_norm=run_metrics.finite(step.grad_norm if step is not None else None),
+        tokens_per_s=tokens_per_s,
+        mfu=mfu,
+        step_time_s=step_time_s,
+        **run_metrics.memory_fields(engine.device),
+    )
+
+
+def _write_eval(metrics: run_metrics.RunMetrics, iteration: int, loss: float, split: str) -> None:
+    ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else None  # the log line's PPL
+    metrics.write("eval", iteration=iteration, loss=run_metrics.finite(loss), ppl=ppl, split=split)
 
 
 def check_finite(loss: float, step: Any, iteration: int) -> None:

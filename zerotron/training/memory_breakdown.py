@@ -4,13 +4,14 @@ The loop wraps every ``train_batch`` in :meth:`MemoryBreakdownRecorder.around`; 
 N it measures the step with :class:`zerotron.engine.memory_breakdown.StepMemory` (for every
 other iteration it hands back one shared empty context: no hooks, no cost), then
 
-- every rank appends a ``memory`` record to its metrics file (``<dir>/metrics/rank<R>.jsonl``,
-  ``<dir>`` = ``--metrics-dir``, else ``--save``): ``iteration``, ``terms`` (bytes per term of
-  :data:`~zerotron.engine.memory_breakdown.TERMS`, each at its peak in the step), ``total``
-  (their sum), ``rank``, ``tp_rank`` / ``pp_rank`` / ``dp_rank``, ``device``, ``vocab_size``
-  (the tokenizer's, for the estimate) and on CUDA ``cuda_max_allocated_bytes`` (the allocator's
-  peak of the step, to put beside ``total``);
-- rank 0 gathers every rank's terms, prints one line per rank, and draws
+- every rank appends a ``memory`` record to the run's metrics file, if it writes one
+  (``<dir>/metrics/rank<R>.jsonl``, ``<dir>`` = ``--metrics-dir``, else ``--save``):
+  ``iteration``, ``terms`` (bytes per term of :data:`~zerotron.engine.memory_breakdown.TERMS`,
+  each at its peak in the step), ``total`` (their sum), ``rank``, ``tp_rank`` / ``pp_rank`` /
+  ``dp_rank``, ``device``, ``vocab_size`` (the tokenizer's, for the estimate) and on CUDA
+  ``cuda_max_allocated_bytes`` (the allocator's peak of the step, to put beside ``total``; the
+  allocator's peak statistic is reset as the step starts);
+- rank 0 gathers every rank's terms, prints one line per rank, and (with a metrics file) draws
   ``<dir>/figures/memory_breakdown.png`` (a stacked bar per rank; needs matplotlib, else a
   warning).
 
@@ -30,8 +31,8 @@ import torch
 from zerotron.distributed import comm
 from zerotron.distributed.state import state
 from zerotron.engine.memory_breakdown import TERMS, StepMemory
+from zerotron.engine.run_metrics import RunMetrics
 from zerotron.errors import ConfigError
-from zerotron.fileio import MetricsFile, metrics_path
 from zerotron.training.memory_figure import MIB, draw_stacked
 
 FIGURE = Path("figures") / "memory_breakdown.png"
@@ -40,22 +41,16 @@ FIGURE = Path("figures") / "memory_breakdown.png"
 _OFF = contextlib.nullcontext()
 
 
-def run_directory(cfg: Any) -> Path | None:
-    """Where the run's metrics and figures go: ``--metrics-dir``, else ``--save``, else None."""
-    where = getattr(cfg.training, "metrics_dir", None) or cfg.checkpoint.save
-    return Path(where) if where else None
-
-
 class MemoryBreakdownRecorder:
     """Measures iteration ``cfg.training.memory_breakdown_step`` of ``run`` (see the module
-    docstring). ``metrics``: the run's open metrics file, if the caller keeps one (else one is
-    opened for the record and closed)."""
+    docstring). ``metrics``: the run's metrics writer
+    (:class:`~zerotron.engine.run_metrics.RunMetrics`; None: the breakdown is only printed)."""
 
-    def __init__(self, run: Any, metrics: MetricsFile | None = None) -> None:
+    def __init__(self, run: Any, metrics: RunMetrics | None = None) -> None:
         self.run = run
         self.step = run.cfg.training.memory_breakdown_step
-        self.directory = run_directory(run.cfg)
         self.metrics = metrics
+        self.directory = Path(metrics.directory) if metrics is not None else None
         self.record: dict[str, Any] | None = None  # this rank's, once measured
         last = run.cfg.training.train_iters
         if self.step is not None and last is not None and self.step > last and state().rank == 0:
@@ -94,8 +89,8 @@ class MemoryBreakdownRecorder:
         if measured.cuda_max_allocated is not None:
             record["cuda_max_allocated_bytes"] = measured.cuda_max_allocated
         self.record = record
-        if self.directory is not None:
-            self._write(record)
+        if self.metrics is not None:
+            self.metrics.write("memory", **record)
         rows = self._gather(record)  # every rank takes part, rank 0 gets the rows
         if ps.rank != 0:
             return
@@ -113,13 +108,6 @@ class MemoryBreakdownRecorder:
                 print(f" memory breakdown drawn in {path}", flush=True)
             except ConfigError as e:  # a missing plotting extra costs the picture, not the run
                 print(f" WARNING: no {FIGURE}: {e.what}", flush=True)
-
-    def _write(self, record: dict[str, Any]) -> None:
-        if self.metrics is not None:
-            self.metrics.write("memory", **record)
-            return
-        with MetricsFile(metrics_path(self.directory, record["rank"])) as f:
-            f.write("memory", **record)
 
     def _gather(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's record (terms, place, CUDA peak) on every rank, in rank order."""

@@ -39,6 +39,7 @@ from zerotron.data.samplers import build_pretraining_data_loader
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_rank, get_world_size, init_distributed
 from zerotron.distributed.state import ParallelState, initialize_model_parallel, state
+from zerotron.engine import run_metrics
 from zerotron.engine.timers import Timers
 from zerotron.errors import CheckpointError, ConfigError, DistributedError, UnsupportedError
 from zerotron.fileio import check_writable_dir
@@ -46,6 +47,8 @@ from zerotron.models.gpt import print_num_parameters
 from zerotron.training import preemption
 from zerotron.training.build import Run, build_run
 from zerotron.training.loop import TrainState, TrainSummary, print_rank_0, train
+from zerotron.training.metrics import for_pretrain
+from zerotron.training.throughput import model_flops_per_token
 
 
 def main(argv: list[str]) -> int:
@@ -98,6 +101,8 @@ def _check_output_dirs(cfg: Config) -> None:
         check_writable_dir(cfg.checkpoint.save, "--save")
     if cfg.training.tensorboard_dir:
         check_writable_dir(cfg.training.tensorboard_dir, "--tensorboard-dir")
+    if cfg.training.metrics_dir:
+        check_writable_dir(cfg.training.metrics_dir, "--metrics-dir")
 
 
 def _init_parallel(cfg: Config) -> ParallelState:
@@ -231,13 +236,36 @@ def pretrain(cfg: Config) -> TrainSummary:
         print_rank_0(cfg.describe())
         print_rank_0(" train-iters is 0: built everything, nothing to train")
         return TrainSummary(state=state, losses={})
-    _resume(run, state)
-    train_iter, valid_iter, test_iter = _data_iterators(run, state, ps)
-    print_rank_0(f"[after dataloaders are built] elapsed (s): {time.time() - start:.1f}")
-    if not cfg.checkpoint.save_on_signal:
-        return train(run, state, train_iter, valid_iter, test_iter, timers)
-    with preemption.Preemption() as signals:
-        return train(run, state, train_iter, valid_iter, test_iter, timers, signals)
+    metrics = _metrics(run, ps)
+    try:
+        _resume(run, state)
+        train_iter, valid_iter, test_iter = _data_iterators(run, state, ps)
+        print_rank_0(f"[after dataloaders are built] elapsed (s): {time.time() - start:.1f}")
+        if not cfg.checkpoint.save_on_signal:
+            summary = train(run, state, train_iter, valid_iter, test_iter, timers)
+        else:
+            with preemption.Preemption() as signals:
+                summary = train(run, state, train_iter, valid_iter, test_iter, timers, signals)
+        if metrics is not None:
+            metrics.write(
+                "end",
+                iteration=state.iteration,
+                exited_early=summary.exited_early,
+                preempted=summary.preempted,
+            )
+        return summary
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _metrics(run: Run, ps: ParallelState) -> run_metrics.RunMetrics | None:
+    """This rank's metrics file (``--metrics-dir``, else ``--save``), given to the Engine."""
+    m = run.cfg.model
+    per_token = model_flops_per_token(run.flops_params, m.num_layers, m.hidden_size, m.seq_length)
+    metrics = for_pretrain(run.cfg, ps.rank, run.engine.device, per_token)
+    run_metrics.attach(run.engine, metrics)
+    return metrics
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from zerotron.config import Config
@@ -69,7 +70,7 @@ def _records(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-def _config(records: list[dict[str, Any]], flags_cfg: Config | None, where: str) -> Config:
+def _config(records: list[dict[str, Any]], flags_cfg: Config | None, where: str) -> Any:
     runs = [r for r in records if r.get("kind") == "run" and r.get("config")]
     if not runs:
         if flags_cfg is not None:
@@ -80,12 +81,24 @@ def _config(records: list[dict[str, Any]], flags_cfg: Config | None, where: str)
             fix="give the run's zerotron pretrain flags too (zerotron estimate FLAGS --compare "
             "RUN_DIR)",
         )
-    run = runs[-1]
-    cfg = Config.from_dict(run["config"])
-    world = (run.get("layout") or {}).get("world_size")
-    if world and world != cfg.parallel.world_size:
-        cfg = cfg.with_world_size(world)
-    return cfg
+    return config_of(runs[-1]["config"])
+
+
+def config_of(data: dict[str, Any]) -> Any:
+    """The config a ``run`` record holds, for :meth:`ModelShape.from_config` and
+    :meth:`Layout.from_config`: every section's resolved values (what ``zerotron pretrain``
+    records: derived values included, so read as they are, not validated again), or a Config's
+    inputs (:meth:`Config.to_dict`)."""
+    sections = Config.model_fields
+    resolved = all(
+        isinstance(data.get(name), dict) and set(data[name]) >= set(field.annotation.model_fields)
+        for name, field in sections.items()
+    )
+    if not resolved:
+        return Config.from_dict(data)
+    return SimpleNamespace(
+        **{name: f.annotation.model_construct(**data[name]) for name, f in sections.items()}
+    )
 
 
 def compare(run_dir: str | Path, flags_cfg: Config | None = None) -> list[RankComparison]:

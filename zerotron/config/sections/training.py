@@ -54,6 +54,18 @@ class TrainingConfig(Section):
         "memory record in the metrics file, figures/memory_breakdown.png, and `zerotron "
         "estimate --compare RUN_DIR` beside the estimate. Costs nothing on other steps.",
     )
+    metrics_dir: str | None = Field(
+        None,
+        description="Write the run's metrics file (metrics/rank<R>.jsonl, read by zerotron "
+        "report) here; default: the --save directory (none without either).",
+    )
+    peak_tflops: Float | None = Field(
+        None,
+        gt=0,
+        description="Peak TFLOP/s of one rank for the MFU in the metrics file; default: the "
+        "GPU's dense 16-bit tensor-core peak (fp32: its fp32 peak) from a table, on CPU a short "
+        "matmul probe.",
+    )
     check_for_nan_in_loss_and_grad: bool = Field(
         True,
         description="Stop with an error naming the iteration when the loss or the gradient "
