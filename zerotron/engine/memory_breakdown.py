@@ -72,6 +72,8 @@ class SavedActivations:
         self._bytes: dict[tuple[str, int], int] = {}
         self.live = 0
         self.peak = 0
+        self._param_keys: set[tuple[str, int]] | None = None
+        self._gathering = False  # ZeRO-3: parameters move between storages
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def __enter__(self) -> SavedActivations:
@@ -91,6 +93,7 @@ class SavedActivations:
         coordinator = coordinator_of(self._model) if self._model is not None else None
         if coordinator is None:
             return
+        self._gathering = on
         if not on:
             for name in ("_pack", "_unpack"):
                 coordinator.__dict__.pop(name, None)
@@ -110,10 +113,7 @@ class SavedActivations:
         if t.numel() == 0 or t.device.type == "meta":
             return _Held(self, None, t)
         key = _key(t)
-        # Parameters are model states (ZeRO-3's are gathered into new storage: ask each time).
-        if self._model is not None and any(
-            p.numel() and _key(p) == key for p in self._model.parameters()
-        ):
+        if key in self._parameter_keys():  # parameters are model states
             return _Held(self, None, t)
         if key not in self._refs:
             self._refs[key] = 0
@@ -122,6 +122,18 @@ class SavedActivations:
             self.peak = max(self.peak, self.live)
         self._refs[key] += 1
         return _Held(self, key, t)
+
+    def _parameter_keys(self) -> set[tuple[str, int]]:
+        """The parameters' storages: taken once, or at each call under ZeRO-3 (it gathers
+        parameters into new storage)."""
+        if self._model is None:
+            return set()
+        if self._param_keys is None or self._gathering:
+            keys = {_key(p) for p in self._model.parameters() if p.numel()}
+            if self._gathering:
+                return keys
+            self._param_keys = keys
+        return self._param_keys
 
     @staticmethod
     def _unpack(held: _Held) -> Tensor:
