@@ -9,7 +9,7 @@ schedule's micro-batches in flight), the loss workspace the fused loss's buffers
 :func:`zerotron.tuning.estimate.estimate` (``device="cpu"``) must be within 10% of the measured
 one (a term measured 0 must be estimated 0; a few scalars' bytes are let pass); the ratios
 are printed (``-s``). Communication buffers are the collectives' inputs and outputs in flight
-(:class:`zerotron.tuning.measure.CommBuffers`).
+(:class:`zerotron.engine.memory_breakdown.CommBuffers`).
 
 Measured errors (per term, all layouts) are in docs/estimate.md. Cost: the one-process layouts
 run in the test process, the two-rank ones in one spawn running them in turn (what costs is the

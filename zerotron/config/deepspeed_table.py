@@ -340,7 +340,9 @@ SPEC: dict[str, Any] = {
     },
     # accepted, no effect
     "zero_allow_untested_optimizer": Ignored(""),
-    "memory_breakdown": Ignored("memory is not broken down per step"),
+    "memory_breakdown": Ignored(
+        "zerotron pretrain --memory-breakdown-step N measures one step's memory per term"
+    ),
     "dump_state": Ignored(""),
     "disable_allgather": Ignored(""),
     "comms_logger": Ignored("every collective is recorded in zerotron.distributed.comm.ledger"),

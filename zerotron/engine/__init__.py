@@ -12,7 +12,8 @@
   ``initialize()`` and ``pipeline_engine()``;
 - :mod:`~zerotron.engine.checkpoint_io`: what an Engine saves and loads;
 - :mod:`~zerotron.engine.timers` and :mod:`~zerotron.engine.monitors`;
-- :mod:`~zerotron.engine.run_metrics`: the run's metrics file, as the Engine writes it.
+- :mod:`~zerotron.engine.run_metrics`: the run's metrics file, as the Engine writes it;
+- :mod:`~zerotron.engine.memory_breakdown`: what one step holds, per term of the estimator.
 """
 
 from zerotron.engine.builder import OptimizerSetup, build_engine, grad_norm_hooks

@@ -28,6 +28,7 @@ from zerotron.errors import ConfigError, TrainingError
 from zerotron.progress import Progress
 from zerotron.training import log
 from zerotron.training.build import Run
+from zerotron.training.memory_breakdown import MemoryBreakdownRecorder
 from zerotron.training.preemption import Preemption
 from zerotron.training.throughput import model_flops_per_token, tflops_per_second
 
@@ -150,13 +151,15 @@ def train(
     writer = _tensorboard(run)
     metrics = run_metrics.of(engine)  # the run's metrics file (zerotron report), or None
     interval = _Interval()
+    breakdown = MemoryBreakdownRecorder(run, metrics)  # --memory-breakdown-step
     reported_memory = False
     saved_at = None
     started = time.perf_counter()
     with _output(t.train_iters, state.iteration) as out:
         out.print(" training ...")
         while state.iteration < t.train_iters:
-            loss = float(engine.train_batch(train_iter))
+            with breakdown.around(state.iteration + 1):
+                loss = float(engine.train_batch(train_iter))
             state.iteration += 1
             state.consumed_train_samples += gbs
             step = engine.last_step

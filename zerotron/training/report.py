@@ -35,7 +35,7 @@ from zerotron.training.report_plots import RunLog, draw_all, load_run
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1600px; color: #222; }
 h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 0.2em; }
-.plots { display: flex; flex-wrap: wrap; gap: 1em; }
+.plots { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
 figure { margin: 0; border: 1px solid #ddd; padding: 0.4em; background: #fff; }
 figure img { display: block; max-width: 100%; }
 figcaption { font-size: 0.9em; color: #444; margin-top: 0.3em; }

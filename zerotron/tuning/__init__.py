@@ -9,7 +9,8 @@
 - :mod:`~zerotron.tuning.zero_memory`: DeepSpeed's model-states memory estimates for ZeRO-2 and
   ZeRO-3 (bytes per CPU and per GPU for each offload option), as pure functions, and the
   per-element byte counts everything above shares;
-- :mod:`~zerotron.tuning.measure`: what a live run holds, per term (to check the estimator);
+- :mod:`~zerotron.tuning.measure`: builds a run and measures what it holds, per term (with
+  :mod:`zerotron.engine.memory_breakdown`), to check the estimator;
 - :mod:`~zerotron.tuning.estimate_cli`: ``zerotron estimate``;
 - :mod:`~zerotron.tuning.volume`: the bytes each rank communicates in a step, per group and op
   (the closed form the comm ledger is checked against);

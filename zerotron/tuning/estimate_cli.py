@@ -15,6 +15,10 @@ sp, zero, mbs, recompute, precision, offload_optimizer, offload_param; dp and th
 per step follow from the world size and the global batch unless given); without ``--layout``
 the base layout is estimated.
 
+``--compare RUN_DIR`` estimates instead each rank of a run that measured a step
+(``zerotron pretrain --memory-breakdown-step N``) and prints estimate and measurement side by
+side, per term, with their ratio (:mod:`zerotron.tuning.estimate_compare`).
+
 Output: a table of the terms per layout (GiB), and with ``--gpu-memory`` whether each fits and
 by how much (the exit status is 0 either way); ``--json`` prints the same as JSON, ``--plot
 FILE.png`` draws stacked bars per layout. Sizes: ``80GB`` and ``80GiB`` both mean 80 × 2³⁰ bytes
@@ -89,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-rank", type=int, default=None, help="default: the fullest stage")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw stacked bars")
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="RUN_DIR",
+        help="beside what a run measured (zerotron pretrain --memory-breakdown-step), per rank",
+    )
     return p
 
 
@@ -159,6 +169,8 @@ def derive(base: Layout, spec: str, world: int, global_batch: int | None) -> Lay
 
 def main(argv: list[str]) -> int:
     args, rest = build_parser().parse_known_args(argv)
+    if args.compare:
+        return compare_main(args, rest)
     world = world_size(args)
     cfg = load(rest, world)
     shape = ModelShape.from_config(cfg, vocab_size=args.vocab_size)
@@ -181,6 +193,36 @@ def main(argv: list[str]) -> int:
         plot(results, args.plot, device)
         if not args.json:
             print(f"wrote {args.plot}")
+    return 0
+
+
+def compare_main(args: argparse.Namespace, rest: list[str]) -> int:
+    """``--compare RUN_DIR``: :mod:`zerotron.tuning.estimate_compare`, printed (or ``--json``),
+    and its figure drawn into RUN_DIR/figures (or ``--plot FILE``)."""
+    from pathlib import Path
+
+    from zerotron.tuning import estimate_compare as ec
+
+    flags_cfg = None
+    if rest:  # the run's flags, for a run that wrote no run record
+        explicit = args.world_size is not None or args.nodes or args.gpus_per_node
+        ranks = len(list((Path(args.compare) / "metrics").glob("rank*.jsonl")))
+        flags_cfg = load(rest, world_size(args) if explicit else max(1, ranks))
+    results = ec.compare(args.compare, flags_cfg)
+    if args.json:
+        print(json.dumps(ec.as_json(results), indent=1))
+    else:
+        ec.print_comparison(results)
+    path = args.plot or str(Path(args.compare) / ec.FIGURE)
+    try:
+        ec.draw(results, path)
+    except ConfigError as e:
+        if args.plot:
+            raise
+        print(f"WARNING: no figure: {e.what}", file=sys.stderr)
+    else:
+        if not args.json:
+            print(f"wrote {path}")
     return 0
 
 
@@ -250,40 +292,14 @@ def _verdict(mem: MemoryBreakdown, device: int) -> str:
 
 def plot(results: list, path: str, device: int | None) -> None:
     """Stacked bars of the terms, one bar per layout (PNG, written crash-safe)."""
-    import io
+    from zerotron.training.memory_figure import draw_stacked
 
-    from zerotron.fileio import atomic_write_bytes
-
-    try:  # lazy: keeps the CLI fast; matplotlib is an extra
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ConfigError(
-            f"drawing the breakdown needs matplotlib, which cannot be imported ({e})",
-            where="--plot",
-            fix="pip install 'zerotron[plot]', or leave out --plot",
-        ) from e
-    fig = Figure(figsize=(max(5.0, 1.6 * len(results) + 3.0), 4.8))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    names = [
-        "\n".join([name if len(name) <= 18 else f"layout {i + 1}", *_describe(lay, lines=True)])
-        for i, (name, lay, _) in enumerate(results)
+    bars = [
+        (
+            "\n".join([name if len(name) <= 18 else f"layout {i + 1}", *_describe(lay, True)]),
+            {t: getattr(m, t) for t in TERMS},
+        )
+        for i, (name, lay, m) in enumerate(results)
     ]
-    bottom = [0.0] * len(results)
-    for term in TERMS:
-        values = [getattr(m, term) / GIB for *_, m in results]
-        if not any(values):
-            continue
-        ax.bar(names, values, bottom=bottom, label=term.replace("_", " "))
-        bottom = [b + v for b, v in zip(bottom, values)]
-    if device is not None:
-        ax.axhline(device / GIB, color="black", linestyle="--", linewidth=1, label="device")
-    ax.set_ylabel("GiB per rank")
-    ax.set_title("zerotron estimate: per-rank memory")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    atomic_write_bytes(path, buf.getvalue())
+    line = ("device", device) if device is not None else None
+    draw_stacked(bars, path, "zerotron estimate: per-rank memory", line=line)

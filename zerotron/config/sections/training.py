@@ -46,6 +46,14 @@ class TrainingConfig(Section):
     eval_iters: Int = Field(100, ge=0, description="Iterations per evaluation (0: none).")
     log_interval: Int = Field(100, gt=0, description="Iterations between log lines.")
     tensorboard_dir: str | None = Field(None, description="Write TensorBoard events here.")
+    memory_breakdown_step: Int | None = Field(
+        None,
+        gt=0,
+        description="Measure what each rank holds at iteration N, per term of zerotron "
+        "estimate (parameters, gradients, masters, optimizer states, activations, buffers): a "
+        "memory record in the metrics file, figures/memory_breakdown.png, and `zerotron "
+        "estimate --compare RUN_DIR` beside the estimate. Costs nothing on other steps.",
+    )
     metrics_dir: str | None = Field(
         None,
         description="Write the run's metrics file (metrics/rank<R>.jsonl, read by zerotron "
