@@ -1,12 +1,12 @@
 """`zerotron pretrain` writes its metrics file, `zerotron report` draws it, Chromium opens it.
 
 One module fixture trains two tiny runs in process (2 layers, hidden 64, the bundled corpus):
-A in fp32 with evaluations and checkpoints; B in fp16 with one poisoned (skipped) iteration,
-stopped at iteration 2 and resumed to 4, its metrics file then cut mid-line as a crash leaves
-it. ``zerotron report A B`` makes one page; headless Chromium (Debian's ``chromium``, installed
-by ``make report-deps``, which ``make test`` runs) loads it with a checker script injected into
-a copy: no errors, every image decoded, every plot and picture captioned; and takes a
-screenshot.
+A in fp32 with evaluations and checkpoints, stopped at iteration 2 and resumed to 4; B in fp16
+with one poisoned (skipped) iteration, written with --metrics-dir (no --save), its metrics file
+then cut mid-line as a crash leaves it. ``zerotron report A B`` makes one page; headless
+Chromium (Debian's ``chromium``, installed by ``make report-deps``, which ``make test`` runs)
+loads it with a checker script injected into a copy: no errors, every image decoded, every plot
+and picture captioned; and takes a screenshot.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
     "--lr", "1e-3", "--split", "80,10,10", "--eval-iters", "1", "--seed", "1234",
-    "--train-iters", "4",
+    "--train-iters", "4", "--num-workers", "0",
 ]  # fmt: skip
+# (--num-workers 0: a DataLoader's worker processes outlive an in-process run and cost seconds
+# each to shut down when collected)
 
 pytestmark = pytest.mark.xdist_group("report")
 
@@ -58,8 +60,9 @@ def _tiny_png(path: Path) -> None:
 def runs(data_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     a, b = root / "run_a", root / "run_b"
-    _pretrain(data_prefix, "--log-interval", 1, "--eval-interval", 2, "--save", a,
-              "--save-interval", 2)  # fmt: skip
+    fp32 = ["--log-interval", 1, "--eval-interval", 2, "--save", a, "--save-interval", 2]
+    _pretrain(data_prefix, *fp32, "--exit-interval", 2)
+    _pretrain(data_prefix, *fp32, "--load", a)  # resumed at iteration 2
     calls = {"train": 0}
 
     def poisoned(model, batch):  # iteration 2's first micro-batch overflows: a skipped step
@@ -70,15 +73,13 @@ def runs(data_prefix, tmp_path_factory):
                 return loss * math.inf
         return loss
 
-    fp16 = ["--fp16", "--initial-loss-scale", 1024, "--hysteresis", 1, "--lr", "3e-3",
-            "--log-interval", 1, "--eval-iters", 0,
-            "--save", b, "--save-interval", 100]  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(zerotron.training.build, "lm_loss", poisoned)
-        _pretrain(data_prefix, *fp16, "--exit-interval", 2)
-    _pretrain(data_prefix, *fp16, "--load", b)
+        _pretrain(data_prefix, "--fp16", "--initial-loss-scale", 1024, "--hysteresis", 1,
+                  "--log-interval", 1, "--eval-iters", 0, "--train-iters", 2,
+                  "--metrics-dir", b)  # fmt: skip
     with open(metrics_path(b, 0), "a") as f:
-        f.write('{"kind": "step", "time": 1.0, "iteration": 5, "lo')  # a crash mid-line
+        f.write('{"kind": "step", "time": 1.0, "iteration": 3, "lo')  # a crash mid-line
     _tiny_png(a / "figures" / "pipeline_timeline.png")  # a picture another tool wrote
     out = root / "out" / "report.html"
     assert zerotron.cli.main(["report", str(a), str(b), "--out", str(out)]) == 0
@@ -94,7 +95,7 @@ def _kinds(records, kind):
 
 def test_run_record_has_config_layout_and_peak(runs):
     a, _, _ = runs
-    (start,) = _kinds(read_metrics(metrics_path(a, 0)), "run")
+    start = _kinds(read_metrics(metrics_path(a, 0)), "run")[0]
     assert start["iteration"] == 0 and start["rank"] == 0
     assert start["layout"] == {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "zero_stage": 0,
                                "world_size": 1}  # fmt: skip
@@ -129,17 +130,19 @@ def test_eval_and_checkpoint_records(runs):
 
 
 def test_skipped_step_and_loss_scale_recorded(runs):
+    """Run B: fp16, --metrics-dir without --save, its file cut mid-line by a "crash"."""
     _, b, _ = runs
     steps = _kinds(read_metrics(metrics_path(b, 0)), "step")
-    first = {s["iteration"]: s for s in steps[:4]}
+    assert [s["iteration"] for s in steps] == [1, 2]
+    first = {s["iteration"]: s for s in steps}
     assert first[2]["skipped"] is True and first[2]["skipped_iterations"] == 1
     assert first[2]["loss"] is None  # inf is no JSON number: recorded as none
     assert (first[1]["loss_scale"], first[2]["loss_scale"]) == (1024.0, 512.0)
 
 
 def test_resume_writes_a_second_run_record(runs):
-    _, b, _ = runs
-    records = read_metrics(metrics_path(b, 0))
+    a, _, _ = runs
+    records = read_metrics(metrics_path(a, 0))
     starts = _kinds(records, "run")
     assert [s["iteration"] for s in starts] == [0, 2]
     assert Path(starts[1]["resumed_from"]).name == "iter_0000002"
@@ -169,8 +172,9 @@ def test_page_summarizes_both_runs(runs):
     *_, out = runs
     page = html.unescape(out.read_text())
     assert "run_a" in page and "run_b" in page
-    # run B's restarts, checkpoints and end: resumed at 2, saved at 2 and 4, finished
+    # restarts, checkpoints and end: A resumed at 2, saved at 2 and 4; B neither
     assert "<td>2</td><td>2</td><td>finished</td>" in page
+    assert "<td>none</td><td>0</td><td>finished</td>" in page
     assert "6·N + 12·L·h·s" in page  # the FLOP convention, stated under the MFU plot
     assert '<tr class="diff"><td>precision.fp16</td>' in page  # the runs differ in fp16
 

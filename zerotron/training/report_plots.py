@@ -166,7 +166,8 @@ def _empty(ax: Any, what: str) -> None:
 def _finish(ax: Any, runs: list[RunLog], ylabel: str, drew: bool, what: str) -> None:
     if drew:
         _events(ax, runs)
-        ax.legend(fontsize=8, loc="best")
+        # beside the axes: never over a curve, and no "best" search (slow on long runs)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     else:
         _empty(ax, what)
     ax.set_xlabel("iteration")
