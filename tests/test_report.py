@@ -11,7 +11,9 @@ and picture captioned; and takes a screenshot.
 
 from __future__ import annotations
 
+import contextlib
 import html
+import io
 import json
 import math
 import re
@@ -82,7 +84,10 @@ def runs(data_prefix, tmp_path_factory):
         f.write('{"kind": "step", "time": 1.0, "iteration": 3, "lo')  # a crash mid-line
     _tiny_png(a / "figures" / "pipeline_timeline.png")  # a picture another tool wrote
     out = root / "out" / "report.html"
-    assert zerotron.cli.main(["report", str(a), str(b), "--out", str(out)]) == 0
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        assert zerotron.cli.main(["report", str(a), str(b), "--out", str(out)]) == 0
+    out.with_name("stderr.txt").write_text(said.getvalue())
     return a, b, out
 
 
@@ -160,6 +165,13 @@ def test_page_is_self_contained(runs):
     sources = re.findall(r'<img [^>]*src="([^"]+)"', page)
     assert len(sources) == len(PLOTS) + 1
     assert all(s.startswith("data:image/png;base64,") for s in sources)
+
+
+def test_report_says_its_progress_in_plain_lines_off_a_terminal(runs):
+    *_, out = runs
+    last = out.with_name("stderr.txt").read_text().splitlines()[-1]
+    assert last.startswith(f"report: {len(PLOTS)}/{len(PLOTS)} plots (100%), ")
+    assert last.endswith(f", {PLOTS[-1][0]}")  # the plot drawn last
 
 
 def test_pngs_written_beside_the_page(runs):

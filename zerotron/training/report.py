@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from zerotron.fileio import atomic_write_bytes, atomic_write_text
-from zerotron.training.report_plots import RunLog, draw_all, load_run
+from zerotron.progress import Progress
+from zerotron.training.report_plots import PLOTS, RunLog, draw_all, load_run
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1600px; color: #222; }
@@ -212,7 +213,8 @@ def report(run_dirs: list[str | Path], out: str | Path, title: str | None = None
     _unique_names(runs)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    plots = draw_all(runs)
+    with Progress("report", total=len(PLOTS), unit="plots") as bar:
+        plots = draw_all(runs, done=lambda name: bar.update(1, info=name))
     for name, _, png in plots:
         atomic_write_bytes(out.with_name(f"{out.stem}-{name}.png"), png)
     title = title or "zerotron report: " + ", ".join(run.name for run in runs)

@@ -296,6 +296,13 @@ PLOTS: tuple[tuple[str, str, Callable[[list[RunLog]], bytes]], ...] = (
 """``(name, caption, draw)`` of every plot on the page, in order."""
 
 
-def draw_all(runs: list[RunLog]) -> list[tuple[str, str, bytes]]:
-    """``(name, caption, png)`` of every plot in :data:`PLOTS`."""
-    return [(name, caption, draw(runs)) for name, caption, draw in PLOTS]
+def draw_all(
+    runs: list[RunLog], done: Callable[[str], None] | None = None
+) -> list[tuple[str, str, bytes]]:
+    """``(name, caption, png)`` of every plot in :data:`PLOTS`; ``done(name)`` after each."""
+    out = []
+    for name, caption, draw in PLOTS:
+        out.append((name, caption, draw(runs)))
+        if done is not None:
+            done(name)
+    return out
