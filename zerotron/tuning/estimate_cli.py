@@ -35,20 +35,12 @@ import sys
 from typing import Any
 
 from zerotron.errors import ConfigError
+from zerotron.training.memory_figure import ORDER
 from zerotron.tuning.estimate import Layout, MemoryBreakdown, ModelShape, estimate
 
 GIB = 2**30
 UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-TERMS = (
-    "parameters",
-    "gradients",
-    "master_weights",
-    "optimizer_states",
-    "activations",
-    "recompute_workspace",
-    "comm_buffers",
-    "loss_workspace",
-)
+TERMS = ORDER  # the breakdown's rows, in the figures' order
 # --layout keys -> Layout fields
 KEYS = {
     "tp": "tp",
