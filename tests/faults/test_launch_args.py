@@ -112,7 +112,7 @@ def test_a_stuck_rank_named_by_a_timed_out_collective_is_said_first():
         "[0, 1] did not finish within 3 s: rank 1 is stuck (stopped: no heartbeat)"
     )
     code, text = summarize_failures(
-        failures, {100: 5.0, 101: 6.0}, _Tails({0: _traceback(4.0, error)})
+        failures, {100: 5.0, 101: 6.0}, _Tails({0: _traceback(4.0, error)}), killed={101}
     )
     assert code == 1
     assert text.splitlines()[:3] == [
@@ -121,6 +121,23 @@ def test_a_stuck_rank_named_by_a_timed_out_collective_is_said_first():
         f"cause: {error}",
     ]
     assert text.splitlines()[-1] == "then: rank 1 killed by signal 9 (SIGKILL)"
+
+
+def test_a_rank_killed_by_sigkill_is_the_cause_even_when_its_exit_is_seen_late():
+    # kill -9 (or the OOM killer) of rank 1; rank 0's gloo error arrives at 1.0, but the agent
+    # reaped rank 1 before the watchdog looked, so its exit is stamped 1.5. The launcher never
+    # sent SIGKILL (killed is empty): rank 1 failed on its own.
+    failures = {0: _failure(0, 1), 1: _failure(1, -9)}
+    error = (
+        "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:62617: Software caused connection "
+        "abort. This is typically caused by a remote worker crashing. Check the logs of the "
+        "remote worker before reporting an error. GLHF!"
+    )
+    code, text = summarize_failures(
+        failures, {100: 1.2, 101: 1.5}, _Tails({0: _traceback(1.0, error)}), killed=set()
+    )
+    assert code == 137
+    assert text.splitlines()[0] == "rank 1 failed first: killed by signal 9 (SIGKILL)"
 
 
 def test_cause_comes_first_and_cpp_frames_are_folded():

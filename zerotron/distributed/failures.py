@@ -24,7 +24,15 @@ from zerotron.errors import DistributedError
 
 PEER_LEFT = "a peer left"
 _TIMEOUT_WORDS = ("timed out", "timeout")
-_CLOSED_WORDS = ("connection closed", "connection reset", "broken pipe", "eof", "closed by peer")
+_CLOSED_WORDS = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "eof",
+    "closed by peer",
+    "connection was likely closed",  # gloo, when a peer process is gone
+    "caused by a remote worker",
+)
 _FIX_TIMEOUT = (
     "the stuck rank's own output shows where it stopped; if it is only slow (a long save, a "
     "first compile), raise --distributed-timeout-minutes"

@@ -55,6 +55,8 @@ _PEER_PHRASES = (
     "connection reset by peer",
     "broken pipe",
     "timed out",
+    "caused by a remote worker",  # gloo: "...typically caused by a remote worker crashing"
+    "connection was likely closed",
 )
 
 
@@ -83,6 +85,7 @@ class Watchdog:
         self._running: set[int] = set()
         self._failed_at: float | None = None
         self._doomed: set[int] = set()  # running when the first failure happened
+        self.killed: set[int] = set()  # pids this watchdog sent SIGKILL (deadline)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zerotron-watchdog", daemon=True)
@@ -155,6 +158,7 @@ class Watchdog:
             # Only the failed attempt's workers: a restarted group may be running already.
             survivors = self._doomed & self._running
             self._failed_at, self._doomed = None, set()
+            self.killed |= survivors
         for pid in survivors:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # each worker leads its own session
@@ -165,13 +169,14 @@ def summarize_failures(
     exit_times: dict[int, float],
     streams: RankStreams,
     finished: dict[int, float] | None = None,
+    killed: set[int] | None = None,
 ) -> tuple[int, str]:
     """Name the rank that failed first and show what it said; return (exit code, text).
 
     ``failures`` maps global rank -> the agent's ProcessFailure; ``exit_times`` maps pid -> when
     it ended (:class:`Watchdog`); ``streams`` has each rank's last stderr lines with arrival times
     and the time of its last output line; ``finished`` maps the ranks that exited with code 0 to
-    when they did.
+    when they did; ``killed`` has the pids the launcher's deadline sent SIGKILL.
 
     The first rank is the earliest of those that failed on their own, before those that failed
     because a peer left or got stuck ("Connection closed by peer", a timeout, zerotron's "a peer
@@ -185,7 +190,7 @@ def summarize_failures(
     it, or an abort in a library's teardown): that rank failed by raising (exit code 1, or 2 for
     zerotron's clean error).
     """
-    facts = _facts(failures, exit_times, streams)
+    facts = _facts(failures, exit_times, streams, killed or set())
     (rank, first), *others = sorted(facts.items(), key=lambda item: item[1].order(item[0]))
     code, how = _exit_code(first.failure.exitcode), _how(first.failure.exitcode)
     if first.words is not None and first.failure.exitcode < 0:
@@ -230,7 +235,10 @@ class _Fact:
 
 
 def _facts(
-    failures: dict[int, ProcessFailure], exit_times: dict[int, float], streams: RankStreams
+    failures: dict[int, ProcessFailure],
+    exit_times: dict[int, float],
+    streams: RankStreams,
+    killed: set[int],
 ) -> dict[int, _Fact]:
     inf = float("inf")
     facts = {}
@@ -242,7 +250,7 @@ def _facts(
     for fact in facts.values():
         if fact.words is not None and _peer_caused(fact.words):
             fact.kind = 1
-        elif fact.words is None and _stopped_by_us(fact.failure) and fact.at > earliest:
+        elif fact.words is None and _stopped_by_us(fact.failure, killed) and fact.at > earliest:
             fact.kind = 2
     return facts
 
@@ -355,9 +363,14 @@ def _how(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def _stopped_by_us(failure: ProcessFailure) -> bool:
-    """SIGTERM and SIGKILL are how the launcher stops the ranks that are still running."""
-    return failure.exitcode in (-signal.SIGTERM, -signal.SIGKILL)
+def _stopped_by_us(failure: ProcessFailure, killed: set[int]) -> bool:
+    """SIGTERM is how the agent stops the ranks still running; SIGKILL only when the
+    launcher's deadline sent it. Any other SIGKILL (the OOM killer, ``kill -9``) is the rank's
+    own failure, even when its exit was seen late (the agent may reap it before the watchdog
+    looks, and a loaded machine may run the watchdog's thread late)."""
+    if failure.exitcode == -signal.SIGKILL:
+        return failure.pid in killed
+    return failure.exitcode == -signal.SIGTERM
 
 
 def _signal_name(signum: int) -> str:

@@ -139,7 +139,7 @@ def run(plan: LaunchPlan) -> int:
         _say(elastic.saved_message(passed_on[0] if passed_on else "a signal"))
         return preemption.EXIT_CODE
     code, report = summarize_failures(
-        result.failures, watchdog.exit_times, streams, watchdog.finished
+        result.failures, watchdog.exit_times, streams, watchdog.finished, watchdog.killed
     )
     note = elastic.failure_note(report, rdzv)
     _say(report + (f"\n{note}" if note else ""))
