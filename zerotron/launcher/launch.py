@@ -43,6 +43,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from zerotron.errors import LaunchError
 from zerotron.launcher import binding, elastic, multinode, network, pidfile, remote, slurm
@@ -59,25 +60,23 @@ from zerotron.launcher.node import default_nproc as _default_nproc
 from zerotron.launcher.node import free_port as _free_port
 from zerotron.launcher.node import parse as _parse
 
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from zerotron.launcher.hangs import HangWatch
+    from zerotron.launcher.output import RankStreams
+
 RUN_ID = "zerotron"  # static rendezvous: every node's agent must use the same id
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
 
-
-
 def run(plan: LaunchPlan) -> int:
     """Start this node's workers, wait for them, and return the job's exit code."""
-    from torch.distributed import DistError
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousError
 
-    from zerotron.launcher import rendezvous
-    from zerotron.launcher.failures import Watchdog, summarize_failures
-    from zerotron.launcher.hangs import HANG_EXIT_CODE, HangWatch
+    from zerotron.launcher.hangs import HangWatch
     from zerotron.launcher.output import RankStreams
-    from zerotron.training import preemption
 
     rdzv = _rendezvous(plan)
     spec = WorkerSpec(
@@ -93,6 +92,30 @@ def run(plan: LaunchPlan) -> int:
     agent = LocalElasticAgent(spec, logs_specs=streams, shutdown_timeout=plan.shutdown_timeout)
     where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}"
     hangs = HangWatch(_reports_dir(plan), plan.watchdog_action, _say)
+    try:
+        return _supervise(plan, agent, streams, hangs, rdzv, where)
+    finally:
+        _clean_reports_dir(plan, hangs.directory)
+
+
+def _supervise(
+    plan: LaunchPlan,
+    agent: LocalElasticAgent,
+    streams: RankStreams,
+    hangs: HangWatch,
+    rdzv: Any,
+    where: str,
+) -> int:
+    """Run the agent under the launcher's watchdog and turn its result into an exit code."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    from zerotron.launcher import rendezvous
+    from zerotron.launcher.failures import Watchdog, summarize_failures
+    from zerotron.launcher.hangs import HANG_EXIT_CODE
+    from zerotron.training import preemption
+
     with (
         _launcher_state(plan, hangs.directory),
         streams,
@@ -123,11 +146,6 @@ def run(plan: LaunchPlan) -> int:
                 fix="on node 0 pick a free --master_port; on the others check that node 0 is "
                 "up and --master_addr/--master_port reach it",
             ) from e
-    if plan.log_dir is None:
-        shutil.rmtree(hangs.directory, ignore_errors=True)
-    else:  # kept only when a rank reported
-        with contextlib.suppress(OSError):
-            os.rmdir(hangs.directory)
     lost = rendezvous.lost_report(getattr(rdzv, "lost", []))
     if result is None or not result.is_failed():  # None: the rendezvous closed gracefully
         if lost:
@@ -144,6 +162,16 @@ def run(plan: LaunchPlan) -> int:
     note = elastic.failure_note(report, rdzv)
     _say(report + (f"\n{note}" if note else ""))
     return code
+
+
+def _clean_reports_dir(plan: LaunchPlan, directory: str) -> None:
+    """Remove the watchdog reports' directory, however the job ended (kept under --log_dir
+    only when a rank reported)."""
+    if plan.log_dir is None:
+        shutil.rmtree(directory, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
 
 
 def _reports_dir(plan: LaunchPlan) -> str:
