@@ -675,7 +675,7 @@ TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
     "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --split 80,10,10 --log-interval 1 "
     "--eval-interval 100 --eval-iters 0 --seed 1234 --train-iters 3 --hidden-dropout 0 "
-    "--attention-dropout 0 "
+    "--attention-dropout 0 --num-workers 0 "
 )
 
 

@@ -33,6 +33,7 @@ TINY = [
     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
     "--lr", "1e-3", "--split", "80,10,10", "--log-interval", "4", "--eval-interval", "4",
     "--eval-iters", "1", "--seed", "1234",
+    "--num-workers", "0",  # loader workers cost seconds per in-process run (test_samplers has them)
 ]  # fmt: skip
 
 
