@@ -152,6 +152,10 @@ def test_no_ssh_runs_the_same_pretrain_by_hand(cluster, data_prefix, one_process
     results = [finish(p) for p in nodes]
     assert [code for code, _, _ in results] == [0, 0], [err[-3000:] for _, _, err in results]
     assert_same_losses(results[0][1] + results[1][1], one_process)
+    # each launcher gave its ranks this host's own interface (not the 127.x its name resolves
+    # to: gloo's "connectFullMesh failed ... remote=[127.0.0.1]" before the launcher named it)
+    for host, (_, _, err) in zip(cluster.hosts, results, strict=True):
+        assert f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={host.link}" in err
 
 
 def test_pdsh_numbers_nodes_in_hostfile_order_and_names_the_failed_node(cluster):
