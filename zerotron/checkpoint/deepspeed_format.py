@@ -1,0 +1,481 @@
+"""DeepSpeed's own checkpoint files: read the ones DeepSpeed writes, and make zerotron's ZeRO
+saves readable by DeepSpeed's ``zero_to_fp32``.
+
+A DeepSpeed checkpoint (``engine.save_checkpoint(dir)``, one model-parallel rank)::
+
+    <dir>/latest                                         the tag, e.g. "global_step3"
+    <dir>/<tag>/mp_rank_00_model_states.pt               stages 0-2: weights (16-bit), scheduler,
+                                                         counters, param_shapes, buffer_names
+    <dir>/<tag>/zero_pp_rank_R_mp_rank_00_model_states.pt   stage 3, one per rank: buffers only
+    <dir>/<tag>/[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   ZeRO 1-3, one per rank
+
+Stages 1-2 cut each parameter group's flat fp32 vector (the parameters one after another, in
+``param_shapes`` order) into equal contiguous slices, one per rank (the last one padded);
+stage 3 cuts each parameter on its own into ``ceil(n / N)``-element chunks and rank R's flat
+group is its chunks one after another. The optimizer's elementwise state (Adam's ``exp_avg``,
+``exp_avg_sq``) has the shape of the rank's flat partition. :func:`read_deepspeed_checkpoint`
+puts every parameter's fp32 master and moments back together from all ranks' files, so a
+zerotron engine of any ZeRO stage and data-parallel size can take them
+(:func:`zero_state_from_full` cuts them again for one zerotron rank).
+
+Loading is safe: ``torch.load(weights_only=True)`` with :data:`SAFE_GLOBALS`, the few non-tensor
+types DeepSpeed pickles into these files, each unpickled as a local stand-in (DeepSpeed is never
+imported); any other type is refused with a :class:`~zerotron.errors.CheckpointError` naming the
+file and the type.
+
+The other direction: :func:`deepspeed_view` adds to zerotron's own ZeRO save (stages 1-3, one
+model-parallel rank) the entries and the small model-states files that DeepSpeed's
+``zero_to_fp32`` (``get_fp32_state_dict_from_zero_checkpoint``) reads. zerotron's per-rank files
+``zero_dp_rank_R_mp_rank_00_000_optim_states.pt`` match its ``*_optim_states.pt`` glob; each
+gets an ``optimizer_state_dict`` entry whose fp32 groups are views of the masters already in the
+file (one group per parameter: rank R's chunk of it), so nothing is stored twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import math
+import pickle
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from zerotron.errors import CheckpointError
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
+ZERO3_MODEL_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
+DS_VERSION = "0.0.0+zerotron"
+"""``ds_version`` written into the DeepSpeed view (DeepSpeed's reader only prints it)."""
+
+# DeepSpeed's key names (deepspeed/checkpoint/constants.py)
+OSD = "optimizer_state_dict"
+FP32_GROUPS_12 = "single_partition_of_fp32_groups"
+FP32_GROUPS_3 = "fp32_flat_groups"
+BASE_STATE_12 = "base_optimizer_state"
+PARTITION_COUNT = "partition_count"
+# Entries of DeepSpeed's model-states file that are not the caller's client state.
+DS_MODEL_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "ds_config",
+        "ds_version",
+    }
+)
+
+
+# ---- safe loading ---------------------------------------------------------------------------
+
+
+class ZeroStageEnum(enum.IntEnum):
+    """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum`` (an int)."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+class _Attrs:
+    """A stand-in unpickled as a plain bag of attributes (pickle's BUILD sets ``__dict__``)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({vars(self)})"
+
+
+class LossScaler(_Attrs):
+    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (``cur_scale``, ...)."""
+
+
+class DynamicLossScaler(_Attrs):
+    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``."""
+
+
+class FragmentAddress(_Attrs):
+    """Stand-in for ``deepspeed.utils.tensor_fragment.fragment_address`` (numel, start)."""
+
+
+SAFE_GLOBALS: list[Any] = [
+    (ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    argparse.Namespace,  # DeepSpeed saves the script's ``args`` when initialize() had them
+]
+"""The non-tensor types DeepSpeed's checkpoint files hold, as ``(stand-in, DeepSpeed's name)``
+(found by loading real DeepSpeed 0.19 checkpoints with ``weights_only=True``)."""
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def load_deepspeed_file(path: str | Path) -> Any:
+    """``torch.load`` one DeepSpeed file (CPU, ``weights_only=True``, :data:`SAFE_GLOBALS`)."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = _GLOBAL.search(str(e))
+        what = found.group(1) if found else "an object"
+        raise CheckpointError(
+            f"the file holds {what}, which is not on the allow-list of types a DeepSpeed "
+            "checkpoint may hold; it was not loaded (unpickling it could run code)",
+            where=str(path),
+            fix="load only checkpoints you trust; if this type is a plain data class of a "
+            "newer DeepSpeed, report it so it can join the allow-list "
+            "(zerotron.checkpoint.deepspeed_format.SAFE_GLOBALS)",
+        ) from e
+    except FileNotFoundError as e:
+        raise CheckpointError("file missing", where=str(path)) from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(
+            f"cannot read the file ({e})", where=str(path), fix="copy the checkpoint again"
+        ) from e
+
+
+# ---- finding a DeepSpeed checkpoint ---------------------------------------------------------
+
+
+def is_deepspeed_tag(tag_dir: str | Path) -> bool:
+    """Whether ``tag_dir`` holds a checkpoint DeepSpeed wrote (its model-states file, and not
+    zerotron's ``mp_rank_00/model_optim_rng.pt``)."""
+    tag_dir = Path(tag_dir)
+    if (tag_dir / "mp_rank_00").is_dir() or (tag_dir / "mp_rank_00_000").is_dir():
+        return False
+    return (tag_dir / MODEL_STATES).is_file() or (
+        tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    ).is_file()
+
+
+def deepspeed_tag(load_dir: str | Path, tag: str | None) -> str | None:
+    """``tag``, or the one DeepSpeed's ``latest`` file names; None when there is no tracker."""
+    if tag is not None:
+        return tag
+    latest = Path(load_dir) / "latest"
+    if not latest.is_file():
+        return None
+    return latest.read_text().strip() or None
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """A DeepSpeed checkpoint put back together: whole tensors per parameter name."""
+
+    tag_dir: Path
+    zero_stage: int
+    dp_size: int
+    module: dict[str, Tensor]
+    """The module's state dict: weights as saved (stages 0-2; 16-bit under bf16/fp16), or
+    from the fp32 masters at stage 3 (DeepSpeed saves empty weights there), and buffers."""
+    model_states: dict[str, Any]
+    """The (rank 0) model-states file without ``module``: scheduler, counters, client state."""
+    masters: dict[str, Tensor] = field(default_factory=dict)
+    """Parameter name -> fp32 master (ZeRO checkpoints)."""
+    moments: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    """Optimizer state key (``exp_avg``, ...) -> parameter name -> whole tensor."""
+    scalars: dict[str, Any] = field(default_factory=dict)
+    """Optimizer state that is one value for all elements (Adam's ``step``)."""
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    """The torch optimizer's groups as saved (hyperparameters; ``params`` indices)."""
+
+    @property
+    def client_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_states.items() if k not in DS_MODEL_KEYS}
+
+
+def read_deepspeed_checkpoint(
+    tag_dir: str | Path, *, optimizer: bool = True
+) -> DeepSpeedCheckpoint:
+    """Read the DeepSpeed checkpoint in ``tag_dir`` (one model-parallel rank, ZeRO 0-3);
+    with ``optimizer`` also every rank's optimizer file (ZeRO stages 1-3)."""
+    tag_dir = Path(tag_dir)
+    if (tag_dir / MODEL_STATES).is_file():
+        model = load_deepspeed_file(tag_dir / MODEL_STATES)
+    else:
+        model = load_deepspeed_file(tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    _require(model, ("module", "param_shapes"), tag_dir / MODEL_STATES)
+    if int(model.get("mp_world_size", 1) or 1) != 1:
+        raise CheckpointError(
+            f"the checkpoint was saved with model parallel size {model['mp_world_size']}",
+            where=str(tag_dir),
+            fix="only DeepSpeed checkpoints of one model-parallel rank (mp_rank_00) load",
+        )
+    module = dict(model["module"])
+    states = {k: v for k, v in model.items() if k != "module"}
+    optim_files = _optim_files(tag_dir)
+    if not optim_files:
+        return DeepSpeedCheckpoint(tag_dir, 0, int(model.get("dp_world_size", 1)), module, states)
+    first = load_deepspeed_file(tag_dir / optim_files[0])
+    osd = _require(first, (OSD,), tag_dir / optim_files[0])[OSD]
+    stage = int(osd.get("zero_stage", 0))
+    count = osd.get(PARTITION_COUNT)
+    dp = int(max(count) if isinstance(count, (list, tuple)) else count)
+    if dp != len(optim_files):
+        raise CheckpointError(
+            f"the optimizer files say {dp} data-parallel ranks, {len(optim_files)} are present",
+            where=str(tag_dir),
+            fix="copy the complete checkpoint directory (every rank wrote one file)",
+        )
+    ckpt = DeepSpeedCheckpoint(tag_dir, stage, dp, module, states)
+    shapes = [{n: tuple(s) for n, s in g.items()} for g in model["param_shapes"]]
+    if not optimizer and stage < 3:
+        return ckpt
+    # stage 3 keeps no weights in its model files: they come from the masters, so the
+    # optimizer files are read even for the weights alone
+    osds = [osd] + [load_deepspeed_file(tag_dir / f)[OSD] for f in optim_files[1:]]
+    _consolidate(ckpt, osds, shapes, stage)
+    if stage == 3:
+        # DeepSpeed restores stage-3 weights from the fp32 masters, in the model's dtype
+        for name, master in ckpt.masters.items():
+            dtype = module[name].dtype if name in module else master.dtype
+            module[name] = master.to(dtype)
+    return ckpt
+
+
+def _optim_files(tag_dir: Path) -> list[str]:
+    found = {}
+    for f in tag_dir.iterdir():
+        m = OPTIM_FILE.fullmatch(f.name)
+        if m:
+            found[int(m.group(2))] = f.name
+    return [found[r] for r in sorted(found)]
+
+
+def _require(obj: Any, keys: Sequence[str], where: Path) -> dict[str, Any]:
+    if not isinstance(obj, dict) or any(k not in obj for k in keys):
+        have = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise CheckpointError(
+            f"not a DeepSpeed checkpoint file: expected entries {list(keys)}, found {have}",
+            where=str(where),
+        )
+    return obj
+
+
+def _consolidate(
+    ckpt: DeepSpeedCheckpoint,
+    osds: list[dict[str, Any]],
+    shapes: list[dict[str, tuple[int, ...]]],
+    stage: int,
+) -> None:
+    """Fill ``ckpt.masters``/``moments``/``scalars``/``param_groups`` from every rank's
+    optimizer state (``osds[r]``)."""
+    where = str(ckpt.tag_dir)
+    if stage == 3:
+        masters = [osd[FP32_GROUPS_3] for osd in osds]
+        base = [osd[OSD] for osd in osds]
+    else:
+        masters = [osd[FP32_GROUPS_12] for osd in osds]
+        base = [osd[BASE_STATE_12] for osd in osds]
+    n_groups = len(masters[0])
+    ckpt.param_groups = [{k: v for k, v in g.items()} for g in base[0]["param_groups"]]
+    # per rank and group: {key: flat tensor} of the elementwise state, scalars aside
+    elementwise: list[list[dict[str, Tensor]]] = []
+    for b in base:
+        per_group = []
+        for i in range(n_groups):
+            entry = b["state"].get(i, {})
+            flat = {}
+            for key, value in entry.items():
+                if isinstance(value, Tensor) and value.dim() == 1 and key != "step":
+                    flat[key] = value
+                else:
+                    ckpt.scalars.setdefault(key, value)
+            per_group.append(flat)
+        elementwise.append(per_group)
+    keys = sorted({k for per in elementwise for g in per for k in g})
+    if stage == 3:
+        names = [(n, s) for g in shapes for n, s in g.items()]
+        cat_m = [torch.cat([t.reshape(-1).float() for t in m]) for m in masters]
+        cat_s = {
+            k: [torch.cat([g[k].reshape(-1).float() for g in per]) for per in elementwise]
+            for k in keys
+        }
+        offset = 0
+        for name, shape in names:
+            numel = math.prod(shape)
+            chunk = math.ceil(numel / ckpt.dp_size)
+
+            def whole(flats: list[Tensor], off: int = offset, n: int = numel, c: int = chunk):
+                return torch.cat([f[off : off + c] for f in flats])[:n]
+
+            if offset + chunk > cat_m[0].numel():
+                raise CheckpointError(
+                    f"the fp32 partitions end before parameter {name!r}",
+                    where=where,
+                    fix="the optimizer files do not belong to this model-states file",
+                )
+            ckpt.masters[name] = whole(cat_m).view(shape).clone()
+            for k in keys:
+                ckpt.moments.setdefault(k, {})[name] = whole(cat_s[k]).view(shape).clone()
+            offset += chunk
+        return
+    if len(shapes) != n_groups:
+        raise CheckpointError(
+            f"{len(shapes)} parameter groups in param_shapes, {n_groups} in the optimizer files",
+            where=where,
+        )
+    for i, group in enumerate(shapes):
+        full_m = torch.cat([m[i].reshape(-1).float() for m in masters])
+        full_s = {
+            k: torch.cat([per[i][k].reshape(-1).float() for per in elementwise]) for k in keys
+        }
+        offset = 0
+        for name, shape in group.items():
+            numel = math.prod(shape)
+            if offset + numel > full_m.numel():
+                raise CheckpointError(
+                    f"parameter group {i}'s fp32 partitions hold {full_m.numel()} elements, "
+                    f"fewer than its parameters need",
+                    where=where,
+                    fix="the optimizer files do not belong to this model-states file",
+                )
+            ckpt.masters[name] = full_m[offset : offset + numel].view(shape).clone()
+            for k in keys:
+                ckpt.moments.setdefault(k, {})[name] = (
+                    full_s[k][offset : offset + numel].view(shape).clone()
+                )
+            offset += numel
+
+
+# ---- into a zerotron ZeRO rank ----------------------------------------------------------------
+
+
+def zero_state_from_full(
+    target: Mapping[str, Any],
+    masters: Mapping[str, Tensor],
+    moments: Mapping[str, Mapping[str, Tensor]],
+    scalars: Mapping[str, Any],
+    lr: float | None,
+    where: str,
+) -> dict[str, Any]:
+    """The ZeRO state (``ZeroOptimizer.load_state_dict``'s input) of the zerotron rank whose
+    current state dict is ``target`` (it gives the layout), cut from whole tensors."""
+    lay = target["layout"]
+    missing = [e["name"] for e in lay if e["name"] not in masters]
+    extra = sorted(set(masters) - {e["name"] for e in lay})
+    if missing or extra:
+        raise CheckpointError(
+            f"the checkpoint's parameters differ from this model's (missing in the "
+            f"checkpoint: {missing[:5]}; not in the model: {extra[:5]})",
+            where=where,
+            fix="build the model the DeepSpeed run trained (same modules and names)",
+        )
+    sizes = [t.numel() for t in target["fp32_partitions"]]
+
+    def cut(full: Mapping[str, Tensor]) -> list[Tensor]:
+        out = [torch.zeros(n, dtype=torch.float32) for n in sizes]
+        for e in lay:
+            value = full[e["name"]]
+            if tuple(value.shape) != tuple(e["shape"]):
+                raise CheckpointError(
+                    f"parameter {e['name']!r} has shape {list(value.shape)} in the checkpoint, "
+                    f"{list(e['shape'])} in the model",
+                    where=where,
+                )
+            start, length, offset = int(e["start"]), int(e["length"]), int(e["offset"])
+            flat = value.reshape(-1).float()
+            out[int(e["partition"])][offset : offset + length] = flat[start : start + length]
+        return out
+
+    new_masters = cut(masters)
+    cut_moments = {k: cut(v) for k, v in moments.items()}
+    groups = target["optimizer"]["param_groups"]
+    state = {}
+    for g in groups:
+        for idx in g["params"]:
+            entry: dict[str, Any] = {
+                k: (v.clone() if isinstance(v, Tensor) else v) for k, v in scalars.items()
+            }
+            for k, parts in cut_moments.items():
+                entry[k] = parts[idx]
+            if entry:
+                state[idx] = entry
+    new_groups = [{**g, **({"lr": lr} if lr is not None else {})} for g in groups]
+    return {
+        **{k: v for k, v in target.items() if k not in ("optimizer", "fp32_partitions")},
+        "optimizer": {"state": state, "param_groups": new_groups},
+        "fp32_partitions": new_masters,
+    }
+
+
+# ---- zerotron's save, readable by DeepSpeed's zero_to_fp32 -----------------------------------
+
+
+def deepspeed_view(
+    zero_state: dict[str, Any],
+    *,
+    dp_rank: int,
+    buffers: Mapping[str, Tensor],
+    shared_params: Mapping[str, str],
+    frozen: Mapping[str, Tensor] | None,
+) -> dict[str, Any] | None:
+    """Add DeepSpeed's ``optimizer_state_dict`` entry to this rank's zerotron ZeRO file
+    (``zero_state``, changed in place) and return the model-states file DeepSpeed's
+    ``zero_to_fp32`` needs beside it: ``{file name: contents}`` (stages 1-2: from data-parallel
+    rank 0 only, else empty; stage 3: one per rank), or None when it cannot be expressed
+    (frozen parameters at stage 3, whose per-rank fragments zerotron does not keep).
+
+    The fp32 groups are one per parameter, each this rank's chunk of it (a view of the masters
+    in the file): concatenated over ranks, a chunk list gives the parameter followed by less
+    than ``2 * dp`` padding elements, which DeepSpeed's stage 1-2 reader accepts, and is exactly
+    its stage-3 layout (``ceil(n / dp)`` elements per rank).
+    """
+    stage = int(zero_state["zero_stage"])
+    dp = int(zero_state["dp_size"])
+    if stage == 3 and frozen:
+        return None
+    masters = zero_state["fp32_partitions"]
+    chunks, shapes = [], []
+    for e in zero_state["layout"]:
+        flat = masters[int(e["partition"])].reshape(-1)
+        offset, chunk = int(e["offset"]), int(e["chunk"])
+        chunks.append(flat[offset : offset + chunk])
+        shapes.append({e["name"]: torch.Size(e["shape"])})
+    zero_state[OSD] = {
+        "zero_stage": stage,
+        PARTITION_COUNT: dp,
+        FP32_GROUPS_3 if stage == 3 else FP32_GROUPS_12: chunks,
+        "ds_version": DS_VERSION,
+    }
+    model_states: dict[str, Any] = {
+        "module": {k: v for k, v in buffers.items()},
+        "buffer_names": list(buffers),
+        "param_shapes": shapes,
+        "shared_params": dict(shared_params),
+        "frozen_param_shapes": {},
+        "frozen_param_fragments": {},
+        "ds_version": DS_VERSION,
+        "dp_world_size": dp,
+        "mp_world_size": 1,
+    }
+    if stage < 3:
+        if frozen:
+            model_states["frozen_param_shapes"] = {n: t.shape for n, t in frozen.items()}
+            model_states["frozen_param_fragments"] = dict(frozen)
+        return {MODEL_STATES: model_states} if dp_rank == 0 else {}
+    return {f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt": model_states}
