@@ -282,3 +282,70 @@ def test_zerotron_save_has_the_files_deepspeeds_reader_globs(two_ranks, stage):
     assert all(t.dtype == torch.float32 for t in osd[groups])
     model = torch.load(tag_dir / models[0], weights_only=True)
     assert model["buffer_names"] == ["scale"] and "shared_params" in model
+
+
+def _zero_states(full: dict[str, torch.Tensor], stage: int, dp: int) -> list[dict[str, Any]]:
+    """zerotron's ZeRO files of ``dp`` ranks for ``full`` (each parameter cut on its own into
+    ``ceil(n / dp)`` chunks, one flat partition per rank; see zerotron/zero/state_dict.py)."""
+    states = []
+    for r in range(dp):
+        layout, pieces, offset = [], [], 0
+        for name, t in full.items():
+            chunk = math.ceil(t.numel() / dp)
+            start = min(r * chunk, t.numel())
+            length = min(chunk, t.numel() - start)
+            piece = torch.zeros(chunk)
+            piece[:length] = t.reshape(-1)[start : start + length]
+            pieces.append(piece)
+            layout.append(
+                dict(name=name, shape=list(t.shape), numel=t.numel(), chunk=chunk)
+                | dict(start=start, length=length, partition=0, offset=offset)
+            )
+            offset += chunk
+        states.append(
+            {"zero_stage": stage, "dp_rank": r, "dp_size": dp, "layout": layout}
+            | {"fp32_partitions": [torch.cat(pieces)]}
+        )
+    return states
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_view_gives_frozen_and_tied_weights(tmp_path, stage):
+    from zerotron.checkpoint.deepspeed_format import deepspeed_view
+
+    g = torch.Generator().manual_seed(0)
+    full = {"a": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g)}
+    frozen = {"f": torch.randn(4, generator=g)} if stage < 3 else {}
+    buffers = {"buf": torch.arange(3.0)}
+    dp = 4  # b has 7 elements: its last rank's chunk is one element plus padding
+    for r, state in enumerate(_zero_states(full, stage, dp)):
+        extra = deepspeed_view(
+            state, dp_rank=r, buffers=buffers, shared_params={"tied": "a"}, frozen=frozen
+        )
+        torch.save(state, tmp_path / f"zero_dp_rank_{r}_mp_rank_00_000_optim_states.pt")
+        for name, contents in extra.items():
+            torch.save(contents, tmp_path / name)
+    got = _deepspeed_reader(tmp_path)
+    if frozen:  # DeepSpeed's stage 1-2 reader takes the whole frozen tensors from rank 0
+        model = torch.load(tmp_path / "mp_rank_00_model_states.pt", weights_only=True)
+        got.update(model["frozen_param_fragments"])
+    want = {**buffers, **full, **frozen, "tied": full["a"]}
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_stage3_with_frozen_parameters_writes_no_deepspeed_view():
+    from zerotron.checkpoint.deepspeed_format import deepspeed_view
+
+    state = _zero_states({"a": torch.ones(5)}, 3, 2)[0]
+    frozen = {"f": torch.ones(2)}
+    assert deepspeed_view(state, dp_rank=0, buffers={}, shared_params={}, frozen=frozen) is None
+
+
+def test_a_zerotron_checkpoint_is_not_taken_for_deepspeeds(tmp_path):
+    from zerotron.checkpoint.deepspeed_format import is_deepspeed_tag
+
+    assert is_deepspeed_tag(FIXTURES / "zero3_fp32" / "global_step3")
+    (tmp_path / "mp_rank_00").mkdir()  # zerotron's model file beside the view for DeepSpeed
+    (tmp_path / "mp_rank_00_model_states.pt").write_bytes(b"")
+    assert not is_deepspeed_tag(tmp_path)
