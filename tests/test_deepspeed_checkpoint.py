@@ -174,8 +174,8 @@ def test_deepspeed_files_need_the_allow_list():
     path = FIXTURES / "zero2_fp32" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     with pytest.raises(pickle.UnpicklingError, match="deepspeed"):
         torch.load(path, weights_only=True)
-    assert isinstance(load_deepspeed_file(path), dict)
-    assert len(SAFE_GLOBALS) == 5
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        assert isinstance(torch.load(path, weights_only=True), dict)
 
 
 class Unlisted:
@@ -349,3 +349,21 @@ def test_a_zerotron_checkpoint_is_not_taken_for_deepspeeds(tmp_path):
     (tmp_path / "mp_rank_00").mkdir()  # zerotron's model file beside the view for DeepSpeed
     (tmp_path / "mp_rank_00_model_states.pt").write_bytes(b"")
     assert not is_deepspeed_tag(tmp_path)
+
+
+def test_stage3_frozen_parameters_come_from_every_ranks_fragment(tmp_path):
+    # DeepSpeed's stage 3 keeps a frozen parameter as one ceil(n / dp) fragment per rank
+    src = FIXTURES / "zero3_fp32" / "global_step3"
+    frozen = torch.arange(5.0)  # 3 + 2 elements (+1 padding) over two ranks
+    for r in range(tiny.DP):
+        name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+        model = torch.load(src / name, weights_only=True)
+        model["frozen_param_shapes"] = {"frozen": torch.Size([5])}
+        model["frozen_param_fragments"] = {
+            "frozen": torch.cat([frozen, torch.zeros(1)])[3 * r :][:3]
+        }
+        torch.save(model, tmp_path / name)
+        optim = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        (tmp_path / optim).write_bytes((src / optim).read_bytes())
+    ckpt = read_deepspeed_checkpoint(tmp_path)
+    assert torch.equal(ckpt.module["frozen"], frozen)

@@ -135,7 +135,8 @@ def load_deepspeed_file(path: str | Path) -> Any:
     path = Path(path)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            # memory-mapped: slices are read when touched, as zerotron's own loads do
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         found = _GLOBAL.search(str(e))
         what = found.group(1) if found else "an object"
@@ -254,7 +255,33 @@ def read_deepspeed_checkpoint(
         for name, master in ckpt.masters.items():
             dtype = module[name].dtype if name in module else master.dtype
             module[name] = master.to(dtype)
+        _merge_frozen_stage3(tag_dir, model, module, dp)
     return ckpt
+
+
+def _merge_frozen_stage3(
+    tag_dir: Path, model: Mapping[str, Any], module: dict[str, Tensor], dp: int
+) -> None:
+    """Stage 3 keeps frozen parameters as ``ceil(n / dp)``-element fragments, one in each
+    rank's model-states file: put them together into ``module``."""
+    frozen = model.get("frozen_param_shapes") or {}
+    if not frozen:
+        return
+    fragments = [model.get("frozen_param_fragments") or {}]
+    for r in range(1, dp):
+        name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+        fragments.append(load_deepspeed_file(tag_dir / name).get("frozen_param_fragments") or {})
+    for name, shape in frozen.items():
+        missing = [r for r, f in enumerate(fragments) if name not in f]
+        if missing:
+            raise CheckpointError(
+                f"frozen parameter {name!r} has no fragment in the model-states files of "
+                f"ranks {missing}",
+                where=str(tag_dir),
+                fix="copy the complete checkpoint directory (every rank wrote one file)",
+            )
+        flat = torch.cat([f[name].reshape(-1) for f in fragments])[: math.prod(shape)]
+        module[name] = flat.view(tuple(shape)).clone()
 
 
 def _optim_files(tag_dir: Path) -> list[str]:
