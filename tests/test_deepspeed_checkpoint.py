@@ -311,7 +311,7 @@ def _zero_states(full: dict[str, torch.Tensor], stage: int, dp: int) -> list[dic
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_deepspeed_view_gives_frozen_and_tied_weights(tmp_path, stage):
-    from zerotron.checkpoint.deepspeed_format import deepspeed_view
+    from zerotron.checkpoint.deepspeed_view import deepspeed_view
 
     g = torch.Generator().manual_seed(0)
     full = {"a": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g)}
@@ -335,7 +335,7 @@ def test_deepspeed_view_gives_frozen_and_tied_weights(tmp_path, stage):
 
 
 def test_stage3_with_frozen_parameters_writes_no_deepspeed_view():
-    from zerotron.checkpoint.deepspeed_format import deepspeed_view
+    from zerotron.checkpoint.deepspeed_view import deepspeed_view
 
     state = _zero_states({"a": torch.ones(5)}, 3, 2)[0]
     frozen = {"f": torch.ones(2)}
@@ -367,3 +367,15 @@ def test_stage3_frozen_parameters_come_from_every_ranks_fragment(tmp_path):
         (tmp_path / optim).write_bytes((src / optim).read_bytes())
     ckpt = read_deepspeed_checkpoint(tmp_path)
     assert torch.equal(ckpt.module["frozen"], frozen)
+
+
+@pytest.mark.parametrize("case", ["zero2_fp32", "zero3_fp32"])
+def test_get_fp32_state_dict_reads_deepspeeds_checkpoint(case):
+    # DeepSpeed's function under its compat name, on DeepSpeed's own checkpoint: buffers first,
+    # then the fp32 masters (fp32 training: equal to the weights DeepSpeed saved at stage 2)
+    from zerotron.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    got = get_fp32_state_dict_from_zero_checkpoint(str(FIXTURES / case))
+    ref = read_deepspeed_checkpoint(FIXTURES / "zero2_fp32" / "global_step3").module
+    assert list(got) == ["scale", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert all(torch.equal(got[k], ref[k]) for k in got)

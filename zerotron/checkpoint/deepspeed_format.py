@@ -23,12 +23,9 @@ types DeepSpeed pickles into these files, each unpickled as a local stand-in (De
 imported); any other type is refused with a :class:`~zerotron.errors.CheckpointError` naming the
 file and the type.
 
-The other direction: :func:`deepspeed_view` adds to zerotron's own ZeRO save (stages 1-3, one
-model-parallel rank) the entries and the small model-states files that DeepSpeed's
-``zero_to_fp32`` (``get_fp32_state_dict_from_zero_checkpoint``) reads. zerotron's per-rank files
-``zero_dp_rank_R_mp_rank_00_000_optim_states.pt`` match its ``*_optim_states.pt`` glob; each
-gets an ``optimizer_state_dict`` entry whose fp32 groups are views of the masters already in the
-file (one group per parameter: rank R's chunk of it), so nothing is stored twice.
+The other direction (zerotron's saves for DeepSpeed's ``zero_to_fp32``) is
+:mod:`zerotron.checkpoint.deepspeed_view`. :func:`deepspeed_fp32_state_dict` is DeepSpeed's
+``get_fp32_state_dict_from_zero_checkpoint`` on a DeepSpeed checkpoint.
 """
 
 from __future__ import annotations
@@ -50,9 +47,6 @@ from zerotron.errors import CheckpointError
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
-ZERO3_MODEL_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
-DS_VERSION = "0.0.0+zerotron"
-"""``ds_version`` written into the DeepSpeed view (DeepSpeed's reader only prints it)."""
 
 # DeepSpeed's key names (deepspeed/checkpoint/constants.py)
 OSD = "optimizer_state_dict"
@@ -450,59 +444,33 @@ def zero_state_from_full(
     }
 
 
-# ---- zerotron's save, readable by DeepSpeed's zero_to_fp32 -----------------------------------
+# ---- DeepSpeed's zero_to_fp32 on DeepSpeed's checkpoints --------------------------------------
 
 
-def deepspeed_view(
-    zero_state: dict[str, Any],
-    *,
-    dp_rank: int,
-    buffers: Mapping[str, Tensor],
-    shared_params: Mapping[str, str],
-    frozen: Mapping[str, Tensor] | None,
-) -> dict[str, Any] | None:
-    """Add DeepSpeed's ``optimizer_state_dict`` entry to this rank's zerotron ZeRO file
-    (``zero_state``, changed in place) and return the model-states file DeepSpeed's
-    ``zero_to_fp32`` needs beside it: ``{file name: contents}`` (stages 1-2: from data-parallel
-    rank 0 only, else empty; stage 3: one per rank), or None when it cannot be expressed
-    (frozen parameters at stage 3, whose per-rank fragments zerotron does not keep).
-
-    The fp32 groups are one per parameter, each this rank's chunk of it (a view of the masters
-    in the file): concatenated over ranks, a chunk list gives the parameter followed by less
-    than ``2 * dp`` padding elements, which DeepSpeed's stage 1-2 reader accepts, and is exactly
-    its stage-3 layout (``ceil(n / dp)`` elements per rank).
-    """
-    stage = int(zero_state["zero_stage"])
-    dp = int(zero_state["dp_size"])
-    if stage == 3 and frozen:
+def deepspeed_fp32_state_dict(
+    checkpoint_dir: str | Path, tag: str | None, exclude_frozen_parameters: bool = False
+) -> dict[str, Tensor] | None:
+    """The fp32 state dict of a ZeRO checkpoint DeepSpeed saved, as DeepSpeed's
+    ``get_fp32_state_dict_from_zero_checkpoint`` gives it (buffers, frozen parameters, the
+    fp32 masters, then tied names); None when ``checkpoint_dir``'s tag is not DeepSpeed's."""
+    tag = deepspeed_tag(checkpoint_dir, tag)
+    if tag is None or not is_deepspeed_tag(Path(checkpoint_dir) / tag):
         return None
-    masters = zero_state["fp32_partitions"]
-    chunks, shapes = [], []
-    for e in zero_state["layout"]:
-        flat = masters[int(e["partition"])].reshape(-1)
-        offset, chunk = int(e["offset"]), int(e["chunk"])
-        chunks.append(flat[offset : offset + chunk])
-        shapes.append({e["name"]: torch.Size(e["shape"])})
-    zero_state[OSD] = {
-        "zero_stage": stage,
-        PARTITION_COUNT: dp,
-        FP32_GROUPS_3 if stage == 3 else FP32_GROUPS_12: chunks,
-        "ds_version": DS_VERSION,
-    }
-    model_states: dict[str, Any] = {
-        "module": {k: v for k, v in buffers.items()},
-        "buffer_names": list(buffers),
-        "param_shapes": shapes,
-        "shared_params": dict(shared_params),
-        "frozen_param_shapes": {},
-        "frozen_param_fragments": {},
-        "ds_version": DS_VERSION,
-        "dp_world_size": dp,
-        "mp_world_size": 1,
-    }
-    if stage < 3:
-        if frozen:
-            model_states["frozen_param_shapes"] = {n: t.shape for n, t in frozen.items()}
-            model_states["frozen_param_fragments"] = dict(frozen)
-        return {MODEL_STATES: model_states} if dp_rank == 0 else {}
-    return {f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt": model_states}
+    tag_dir = Path(checkpoint_dir) / tag
+    ckpt = read_deepspeed_checkpoint(tag_dir)
+    if not ckpt.masters:
+        raise CheckpointError(
+            "the DeepSpeed checkpoint has no ZeRO optimizer files: it is not a ZeRO checkpoint",
+            where=str(tag_dir),
+            fix="its mp_rank_00_model_states.pt 'module' entry holds the whole weights",
+        )
+    names = ckpt.model_states.get("buffer_names") or []
+    out = {n: ckpt.module[n].float() for n in names if n in ckpt.module}
+    if not exclude_frozen_parameters:
+        for name in ckpt.model_states.get("frozen_param_shapes") or {}:
+            out[name] = ckpt.module[name]
+    out.update(ckpt.masters)
+    for alias, name in (ckpt.model_states.get("shared_params") or {}).items():
+        if name in out:
+            out[alias] = out[name]
+    return out

@@ -18,11 +18,11 @@ from torch import Tensor, nn
 
 from zerotron.checkpoint.deepspeed_format import (
     deepspeed_tag,
-    deepspeed_view,
     is_deepspeed_tag,
     read_deepspeed_checkpoint,
     zero_state_from_full,
 )
+from zerotron.checkpoint.deepspeed_view import deepspeed_view
 from zerotron.checkpoint.layout import zero_file
 from zerotron.checkpoint.state import refuse_non_finite
 from zerotron.distributed.state import ParallelState
@@ -128,7 +128,7 @@ _warned_frozen_stage3 = False
 
 def add_deepspeed_view(engine: Engine, files: dict[str, Any], ps: ParallelState) -> None:
     """Make this rank's part of a ZeRO save readable by DeepSpeed's ``zero_to_fp32``
-    (:func:`~zerotron.checkpoint.deepspeed_format.deepspeed_view`): one model-parallel rank
+    (:func:`~zerotron.checkpoint.deepspeed_view.deepspeed_view`): one model-parallel rank
     and an optimizer state saved, else nothing is added."""
     global _warned_frozen_stage3
     part = engine.optimizer_part
