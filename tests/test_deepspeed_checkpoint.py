@@ -379,3 +379,23 @@ def test_get_fp32_state_dict_reads_deepspeeds_checkpoint(case):
     ref = read_deepspeed_checkpoint(FIXTURES / "zero2_fp32" / "global_step3").module
     assert list(got) == ["scale", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     assert all(torch.equal(got[k], ref[k]) for k in got)
+
+
+def test_a_missing_ranks_optimizer_file_is_named(tmp_path):
+    src = FIXTURES / "zero2_fp32" / "global_step3"
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    with pytest.raises(CheckpointError, match="say 2 data-parallel ranks, 1 are present"):
+        read_deepspeed_checkpoint(tmp_path)
+
+
+def test_another_models_parameters_are_listed():
+    from zerotron.checkpoint.deepspeed_format import zero_state_from_full
+
+    ckpt = read_deepspeed_checkpoint(FIXTURES / "zero2_fp32" / "global_step3")
+    target = _zero_states({"fc1.weight": torch.zeros(64, 64), "head.weight": torch.zeros(3)}, 2, 2)
+    target[0]["optimizer"] = {"state": {}, "param_groups": [{"params": [0]}]}
+    with pytest.raises(CheckpointError) as err:
+        zero_state_from_full(target[0], ckpt.masters, ckpt.moments, ckpt.scalars, None, "here")
+    assert "missing in the checkpoint: ['head.weight']" in str(err.value)
+    assert "'fc1.bias'" in str(err.value)
