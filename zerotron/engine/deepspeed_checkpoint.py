@@ -59,7 +59,7 @@ def load_deepspeed_checkpoint(
     this engine, so its ZeRO stage (1-3) and data-parallel size may differ from DeepSpeed's;
     the scheduler's position and the step counters follow. DeepSpeed saves no RNG state.
     """
-    from zerotron.engine.checkpoint_io import clear_modified, reload_masters
+    from zerotron.engine.checkpoint_io import _loosely, clear_modified, reload_masters
 
     where = str(tag_dir)
     want_optimizer = load_optimizer_states and not load_module_only
@@ -67,9 +67,8 @@ def load_deepspeed_checkpoint(
     part, fitter = engine.optimizer_part, engine.state_fitter
     weights: Mapping[str, Tensor] = ckpt.module
     refuse_non_finite(weights, where, "model")
-    if not strict:
-        current = engine.module_state_dict() or {}
-        weights = {k: weights.get(k, v) for k, v in current.items()}
+    if not strict:  # the module's own values for what the checkpoint lacks
+        weights = _loosely(engine, weights)
 
     def fit() -> list[str]:
         if custom_load_fn is not None:
