@@ -235,6 +235,11 @@ def test_checkpoint_files_and_zero_to_fp32(ranks, stage):
     files = sorted(p.name for p in tag_dir.iterdir())
     zero = [layout.zero_file(d) for d in range(DP)]
     extra = ["pytorch_model.bin"] if stage == 3 else []  # gather_16bit_weights_on_model_save
+    # what DeepSpeed's zero_to_fp32 reads beside the ZeRO files (tests/test_deepspeed_checkpoint.py)
+    if stage == 3:
+        extra += [f"zero_pp_rank_{d}_mp_rank_00_model_states.pt" for d in range(DP)]
+    else:
+        extra += ["mp_rank_00_model_states.pt"]
     assert files == sorted(["metadata.json", "mp_rank_00", *zero, *extra])
     model_file = torch.load(tag_dir / layout.model_file(), weights_only=True)
     assert "optimizer" not in model_file and model_file["zero_stage"] == stage

@@ -160,7 +160,13 @@ def fp32_state_dict(
 ) -> dict[str, torch.Tensor | LazyTensor]:
     """The consolidated fp32 state dict (DeepSpeed's ``get_fp32_state_dict_from_zero_
     checkpoint``); tied weights appear under each name as the same tensor. ``lazy_mode``:
-    trained parameters are :class:`LazyTensor` s, read one at a time by ``.contiguous()``."""
+    trained parameters are :class:`LazyTensor` s, read one at a time by ``.contiguous()``.
+    A checkpoint DeepSpeed saved is read too (whole tensors, also in ``lazy_mode``)."""
+    from zerotron.checkpoint.deepspeed_format import deepspeed_fp32_state_dict
+
+    saved_by_deepspeed = deepspeed_fp32_state_dict(checkpoint_dir, tag, exclude_frozen_parameters)
+    if saved_by_deepspeed is not None:
+        return dict(saved_by_deepspeed)
     tag_dir, rank = the_mp_rank(checkpoint_dir, tag)
     keep = set(kept_names(rank, exclude_frozen_parameters))
     if not lazy_mode:

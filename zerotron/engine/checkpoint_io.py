@@ -49,7 +49,7 @@ from zerotron.checkpoint.zero_to_fp32 import BUFFER_NAMES_KEY, SHARED_PARAMS_KEY
 from zerotron.distributed import comm
 from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import ParallelState, state
-from zerotron.engine import run_metrics
+from zerotron.engine import deepspeed_checkpoint, run_metrics
 from zerotron.errors import CheckpointError, ConfigError
 from zerotron.fileio import atomic_open
 
@@ -120,6 +120,7 @@ def save_engine_checkpoint(
     if ps.dp_rank == 0:
         files[_model_file(ps)] = saved
         files.update(part.extra_files(module_state, ps))
+    deepspeed_checkpoint.add_deepspeed_view(engine, files, ps)  # for DeepSpeed's zero_to_fp32
     path = save_checkpoint(
         save_dir,
         tag,
@@ -271,6 +272,17 @@ def load_engine_checkpoint(
     ``load_dir``: nothing is loaded and ``(None, None)`` returned, with a warning, as DeepSpeed
     does (scripts test it to start fresh).
     """
+    ds_dir = deepspeed_checkpoint.deepspeed_tag_dir(load_dir, tag)
+    if ds_dir is not None:  # a checkpoint DeepSpeed itself wrote
+        return deepspeed_checkpoint.load_deepspeed_checkpoint(
+            engine,
+            ds_dir,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            strict=strict,
+            custom_load_fn=custom_load_fn,
+        )
     if tag is None and read_latest_tag(load_dir) is None:
         warnings.warn(
             f"no checkpoint to load in {load_dir}: found no 'latest' file; starting from the "
