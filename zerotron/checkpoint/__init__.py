@@ -6,6 +6,7 @@ re-padding a vocabulary), ``rng`` captures the random generators,
 ``zero_to_fp32`` consolidates the fp32 weights of a ZeRO checkpoint offline.
 """
 
+from zerotron.checkpoint.checksums import file_checksum, record_checksum
 from zerotron.checkpoint.layout import (
     METADATA_FILE,
     RELEASE_TAG,
@@ -18,8 +19,10 @@ from zerotron.checkpoint.layout import (
 )
 from zerotron.checkpoint.rng import get_rng_state, set_rng_state
 from zerotron.checkpoint.save_load import (
+    begin_tag,
     build_metadata,
     check_safe,
+    commit_tag,
     load_file,
     read_latest_tag,
     read_metadata,
@@ -36,8 +39,11 @@ from zerotron.checkpoint.zero_to_fp32 import (
 __all__ = [
     "METADATA_FILE",
     "RELEASE_TAG",
+    "begin_tag",
     "build_metadata",
     "check_safe",
+    "commit_tag",
+    "file_checksum",
     "get_fp32_state_dict_from_zero_checkpoint",
     "get_rng_state",
     "iteration_from_tag",
@@ -47,6 +53,7 @@ __all__ = [
     "model_files",
     "read_latest_tag",
     "read_metadata",
+    "record_checksum",
     "repad_vocab",
     "resolve_tag",
     "save_checkpoint",

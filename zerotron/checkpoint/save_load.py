@@ -28,6 +28,7 @@ import torch
 
 import zerotron
 from zerotron.checkpoint import layout
+from zerotron.checkpoint.checksums import SIDECAR_DIR, collect_checksums, record_checksum
 from zerotron.distributed import watchdog
 from zerotron.errors import CheckpointError, DiskFullError, ZerotronError
 from zerotron.fileio import (
@@ -263,38 +264,87 @@ def _agree(
     )
 
 
-def _finish(
-    save_dir: Path,
+def begin_tag(save_dir: str | os.PathLike, tag: str) -> Path:
+    """Start assembling ``<save_dir>/<tag>/``: returns its empty temporary directory.
+
+    Cleans what killed saves left in ``save_dir`` first. Write the tag's files into the returned
+    directory (optionally :func:`~zerotron.checkpoint.checksums.record_checksum` each one right
+    after writing it), then call :func:`commit_tag`. One process calls this per tag (in a job,
+    the writer rank, before the others write).
+    """
+    save_dir = Path(save_dir)
+    tmp = layout.temp_tag_dir(save_dir, tag)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    _clean_stale(save_dir)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_tag(
+    save_dir: str | os.PathLike,
     tag: str,
-    tmp: Path,
-    final: Path,
-    metadata: Mapping[str, Any] | None,
-    iteration: int | None,
-    save_latest: bool,
-) -> None:
-    """The writer's part: metadata.json, the rename into place, then the trackers."""
-    meta = dict(metadata or {})
-    meta.update(
-        format_version=FORMAT_VERSION,
-        tag=tag,
-        iteration=iteration,
-        files=_list_files(tmp),
-        versions={
-            "zerotron": zerotron.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
-        saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    )
-    with disk_full_is_clear(tmp):
-        (tmp / layout.METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        commit_dir(tmp, final)  # fsyncs every file, then renames
-        if save_latest:
-            write_trackers(save_dir, tag)
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    iteration: int | None = None,
+    save_latest: bool = True,
+) -> Path:
+    """Finish the tag :func:`begin_tag` started: checksums, metadata.json, rename, trackers.
+
+    Records every file of the temporary directory in metadata.json (``files``, and
+    ``checksums``: path -> ``{"sha256", "size"}``, from the recorded entries or hashed here)
+    with ``metadata``, tag, ``iteration`` (default: the one in a Megatron tag), versions and the
+    time; fsyncs everything, renames the directory to ``<save_dir>/<tag>/`` (replacing an older
+    one of that tag) and, if ``save_latest``, updates the trackers last. On failure the
+    temporary directory is removed and the previous checkpoint and trackers stay as they were.
+    Returns the tag directory.
+    """
+    save_dir = Path(save_dir)
+    tmp = layout.temp_tag_dir(save_dir, tag)
+    final = layout.tag_dir(save_dir, tag)
+    if not tmp.is_dir():
+        raise CheckpointError(
+            "there is no checkpoint being assembled for this tag",
+            where=str(tmp),
+            fix="call begin_tag(save_dir, tag) and write the files into the directory it returns",
+        )
+    if iteration is None:
+        iteration = layout.iteration_from_tag(tag)
+    try:
+        files = _list_files(tmp)
+        meta = dict(metadata or {})
+        meta.update(
+            format_version=FORMAT_VERSION,
+            tag=tag,
+            iteration=iteration,
+            files=files,
+            checksums=collect_checksums(tmp, files),
+            versions={
+                "zerotron": zerotron.__version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
+        with disk_full_is_clear(tmp):
+            (tmp / layout.METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            commit_dir(tmp, final)  # fsyncs every file, then renames
+            if save_latest:
+                write_trackers(save_dir, tag)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, RuntimeError)):
+            raise _write_failure(e, tmp) from e
+        raise
+    return final
 
 
 def _list_files(root: Path) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    """Every file under ``root`` but the checksum sidecars, relative and sorted."""
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and p.relative_to(root).parts[0] != SIDECAR_DIR
+    )
 
 
 def write_trackers(save_dir: str | os.PathLike, tag: str) -> None:
@@ -360,9 +410,7 @@ def save_checkpoint(
 
     _agree(any_rank, _space_problem(save_dir, files), "had no room for its checkpoint files")
     if is_writer:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        _clean_stale(save_dir)
-        tmp.mkdir()
+        begin_tag(save_dir, tag)
     sync()  # nobody writes into tmp before the writer has emptied it
 
     failure: ZerotronError | None = None
@@ -371,6 +419,7 @@ def save_checkpoint(
         with watchdog.busy("writing its checkpoint files"):
             for relpath, obj in files.items():
                 _write_file(tmp / _check_relpath(relpath), obj)
+                record_checksum(tmp, _check_relpath(relpath))  # hashed while its pages are hot
     except (OSError, RuntimeError, ZerotronError) as e:
         failure = _write_failure(e, tmp)
         _discard(tmp, files, is_writer)
@@ -387,13 +436,7 @@ def save_checkpoint(
         )
 
     if is_writer:
-        try:
-            _finish(save_dir, tag, tmp, final, metadata, iteration, save_latest)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, (OSError, RuntimeError)):
-                raise _write_failure(e, tmp) from e
-            raise
+        commit_tag(save_dir, tag, metadata, iteration=iteration, save_latest=save_latest)
     sync()  # nobody goes on (e.g. to load it, or to exit) before the checkpoint is complete
     return final
 
@@ -570,6 +613,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "tag": (str,),
     "iteration": (int, type(None)),
     "format_version": (int,),
+    "checksums": (dict,),
 }
 _META_INTS = {
     "layout": (
