@@ -19,6 +19,7 @@ import pickle
 import platform
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -27,8 +28,14 @@ import numpy as np
 import torch
 
 import zerotron
-from zerotron.checkpoint import layout
-from zerotron.checkpoint.checksums import SIDECAR_DIR, collect_checksums, record_checksum
+from zerotron.checkpoint import layout, verify
+from zerotron.checkpoint.checksums import (
+    SIDECAR_DIR,
+    check_file,
+    collect_checksums,
+    record_checksum,
+)
+from zerotron.checkpoint.metadata import read_metadata
 from zerotron.distributed import watchdog
 from zerotron.errors import CheckpointError, DiskFullError, ZerotronError
 from zerotron.fileio import (
@@ -502,11 +509,46 @@ def _available_tags(load_dir: Path) -> list[str]:
 
 
 def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> str:
-    """The tag to load: ``tag`` if given, else the trackers'; checks its directory exists.
+    """The tag to load: ``tag`` if given, else the trackers'; checks that it is complete.
 
-    Also finishes a replacement of that tag that a killed save left half done.
+    Complete: every file metadata.json records is there with its recorded size (stat calls,
+    :mod:`zerotron.checkpoint.verify`; :func:`load_file` checks each file's checksum as it
+    reads it, and a missing rank file is named by the loader that needs it). An incomplete
+    ``tag`` is a :class:`CheckpointError` naming the files; when the trackers' tag is
+    incomplete (or gone), the newest complete tag is loaded instead, with a warning naming the
+    broken one. Also finishes a replacement of that tag that a killed save left half done.
     """
+    explicit = tag is not None
+    tag = _tracked_tag(load_dir, tag)
+    root = layout.tag_dir(load_dir, tag)
+    if root.is_dir() and not (root / layout.METADATA_FILE).is_file():
+        return tag  # written by another tool: nothing recorded to check it against
+    problems = verify.tag_problems(load_dir, tag, checksums=False, implied=False)
+    if not problems:
+        return tag
+    if explicit:
+        raise verify.problems_error(load_dir, tag, problems)
+    other = verify.newest_complete_tag(load_dir, exclude={tag})
+    if other is None:
+        raise verify.problems_error(
+            load_dir,
+            tag,
+            problems,
+            fix="no other complete checkpoint is there: re-create it, or start without --load",
+        )
+    warnings.warn(
+        f"checkpoint '{tag}' in {load_dir}, which the tracker names, is corrupt or incomplete "
+        f"({problems[0]}{' ...' if len(problems) > 1 else ''}); loading '{other}', the newest "
+        "complete one",
+        stacklevel=3,
+    )
+    return other
+
+
+def _tracked_tag(load_dir: str | os.PathLike, tag: str | None) -> str:
+    """``tag``, or the trackers' one; its directory restored if a killed save moved it."""
     load_dir = Path(load_dir)
+    from_tracker = tag is None
     if tag is None:
         tag = read_latest_tag(load_dir)
         if tag is None:
@@ -530,6 +572,8 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> str:
                 where=str(load_dir),
                 fix=f"rename the '.{tag}.old-*' directory there to '{tag}'",
             ) from e
+    if not final.is_dir() and from_tracker and verify.tags_newest_first(load_dir):
+        return tag  # the trackers name a tag that is gone: resolve_tag falls back
     if not final.is_dir():
         found = _available_tags(load_dir)
         raise CheckpointError(
@@ -554,6 +598,7 @@ def load_file(load_dir: str | os.PathLike, tag: str, relpath: str) -> Any:
             fix="load with the parallel layout it was saved with (see 'layout' in its "
             "metadata.json), or reshard it to this one",
         )
+    _check_checksum(final, relpath, path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -569,6 +614,48 @@ def load_file(load_dir: str | os.PathLike, tag: str, relpath: str) -> Any:
         raise _corrupt(path, e) from e
 
 
+# metadata.json's checksums per tag directory, keyed by the file's identity (a re-save
+# replaces it), and the tags already reported as having none.
+_SUMS_CACHE: dict[tuple[str, int, int], dict[str, Any] | None] = {}
+_WARNED_UNCHECKED: set[str] = set()
+
+
+def _checksums_of(final: Path) -> dict[str, Any] | None:
+    """The tag's recorded checksums; None for a checkpoint saved before they were recorded."""
+    st = (final / layout.METADATA_FILE).stat()
+    key = (str(final), st.st_mtime_ns, st.st_ino)
+    if key not in _SUMS_CACHE:
+        sums = read_metadata(final.parent, final.name).get("checksums")
+        _SUMS_CACHE[key] = sums if isinstance(sums, dict) else None
+    return _SUMS_CACHE[key]
+
+
+def _check_checksum(final: Path, relpath: str, path: Path) -> None:
+    """Refuse a file whose size or sha256 differs from what its tag's metadata.json records."""
+    if not (final / layout.METADATA_FILE).is_file():
+        return  # a checkpoint written by another tool
+    sums = _checksums_of(final)
+    if sums is None:
+        if str(final) not in _WARNED_UNCHECKED:
+            _WARNED_UNCHECKED.add(str(final))
+            warnings.warn(
+                f"checkpoint {final} records no checksums (saved before zerotron recorded "
+                "them): its files are loaded unchecked",
+                stacklevel=4,
+            )
+        return
+    if relpath not in sums:
+        return  # added beside the checkpoint after it was saved: nothing to check it against
+    what = check_file(path, sums[relpath])
+    if what is not None:
+        raise CheckpointError(
+            f"checkpoint file '{relpath}' is corrupt: {what}",
+            where=str(path),
+            fix=f"load an earlier tag (`zerotron checkpoint verify {final.parent}` lists the "
+            "good ones), or re-create this one",
+        )
+
+
 def _corrupt(path: Path, e: Exception) -> CheckpointError:
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return CheckpointError(
@@ -577,94 +664,3 @@ def _corrupt(path: Path, e: Exception) -> CheckpointError:
         fix="the file is truncated or corrupt: load an earlier checkpoint (pass its tag) or "
         "re-create this one",
     )
-
-
-def read_metadata(load_dir: str | os.PathLike, tag: str) -> dict[str, Any]:
-    """The metadata.json of a checkpoint."""
-    path = layout.tag_dir(load_dir, tag) / layout.METADATA_FILE
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(
-            "the checkpoint has no metadata.json (was it written by another tool?)",
-            where=str(path),
-            fix="zerotron reads the model shape and vocabulary from it: use a checkpoint saved "
-            "by zerotron (HuggingFace weights: `zerotron convert --from-hf DIR --save CKPT`), or "
-            "write metadata.json as docs/checkpoints.md describes",
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(
-            f"metadata.json is not valid JSON: {str(e)[:200]}",
-            where=str(path),
-            fix="restore it from a backup or re-create the checkpoint",
-        ) from None
-    check_metadata(meta, str(path))
-    return meta
-
-
-# Each known metadata.json entry: the JSON type it must have (None allowed where listed).
-_META_TYPES: dict[str, tuple[type, ...]] = {
-    "layout": (dict,),
-    "model": (dict,),
-    "vocab": (dict,),
-    "tokenizer": (dict,),
-    "files": (list,),
-    "versions": (dict,),
-    "tag": (str,),
-    "iteration": (int, type(None)),
-    "format_version": (int,),
-    "checksums": (dict,),
-}
-_META_INTS = {
-    "layout": (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "data_parallel_size",
-        "zero_stage",
-    ),
-    "vocab": ("size", "padded_size"),
-}
-
-
-def _json_type(value: Any) -> str:
-    names = {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        bool: "true/false",
-        int: "an integer",
-        float: "a number",
-    }
-    return names.get(type(value), "null" if value is None else f"a {type(value).__name__}")
-
-
-def check_metadata(meta: Any, where: str) -> None:
-    """Refuse a metadata.json whose entries have the wrong JSON types (a string where a number
-    is expected, a list where an object is), naming the key: tools read them without checking.
-    """
-
-    def bad(key: str, value: Any, want: str) -> CheckpointError:
-        return CheckpointError(
-            f"metadata.json: {key} is {_json_type(value)} ({str(value)[:60]}), expected {want}",
-            where=where,
-            fix="correct that entry (docs/checkpoints.md describes metadata.json), or restore "
-            "the file from a backup",
-        )
-
-    if not isinstance(meta, dict):
-        raise bad("the top level", meta, "an object")
-    for key, types in _META_TYPES.items():
-        value = meta.get(key)
-        if key in meta and not (isinstance(value, types) and not isinstance(value, bool)):
-            want = " or ".join(_json_type(t()) if t is not type(None) else "null" for t in types)
-            raise bad(key, value, want)
-    for section, keys in _META_INTS.items():
-        for key in keys:
-            value = (meta.get(section) or {}).get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise bad(f"{section}.{key}", value, "an integer")
-            if value is not None and value < (0 if key == "zero_stage" else 1):
-                raise bad(f"{section}.{key}", value, "a positive integer")
-    files = meta.get("files") or []
-    if not all(isinstance(f, str) for f in files):
-        raise bad("files", files, "a list of file names")
