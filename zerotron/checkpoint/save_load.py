@@ -29,6 +29,7 @@ import torch
 
 import zerotron
 from zerotron.checkpoint import layout, verify
+from zerotron.checkpoint.async_save import AsyncCheckpointWriter, snapshot
 from zerotron.checkpoint.checksums import (
     SIDECAR_DIR,
     check_file,
@@ -36,6 +37,7 @@ from zerotron.checkpoint.checksums import (
     record_checksum,
 )
 from zerotron.checkpoint.metadata import read_metadata
+from zerotron.checkpoint.retention import DELETING_SUFFIX, prune_tags
 from zerotron.distributed import watchdog
 from zerotron.errors import CheckpointError, DiskFullError, ZerotronError
 from zerotron.fileio import (
@@ -168,6 +170,8 @@ def _clean_stale(save_dir: Path) -> None:
         elif ".old-" in name and path.is_dir():
             # Left by commit_dir: restore it if its replacement never arrived, else delete it.
             recover_dir(save_dir / name[1 : name.rindex(".old-")])
+        elif name.endswith(DELETING_SUFFIX) and path.is_dir():  # a killed --save-keep-last
+            shutil.rmtree(path, ignore_errors=True)
         elif ".tmp-" in name and path.is_file():  # an unfinished atomic tracker write
             path.unlink(missing_ok=True)
 
@@ -382,6 +386,8 @@ def save_checkpoint(
     is_writer: bool = True,
     barrier: Callable[[], None] | None = None,
     any_rank: Callable[[bool], bool] | None = None,
+    keep_last: int | None = None,
+    writer: AsyncCheckpointWriter | None = None,
 ) -> Path:
     """Save ``files`` (path relative to the tag directory -> object) as ``<save_dir>/<tag>/``.
 
@@ -396,10 +402,18 @@ def save_checkpoint(
     together when one has no room or fails to write; each rank first checks that its files fit
     in the free space. A failed save removes its temporary directory and leaves the previous
     checkpoint and the trackers as they were.
+
+    ``keep_last`` N: once the tag is committed, delete all but the N newest complete tags
+    (never the one the trackers name; :mod:`zerotron.checkpoint.retention`). ``writer``: write
+    in the background (:mod:`zerotron.checkpoint.async_save`): this returns once the tensors
+    are copied and the save is started (after committing the one before); the tag exists
+    when the writer commits it.
     """
     if not is_writer and barrier is None:
         raise ValueError("a non-writer rank needs a barrier to wait for the writer")
     sync = barrier or (lambda: None)
+    if writer is not None:
+        writer.wait()  # one save at a time: the one in flight is committed first
     save_dir = Path(save_dir)
     final = layout.tag_dir(save_dir, tag)
     tmp = layout.temp_tag_dir(save_dir, tag)
@@ -420,31 +434,46 @@ def save_checkpoint(
         begin_tag(save_dir, tag)
     sync()  # nobody writes into tmp before the writer has emptied it
 
-    failure: ZerotronError | None = None
-    try:
+    def write(items: Mapping[str, Any]) -> ZerotronError | None:
+        """This rank's files into tmp: None, or the failure (what it wrote removed)."""
+        path = tmp
+        try:
+            for relpath, obj in items.items():
+                path = tmp / _check_relpath(relpath)
+                _write_file(path, obj)
+                record_checksum(tmp, _check_relpath(relpath))  # hashed while its pages are hot
+        except (OSError, RuntimeError, ZerotronError) as e:
+            _discard(tmp, items, is_writer)
+            return _write_failure(e, path)
+        return None
+
+    def commit(failure: BaseException | None) -> None:
+        """Every rank wrote (or one failed: all raise); the writer renames, then prunes."""
+        if failure is not None and not isinstance(failure, ZerotronError):
+            if any_rank is not None:
+                any_rank(True)  # the peers stop too, before this rank raises the bug
+            raise failure
+        if any_rank is None:
+            if failure is not None:
+                raise failure  # before the barrier: the writer must not commit without these
+            sync()
+        else:
+            _agree(any_rank, failure, "could not write its checkpoint files",
+                   _cleanup(tmp, files, is_writer))  # fmt: skip
+        if is_writer:
+            commit_tag(save_dir, tag, metadata, iteration=iteration, save_latest=save_latest)
+            if keep_last:
+                prune_tags(save_dir, keep_last, read_latest_tag(save_dir))
+        sync()  # nobody goes on (e.g. to load it, or to exit) before the checkpoint is complete
+
+    if writer is None:
         # Its peers may wait at the next barrier for as long as this takes: not a hang.
         with watchdog.busy("writing its checkpoint files"):
-            for relpath, obj in files.items():
-                _write_file(tmp / _check_relpath(relpath), obj)
-                record_checksum(tmp, _check_relpath(relpath))  # hashed while its pages are hot
-    except (OSError, RuntimeError, ZerotronError) as e:
-        failure = _write_failure(e, tmp)
-        _discard(tmp, files, is_writer)
-    if any_rank is None:
-        if failure is not None:
-            raise failure  # before the barrier: the writer must not commit without these files
-        sync()
+            failure = write(files)
+        commit(failure)
     else:
-        _agree(
-            any_rank,
-            failure,
-            "could not write its checkpoint files",
-            _cleanup(tmp, files, is_writer),
-        )
-
-    if is_writer:
-        commit_tag(save_dir, tag, metadata, iteration=iteration, save_latest=save_latest)
-    sync()  # nobody goes on (e.g. to load it, or to exit) before the checkpoint is complete
+        snap = snapshot(files)  # training may change the tensors as soon as this returns
+        writer.start(lambda: write(snap), commit, any_rank, what=str(final))
     return final
 
 

@@ -129,6 +129,9 @@ def save_engine_checkpoint(
         is_writer=ps.rank == 0,
         barrier=comm.barrier if ps.world_size > 1 else None,
         any_rank=_any_rank(ps, engine.device) if ps.world_size > 1 else None,
+        # --save-keep-last and --async-save (zerotron.checkpoint.retention / .async_save)
+        keep_last=getattr(engine, "checkpoint_keep_last", None),
+        writer=getattr(engine, "checkpoint_writer", None),
     )
     run_metrics.saved(engine, path)  # the metrics file's "checkpoint" record
     return path
@@ -271,6 +274,9 @@ def load_engine_checkpoint(
     ``load_dir``: nothing is loaded and ``(None, None)`` returned, with a warning, as DeepSpeed
     does (scripts test it to start fresh).
     """
+    writer = getattr(engine, "checkpoint_writer", None)
+    if writer is not None:
+        writer.wait()  # a save still in flight is committed before anything is read
     if tag is None and read_latest_tag(load_dir) is None:
         warnings.warn(
             f"no checkpoint to load in {load_dir}: found no 'latest' file; starting from the "
