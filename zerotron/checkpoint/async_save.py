@@ -15,7 +15,9 @@ done, then the tracker).
 
 from __future__ import annotations
 
+import atexit
 import collections
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -100,6 +102,15 @@ class AsyncCheckpointWriter:
 
     def __init__(self) -> None:
         self._pending: _Pending | None = None
+        # A script that never calls close() (DeepSpeed's API has no such call) still commits
+        # its last save when the interpreter exits normally.
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 (exiting: say it, the previous tag is intact)
+            print(f"zerotron: the background checkpoint save failed at exit: {e}", file=sys.stderr)
 
     @property
     def busy(self) -> bool:

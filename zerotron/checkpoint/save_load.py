@@ -680,8 +680,8 @@ def _check_checksum(final: Path, relpath: str, path: Path) -> None:
         raise CheckpointError(
             f"checkpoint file '{relpath}' is corrupt: {what}",
             where=str(path),
-            fix=f"load an earlier tag (`zerotron checkpoint verify {final.parent}` lists the "
-            "good ones), or re-create this one",
+            fix=f"load an earlier tag: `zerotron checkpoint verify {final.parent}` lists the "
+            f"good ones; name one (--tag) or write it into {final.parent / 'latest'}",
         )
 
 

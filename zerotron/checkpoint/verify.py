@@ -133,8 +133,8 @@ def problems_error(
         f"checkpoint '{tag}' is corrupt or incomplete: {listed}{more}",
         where=str(root / problems[0].file) if problems[0].file != "." else str(root),
         fix=fix
-        or f"load an earlier tag (`zerotron checkpoint verify {load_dir}` lists the good ones), "
-        "or re-create this one",
+        or f"load an earlier tag: `zerotron checkpoint verify {load_dir}` lists the good ones; "
+        f"name one (--tag) or write it into {Path(load_dir) / 'latest'}",
     )
 
 
