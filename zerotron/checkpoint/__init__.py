@@ -1,6 +1,9 @@
 """Checkpoints: one on-disk layout for every entry point, saved atomically, loaded safely.
 
-``layout`` names the files, ``save_load`` writes and reads them (trackers, metadata.json),
+``layout`` names the files, ``save_load`` writes them (trackers, metadata.json with a checksum
+per file; ``begin_tag``/``commit_tag`` for any writer), ``load`` reads them, ``verify`` checks a
+tag's checksums and completeness (``zerotron checkpoint verify|info``: ``checkpoint_cli``),
+``retention`` and ``async_save`` serve ``--save-keep-last`` and ``--async-save``,
 ``state`` fits a loaded state dict to a model (``fit``: the Engine's hook for it, exact or
 re-padding a vocabulary), ``rng`` captures the random generators,
 ``zero_to_fp32`` consolidates the fp32 weights of a ZeRO checkpoint offline.
