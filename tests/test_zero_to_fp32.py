@@ -233,7 +233,9 @@ def test_missing_or_mixed_files_are_refused(tmp_path):
     params = toy_params()
     tag_dir = write_zero_checkpoint(tmp_path / "a", {(0, 0): params}, dp=3)
     (tag_dir / layout.zero_file(1)).unlink()
-    with pytest.raises(CheckpointError, match=r"data-parallel ranks \[1\] are missing"):
+    with pytest.raises(
+        CheckpointError, match=r"zero_dp_rank_1_mp_rank_00_000_optim_states.pt: missing"
+    ):
         zero_to_fp32(tmp_path / "a", tmp_path / "x.safetensors")
 
     # rank 1 of a 3-rank save next to ranks 0 and 2 of another one with other chunking
@@ -241,6 +243,9 @@ def test_missing_or_mixed_files_are_refused(tmp_path):
     other = zero_states(params, dp=3, sub_group_size=1000)[1]
     other["layout"][0]["start"] += 1
     torch.save(other, tag_b / layout.zero_file(1))
+    meta = json.loads((tag_b / "metadata.json").read_text())
+    del meta["checksums"]  # saved before checksums, which would refuse the swapped file first
+    (tag_b / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="embed.weight"):
         zero_to_fp32(tmp_path / "b", tmp_path / "x.safetensors")
     assert not (tmp_path / "x.safetensors").exists()

@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "zerotron.checkpoint.convert",
         "import/export HuggingFace GPT-2 checkpoints; reshard between TP/PP layouts",
     ),
+    "checkpoint": (
+        "zerotron.checkpoint.checkpoint_cli",
+        "verify a checkpoint (checksums, completeness) or describe it (info)",
+    ),
     "zero-to-fp32": (
         "zerotron.checkpoint.zero_to_fp32",
         "consolidate a ZeRO checkpoint's fp32 weights (offline, streaming)",

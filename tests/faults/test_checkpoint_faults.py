@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import zerotron.cli
-from zerotron.checkpoint import model_file, save_load
+from zerotron.checkpoint import file_checksum, model_file, save_load
 from zerotron.checkpoint.save_load import read_latest_tag, read_metadata, save_checkpoint
 from zerotron.errors import CheckpointError, DiskFullError
 
@@ -177,6 +177,12 @@ def flip_bit(save: Path, copy: Path, tensor: str, element: int = 0, bit: int = 3
     data = bytearray(raw)
     data[pos] ^= 1 << (bit % 8)
     path.write_bytes(bytes(data))
+    # As if the bit flipped in memory before the save: the recorded checksum matches the file,
+    # so what refuses it is the non-finite check, not the checksum.
+    meta_path = copy / "iter_0000001" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["checksums"][model_file()] = file_checksum(path)
+    meta_path.write_text(json.dumps(meta))
     return copy
 
 

@@ -5,7 +5,8 @@ renames it to ``<save>/<tag>/`` and only then updates the trackers. A process ki
 point leaves the previous checkpoint complete and the trackers pointing at it; the next save
 cleans up what the killed one left behind.
 
-What goes into the files is the caller's business (the Engine's): this module takes a mapping
+Reading is :mod:`zerotron.checkpoint.load`'s (its names are re-exported here). What goes into
+the files is the caller's business (the Engine's): this module takes a mapping
 ``relative path -> object`` and checks that each object loads back with
 ``torch.load(weights_only=True)`` before writing it.
 """
@@ -15,12 +16,11 @@ from __future__ import annotations
 import collections
 import json
 import os
-import pickle
 import platform
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,23 @@ import torch
 
 import zerotron
 from zerotron.checkpoint import layout
+from zerotron.checkpoint.async_save import AsyncCheckpointWriter, snapshot
+from zerotron.checkpoint.checksums import (
+    collect_checksums,
+    record_checksum,
+)
+from zerotron.checkpoint.load import (  # noqa: F401 (the loading half, re-exported here)
+    _check_relpath,
+    _list_files,
+    load_file,
+    read_latest_tag,
+    resolve_tag,
+)
+from zerotron.checkpoint.metadata import (  # noqa: F401 (re-exported: its old home)
+    check_metadata,
+    read_metadata,
+)
+from zerotron.checkpoint.retention import DELETING_SUFFIX, prune_tags
 from zerotron.distributed import watchdog
 from zerotron.errors import CheckpointError, DiskFullError, ZerotronError
 from zerotron.fileio import (
@@ -160,15 +177,10 @@ def _clean_stale(save_dir: Path) -> None:
         elif ".old-" in name and path.is_dir():
             # Left by commit_dir: restore it if its replacement never arrived, else delete it.
             recover_dir(save_dir / name[1 : name.rindex(".old-")])
+        elif name.endswith(DELETING_SUFFIX) and path.is_dir():  # a killed --save-keep-last
+            shutil.rmtree(path, ignore_errors=True)
         elif ".tmp-" in name and path.is_file():  # an unfinished atomic tracker write
             path.unlink(missing_ok=True)
-
-
-def _check_relpath(relpath: str) -> str:
-    p = PurePosixPath(relpath)
-    if p.is_absolute() or ".." in p.parts or not p.parts or str(p) == layout.METADATA_FILE:
-        raise ValueError(f"checkpoint file {relpath!r} must be a relative path inside the tag")
-    return str(p)
 
 
 def _write_file(path: Path, obj: Any) -> None:
@@ -263,38 +275,78 @@ def _agree(
     )
 
 
-def _finish(
-    save_dir: Path,
+def begin_tag(save_dir: str | os.PathLike, tag: str) -> Path:
+    """Start assembling ``<save_dir>/<tag>/``: returns its empty temporary directory.
+
+    Cleans what killed saves left in ``save_dir`` first. Write the tag's files into the returned
+    directory (optionally :func:`~zerotron.checkpoint.checksums.record_checksum` each one right
+    after writing it), then call :func:`commit_tag`. One process calls this per tag (in a job,
+    the writer rank, before the others write).
+    """
+    save_dir = Path(save_dir)
+    tmp = layout.temp_tag_dir(save_dir, tag)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    _clean_stale(save_dir)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_tag(
+    save_dir: str | os.PathLike,
     tag: str,
-    tmp: Path,
-    final: Path,
-    metadata: Mapping[str, Any] | None,
-    iteration: int | None,
-    save_latest: bool,
-) -> None:
-    """The writer's part: metadata.json, the rename into place, then the trackers."""
-    meta = dict(metadata or {})
-    meta.update(
-        format_version=FORMAT_VERSION,
-        tag=tag,
-        iteration=iteration,
-        files=_list_files(tmp),
-        versions={
-            "zerotron": zerotron.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
-        saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    )
-    with disk_full_is_clear(tmp):
-        (tmp / layout.METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        commit_dir(tmp, final)  # fsyncs every file, then renames
-        if save_latest:
-            write_trackers(save_dir, tag)
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    iteration: int | None = None,
+    save_latest: bool = True,
+) -> Path:
+    """Finish the tag :func:`begin_tag` started: checksums, metadata.json, rename, trackers.
 
-
-def _list_files(root: Path) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    Records every file of the temporary directory in metadata.json (``files``, and
+    ``checksums``: path -> ``{"sha256", "size"}``, from the recorded entries or hashed here)
+    with ``metadata``, tag, ``iteration`` (default: the one in a Megatron tag), versions and the
+    time; fsyncs everything, renames the directory to ``<save_dir>/<tag>/`` (replacing an older
+    one of that tag) and, if ``save_latest``, updates the trackers last. On failure the
+    temporary directory is removed and the previous checkpoint and trackers stay as they were.
+    Returns the tag directory.
+    """
+    save_dir = Path(save_dir)
+    tmp = layout.temp_tag_dir(save_dir, tag)
+    final = layout.tag_dir(save_dir, tag)
+    if not tmp.is_dir():
+        raise CheckpointError(
+            "there is no checkpoint being assembled for this tag",
+            where=str(tmp),
+            fix="call begin_tag(save_dir, tag) and write the files into the directory it returns",
+        )
+    if iteration is None:
+        iteration = layout.iteration_from_tag(tag)
+    try:
+        files = _list_files(tmp)
+        meta = dict(metadata or {})
+        meta.update(
+            format_version=FORMAT_VERSION,
+            tag=tag,
+            iteration=iteration,
+            files=files,
+            checksums=collect_checksums(tmp, files),
+            versions={
+                "zerotron": zerotron.__version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
+        with disk_full_is_clear(tmp):
+            (tmp / layout.METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            commit_dir(tmp, final)  # fsyncs every file, then renames
+            if save_latest:
+                write_trackers(save_dir, tag)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, RuntimeError)):
+            raise _write_failure(e, tmp) from e
+        raise
+    return final
 
 
 def write_trackers(save_dir: str | os.PathLike, tag: str) -> None:
@@ -325,6 +377,8 @@ def save_checkpoint(
     is_writer: bool = True,
     barrier: Callable[[], None] | None = None,
     any_rank: Callable[[bool], bool] | None = None,
+    keep_last: int | None = None,
+    writer: AsyncCheckpointWriter | None = None,
 ) -> Path:
     """Save ``files`` (path relative to the tag directory -> object) as ``<save_dir>/<tag>/``.
 
@@ -339,10 +393,18 @@ def save_checkpoint(
     together when one has no room or fails to write; each rank first checks that its files fit
     in the free space. A failed save removes its temporary directory and leaves the previous
     checkpoint and the trackers as they were.
+
+    ``keep_last`` N: once the tag is committed, delete all but the N newest complete tags
+    (never the one the trackers name; :mod:`zerotron.checkpoint.retention`). ``writer``: write
+    in the background (:mod:`zerotron.checkpoint.async_save`): this returns once the tensors
+    are copied and the save is started (after committing the one before); the tag exists
+    when the writer commits it.
     """
     if not is_writer and barrier is None:
         raise ValueError("a non-writer rank needs a barrier to wait for the writer")
     sync = barrier or (lambda: None)
+    if writer is not None:
+        writer.wait()  # one save at a time: the one in flight is committed first
     save_dir = Path(save_dir)
     final = layout.tag_dir(save_dir, tag)
     tmp = layout.temp_tag_dir(save_dir, tag)
@@ -360,267 +422,47 @@ def save_checkpoint(
 
     _agree(any_rank, _space_problem(save_dir, files), "had no room for its checkpoint files")
     if is_writer:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        _clean_stale(save_dir)
-        tmp.mkdir()
+        begin_tag(save_dir, tag)
     sync()  # nobody writes into tmp before the writer has emptied it
 
-    failure: ZerotronError | None = None
-    try:
+    def write(items: Mapping[str, Any]) -> ZerotronError | None:
+        """This rank's files into tmp: None, or the failure (what it wrote removed)."""
+        path = tmp
+        try:
+            for relpath, obj in items.items():
+                path = tmp / _check_relpath(relpath)
+                _write_file(path, obj)
+                record_checksum(tmp, _check_relpath(relpath))  # hashed while its pages are hot
+        except (OSError, RuntimeError, ZerotronError) as e:
+            _discard(tmp, items, is_writer)
+            return _write_failure(e, path)
+        return None
+
+    def commit(failure: BaseException | None) -> None:
+        """Every rank wrote (or one failed: all raise); the writer renames, then prunes."""
+        if failure is not None and not isinstance(failure, ZerotronError):
+            if any_rank is not None:
+                any_rank(True)  # the peers stop too, before this rank raises the bug
+            raise failure
+        if any_rank is None:
+            if failure is not None:
+                raise failure  # before the barrier: the writer must not commit without these
+            sync()
+        else:
+            _agree(any_rank, failure, "could not write its checkpoint files",
+                   _cleanup(tmp, files, is_writer))  # fmt: skip
+        if is_writer:
+            commit_tag(save_dir, tag, metadata, iteration=iteration, save_latest=save_latest)
+            if keep_last:
+                prune_tags(save_dir, keep_last, read_latest_tag(save_dir))
+        sync()  # nobody goes on (e.g. to load it, or to exit) before the checkpoint is complete
+
+    if writer is None:
         # Its peers may wait at the next barrier for as long as this takes: not a hang.
         with watchdog.busy("writing its checkpoint files"):
-            for relpath, obj in files.items():
-                _write_file(tmp / _check_relpath(relpath), obj)
-    except (OSError, RuntimeError, ZerotronError) as e:
-        failure = _write_failure(e, tmp)
-        _discard(tmp, files, is_writer)
-    if any_rank is None:
-        if failure is not None:
-            raise failure  # before the barrier: the writer must not commit without these files
-        sync()
+            failure = write(files)
+        commit(failure)
     else:
-        _agree(
-            any_rank,
-            failure,
-            "could not write its checkpoint files",
-            _cleanup(tmp, files, is_writer),
-        )
-
-    if is_writer:
-        try:
-            _finish(save_dir, tag, tmp, final, metadata, iteration, save_latest)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, (OSError, RuntimeError)):
-                raise _write_failure(e, tmp) from e
-            raise
-    sync()  # nobody goes on (e.g. to load it, or to exit) before the checkpoint is complete
+        snap = snapshot(files)  # training may change the tensors as soon as this returns
+        writer.start(lambda: write(snap), commit, any_rank, what=str(final))
     return final
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
-def read_latest_tag(load_dir: str | os.PathLike) -> str | None:
-    """The tag the trackers name: DeepSpeed's ``latest`` if present, else Megatron's tracker.
-
-    None when ``load_dir`` has neither tracker (no checkpoint was ever completed there).
-    """
-    load_dir = Path(load_dir)
-    latest = layout.deepspeed_tracker(load_dir)
-    if latest.is_file():
-        tag = _read_tracker(latest)
-        if not tag:
-            raise CheckpointError(
-                "the tracker file is empty", where=str(latest), fix="write the tag to load into it"
-            )
-        return layout.validate_tag(tag)
-    tracker = layout.megatron_tracker(load_dir)
-    if tracker.is_file():
-        text = _read_tracker(tracker)
-        if text == layout.RELEASE_TAG:
-            return text
-        try:
-            iteration = int(text)
-            if not 0 <= iteration < 10**15:  # beyond that the tag is not a usable file name
-                raise ValueError(text)
-            return layout.tag_for_iteration(iteration)
-        except ValueError:
-            raise CheckpointError(
-                f"the tracker holds {text!r}, expected an iteration number or 'release'",
-                where=str(tracker),
-                fix="write the iteration to load (e.g. 600) into it",
-            ) from None
-    return None
-
-
-def _read_tracker(path: Path) -> str:
-    """A tracker file's text: one line of UTF-8, the tag or the iteration."""
-    try:
-        return path.read_bytes().decode("utf-8").strip()
-    except UnicodeDecodeError as e:
-        raise CheckpointError(
-            f"the tracker file is not text (byte {e.start} is {e.object[e.start : e.start + 1]!r})",
-            where=str(path),
-            fix="write the tag (e.g. iter_0000600) or the iteration to load into it, or delete "
-            "it and name the tag explicitly",
-        ) from None
-    except OSError as e:
-        raise CheckpointError(
-            f"cannot read the tracker file: {e.strerror or e}", where=str(path)
-        ) from None
-
-
-def _available_tags(load_dir: Path) -> list[str]:
-    if not load_dir.is_dir():
-        return []
-    return sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> str:
-    """The tag to load: ``tag`` if given, else the trackers'; checks its directory exists.
-
-    Also finishes a replacement of that tag that a killed save left half done.
-    """
-    load_dir = Path(load_dir)
-    if tag is None:
-        tag = read_latest_tag(load_dir)
-        if tag is None:
-            found = _available_tags(load_dir)
-            raise CheckpointError(
-                f"no checkpoint to load: found neither '{layout.DEEPSPEED_TRACKER}' nor "
-                f"'{layout.MEGATRON_TRACKER}'"
-                + (f" (directories present: {', '.join(found)})" if found else ""),
-                where=str(load_dir),
-                fix="pass the directory given to --save, name a tag explicitly, or start "
-                "without --load",
-            )
-    final = layout.tag_dir(load_dir, tag)
-    if not final.is_dir():
-        try:
-            recover_dir(final)
-        except OSError as e:
-            raise CheckpointError(
-                f"checkpoint '{tag}' is only present as a leftover of an interrupted save, and "
-                f"restoring it failed: {e}",
-                where=str(load_dir),
-                fix=f"rename the '.{tag}.old-*' directory there to '{tag}'",
-            ) from e
-    if not final.is_dir():
-        found = _available_tags(load_dir)
-        raise CheckpointError(
-            f"checkpoint '{tag}' does not exist"
-            + (f"; present: {', '.join(found)}" if found else ""),
-            where=str(final),
-            fix="name an existing tag, or fix the tracker file in the load directory",
-        )
-    return tag
-
-
-def load_file(load_dir: str | os.PathLike, tag: str, relpath: str) -> Any:
-    """``torch.load`` one file of a checkpoint, safely (weights_only) and onto the CPU."""
-    final = layout.tag_dir(load_dir, tag)
-    path = final / _check_relpath(relpath)
-    if not path.is_file():
-        present = _list_files(final) if final.is_dir() else []
-        raise CheckpointError(
-            f"checkpoint file '{relpath}' is missing"
-            + (f"; the checkpoint has: {', '.join(present)}" if present else ""),
-            where=str(path),
-            fix="load with the parallel layout it was saved with (see 'layout' in its "
-            "metadata.json), or reshard it to this one",
-        )
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights_only" in str(e) or "Weights only" in str(e):
-            raise CheckpointError(
-                "the file holds Python objects that safe loading (weights_only=True) refuses",
-                where=str(path),
-                fix="zerotron loads only tensors and plain data; re-save the weights with a "
-                "tool you trust, or convert them with `zerotron convert`",
-            ) from e
-        raise _corrupt(path, e) from e
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise _corrupt(path, e) from e
-
-
-def _corrupt(path: Path, e: Exception) -> CheckpointError:
-    first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return CheckpointError(
-        f"cannot read the checkpoint file ({type(e).__name__}: {first_line})",
-        where=str(path),
-        fix="the file is truncated or corrupt: load an earlier checkpoint (pass its tag) or "
-        "re-create this one",
-    )
-
-
-def read_metadata(load_dir: str | os.PathLike, tag: str) -> dict[str, Any]:
-    """The metadata.json of a checkpoint."""
-    path = layout.tag_dir(load_dir, tag) / layout.METADATA_FILE
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(
-            "the checkpoint has no metadata.json (was it written by another tool?)",
-            where=str(path),
-            fix="zerotron reads the model shape and vocabulary from it: use a checkpoint saved "
-            "by zerotron (HuggingFace weights: `zerotron convert --from-hf DIR --save CKPT`), or "
-            "write metadata.json as docs/checkpoints.md describes",
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(
-            f"metadata.json is not valid JSON: {str(e)[:200]}",
-            where=str(path),
-            fix="restore it from a backup or re-create the checkpoint",
-        ) from None
-    check_metadata(meta, str(path))
-    return meta
-
-
-# Each known metadata.json entry: the JSON type it must have (None allowed where listed).
-_META_TYPES: dict[str, tuple[type, ...]] = {
-    "layout": (dict,),
-    "model": (dict,),
-    "vocab": (dict,),
-    "tokenizer": (dict,),
-    "files": (list,),
-    "versions": (dict,),
-    "tag": (str,),
-    "iteration": (int, type(None)),
-    "format_version": (int,),
-}
-_META_INTS = {
-    "layout": (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "data_parallel_size",
-        "zero_stage",
-    ),
-    "vocab": ("size", "padded_size"),
-}
-
-
-def _json_type(value: Any) -> str:
-    names = {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        bool: "true/false",
-        int: "an integer",
-        float: "a number",
-    }
-    return names.get(type(value), "null" if value is None else f"a {type(value).__name__}")
-
-
-def check_metadata(meta: Any, where: str) -> None:
-    """Refuse a metadata.json whose entries have the wrong JSON types (a string where a number
-    is expected, a list where an object is), naming the key: tools read them without checking.
-    """
-
-    def bad(key: str, value: Any, want: str) -> CheckpointError:
-        return CheckpointError(
-            f"metadata.json: {key} is {_json_type(value)} ({str(value)[:60]}), expected {want}",
-            where=where,
-            fix="correct that entry (docs/checkpoints.md describes metadata.json), or restore "
-            "the file from a backup",
-        )
-
-    if not isinstance(meta, dict):
-        raise bad("the top level", meta, "an object")
-    for key, types in _META_TYPES.items():
-        value = meta.get(key)
-        if key in meta and not (isinstance(value, types) and not isinstance(value, bool)):
-            want = " or ".join(_json_type(t()) if t is not type(None) else "null" for t in types)
-            raise bad(key, value, want)
-    for section, keys in _META_INTS.items():
-        for key in keys:
-            value = (meta.get(section) or {}).get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise bad(f"{section}.{key}", value, "an integer")
-            if value is not None and value < (0 if key == "zero_stage" else 1):
-                raise bad(f"{section}.{key}", value, "a positive integer")
-    files = meta.get("files") or []
-    if not all(isinstance(f, str) for f in files):
-        raise bad("files", files, "a list of file names")

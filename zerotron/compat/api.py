@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerotron.checkpoint.async_save import AsyncCheckpointWriter
 from zerotron.compat.comm.comm import init_distributed
 from zerotron.compat.runtime.dataloader import RepeatingLoader
 from zerotron.errors import ConfigError, DistributedError
@@ -181,6 +182,9 @@ def initialize(
         profile_steps=cfg.monitor.profile_steps,
         profile_dir=cfg.monitor.profile_dir or cfg.training.metrics_dir,
     )
+    # checkpoint.keep_last (zerotron's) and checkpoint.writer.decoupled (a background writer)
+    engine.checkpoint_keep_last = cfg.checkpoint.save_keep_last
+    engine.checkpoint_writer = AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
     engine.config = resolved  # DeepSpeed's engine.config: the config dict (HF's Trainer reads it)
     loader = None
     if training_data is not None:

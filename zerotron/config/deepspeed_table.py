@@ -337,6 +337,23 @@ SPEC: dict[str, Any] = {
         ),
         "load_universal": Refused("universal checkpoints are not implemented"),
         "parallel_write": Ignored("checkpoint files are written by one rank each"),
+        # DeepSpeed's background ("decoupled") writer; zerotron's own writer does the same job.
+        "writer": {
+            "decoupled": Leaf("async_save", BOOL, False),
+            **{
+                key: Ignored("zerotron's checkpoint writer has no such tuning")
+                for key in (
+                    "type",
+                    "io_buffer_size",
+                    "io_buffer_double",
+                    "show_statistics",
+                    "data_parallel",
+                    "io_multiplier",
+                )
+            },
+        },
+        # zerotron's own key (DeepSpeed keeps every checkpoint): --save-keep-last
+        "keep_last": Leaf("save_keep_last", OPTIONAL(POSITIVE(INT)), None),
     },
     # accepted, no effect
     "zero_allow_untested_optimizer": Ignored(""),

@@ -130,6 +130,9 @@ def save_engine_checkpoint(
         is_writer=ps.rank == 0,
         barrier=comm.barrier if ps.world_size > 1 else None,
         any_rank=_any_rank(ps, engine.device) if ps.world_size > 1 else None,
+        # --save-keep-last and --async-save (zerotron.checkpoint.retention / .async_save)
+        keep_last=getattr(engine, "checkpoint_keep_last", None),
+        writer=getattr(engine, "checkpoint_writer", None),
     )
     run_metrics.saved(engine, path)  # the metrics file's "checkpoint" record
     return path
@@ -272,6 +275,9 @@ def load_engine_checkpoint(
     ``load_dir``: nothing is loaded and ``(None, None)`` returned, with a warning, as DeepSpeed
     does (scripts test it to start fresh).
     """
+    writer = getattr(engine, "checkpoint_writer", None)
+    if writer is not None:
+        writer.wait()  # a save still in flight is committed before anything is read
     ds_dir = deepspeed_checkpoint.deepspeed_tag_dir(load_dir, tag)
     if ds_dir is not None:  # a checkpoint DeepSpeed itself wrote
         return deepspeed_checkpoint.load_deepspeed_checkpoint(

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from zerotron.checkpoint import build_metadata
+from zerotron.checkpoint.async_save import AsyncCheckpointWriter
 from zerotron.checkpoint.fit import VocabPadding
 from zerotron.config import Config
 from zerotron.data.tokenizer import (
@@ -247,4 +248,18 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         profile_steps=cfg.monitor.profile_steps,
         profile_dir=cfg.monitor.profile_dir or cfg.training.metrics_dir or cfg.checkpoint.save,
     )
+    _checkpoint_options(engine, cfg)
     return Run(cfg, tokenizer, model, engine, flops_params)
+
+
+def _checkpoint_options(engine: Engine, cfg: Config) -> None:
+    """--save-keep-last and --async-save, read by the Engine's save; the layout entries that
+    ``zerotron checkpoint info`` reports beside the sizes (virtual stages, offload)."""
+    c = cfg.checkpoint
+    engine.checkpoint_keep_last = c.save_keep_last
+    engine.checkpoint_writer = AsyncCheckpointWriter() if c.async_save else None
+    engine.checkpoint_metadata.setdefault("layout", {}).update(
+        virtual_pipeline_model_parallel_size=cfg.parallel.virtual_pipeline_model_parallel_size or 1,
+        offload_optimizer_device=cfg.zero.offload_optimizer_device,
+        offload_param_device=cfg.zero.offload_param_device,
+    )

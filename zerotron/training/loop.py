@@ -154,6 +154,7 @@ def train(
     breakdown = MemoryBreakdownRecorder(run, metrics)  # --memory-breakdown-step
     reported_memory = False
     saved_at = None
+    async_writer = getattr(engine, "checkpoint_writer", None)  # --async-save
     started = time.perf_counter()
     with _output(t.train_iters, state.iteration) as out:
         out.print(" training ...")
@@ -162,6 +163,8 @@ def train(
                 loss = float(engine.train_batch(train_iter))
             state.iteration += 1
             state.consumed_train_samples += gbs
+            if async_writer is not None:
+                async_writer.poll()  # commits a background save once every rank wrote it
             step = engine.last_step
             summary.losses[state.iteration] = loss
             if t.check_for_nan_in_loss_and_grad:

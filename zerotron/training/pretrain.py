@@ -254,6 +254,7 @@ def pretrain(cfg: Config) -> TrainSummary:
         print_rank_0(" train-iters is 0: built everything, nothing to train")
         return TrainSummary(state=state, losses={})
     metrics = _metrics(run, ps)
+    finished = False
     try:
         _resume(run, state)
         train_iter, valid_iter, test_iter = _data_iterators(run, state, ps)
@@ -270,8 +271,12 @@ def pretrain(cfg: Config) -> TrainSummary:
                 exited_early=summary.exited_early,
                 preempted=summary.preempted,
             )
+        finished = True
         return summary
     finally:
+        writer = getattr(run.engine, "checkpoint_writer", None)
+        if writer is not None:  # --async-save: no exit before the background write is done
+            writer.close(commit=finished or ps.world_size == 1)
         if metrics is not None:
             metrics.close()
 

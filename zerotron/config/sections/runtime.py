@@ -36,6 +36,18 @@ class CheckpointConfig(Section):
         "finishes its iteration, saves a checkpoint to save and exits with code 75 "
         "(Megatron's exit_signal_handler).",
     )
+    save_keep_last: Int | None = Field(
+        None,
+        gt=0,
+        description="Keep only the N newest complete checkpoints under save (older tags are "
+        "deleted after each new one is committed; the one the tracker names is always kept).",
+    )
+    async_save: bool = Field(
+        False,
+        description="Write checkpoints in the background: training goes on while a snapshot "
+        "is persisted; the tag is committed once every rank has written (Megatron's "
+        "--async-save; DeepSpeed's checkpoint.writer.decoupled).",
+    )
     use_node_local_storage: bool = Field(
         False,
         description="Each node writes its own ranks' files to a node-local directory "
