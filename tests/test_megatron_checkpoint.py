@@ -20,10 +20,10 @@ from zerotron.checkpoint.convert import main as convert_main
 from zerotron.checkpoint.megatron import (
     _flatten,
     config_from_args,
-    export_megatron,
     import_megatron,
     read_megatron,
 )
+from zerotron.checkpoint.megatron_export import export_megatron
 from zerotron.errors import CheckpointError, UnsupportedError
 from zerotron.models.gpt import GPT
 

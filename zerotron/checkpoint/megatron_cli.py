@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from zerotron.checkpoint.megatron import export_megatron, import_megatron
+from zerotron.checkpoint.megatron import import_megatron
+from zerotron.checkpoint.megatron_export import export_megatron
 from zerotron.errors import ConfigError
 from zerotron.progress import Progress
 
