@@ -157,3 +157,54 @@ def test_convert_cli_says_what_it_found(tmp_path, capsys):
     assert "found a Megatron-LM torch_dist checkpoint (tensor parallel 2, pipeline parallel 2" in (
         capsys.readouterr().out
     )
+
+
+def _rewrite(src: Path, dst: Path, change) -> Path:
+    """Copy a one-file (TP=PP=1) Megatron checkpoint with ``change(file_dict)`` applied."""
+    file = megatron_io.load_safe(src / ITER / "mp_rank_00" / "model_optim_rng.pt")
+    change(file)
+    out = dst / ITER / "mp_rank_00" / "model_optim_rng.pt"
+    out.parent.mkdir(parents=True)
+    torch.save(file, out)
+    return dst / ITER
+
+
+def test_legacy_checkpoint_version_0_qkv_order_is_fixed(tmp_path):
+    heads = EXPECTED["config"]["num_attention_heads"]
+
+    def to_version_0(file):  # rows [heads, (q, k, v), d] -> [(q, k, v), heads, d]
+        file["checkpoint_version"] = 0
+        enc = file["model"]["language_model"]["encoder"]
+        for key in [k for k in enc if ".query_key_value." in k]:
+            t = enc[key]
+            enc[key] = t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    _, old, info = read_megatron(_rewrite(LEGACY, tmp_path, to_version_0))
+    _, new, _ = read_megatron(LEGACY)
+    assert info["checkpoint_version"] == 0
+    assert all(torch.equal(old[k], new[k]) for k in new)
+
+
+def test_virtual_pipeline_chunks_are_read_in_megatrons_layer_order(tmp_path):
+    # Export at TP=PP=1, then cut it into two virtual chunks of one layer each, both numbered
+    # from 0 as Megatron numbers them: layer 1 is chunk 1's local layer 0.
+    path, _ = import_megatron(LEGACY, tmp_path / "zt")
+    export_megatron(Path(path).parent, tmp_path / "tp1", "mcore")
+
+    def to_chunks(file):
+        model = file.pop("model")
+        file["model0"] = {k: v for k, v in model.items() if not k.startswith("decoder.")}
+        file["model0"].pop("output_layer._extra_state")
+        file["model1"] = {"output_layer._extra_state": None}
+        for key, value in model.items():
+            if key.startswith("decoder.layers.0."):
+                file["model0"][key] = value
+            elif key.startswith("decoder.layers.1."):
+                file["model1"][key.replace("layers.1.", "layers.0.")] = value
+            elif key.startswith("decoder."):
+                file["model1"][key] = value
+
+    _, chunked, _ = read_megatron(_rewrite(tmp_path / "tp1", tmp_path / "vpp", to_chunks))
+    _, single, _ = read_megatron(LEGACY)
+    assert chunked.keys() == single.keys()
+    assert all(torch.equal(chunked[k], single[k]) for k in single)

@@ -54,6 +54,7 @@ class MegatronEnum:
 
 
 # Enums Megatron-LM stores in ``args`` (model_type, attention_backend...), old and new homes.
+_ENUM_NAMES = ("ModelType", "AttnBackend", "AttnMaskType", "AttnType", "LayerType", "Fp8Recipe")
 _ENUMS = [
     f"{module}.{name}"
     for module in (
@@ -62,7 +63,7 @@ _ENUMS = [
         "megatron.model.enums",
         "megatron.legacy.model.enums",
     )
-    for name in ("ModelType", "AttnBackend", "AttnMaskType", "AttnType", "LayerType", "Fp8Recipe")
+    for name in _ENUM_NAMES
 ]
 
 
@@ -86,10 +87,20 @@ def _numpy_globals() -> list:
 
 def allowed_globals() -> list:
     """What ``weights_only`` loading admits beyond tensors and plain data, in torch's form."""
-    return [argparse.Namespace, *((MegatronEnum, name) for name in _ENUMS), *_numpy_globals()]
+    # MegatronEnum itself too: a file zerotron loaded and saved again holds the stand-ins.
+    return [
+        argparse.Namespace,
+        MegatronEnum,
+        *((MegatronEnum, name) for name in _ENUMS),
+        *_numpy_globals(),
+    ]
 
 
-ALLOWED_GLOBALS_DOC = ["argparse.Namespace", *_ENUMS, "numpy arrays and dtypes (RNG state)"]
+ALLOWED_GLOBALS_DOC = [
+    "argparse.Namespace",
+    f"megatron's enums ({', '.join(_ENUM_NAMES)})",
+    "numpy arrays and dtypes (RNG state)",
+]
 
 
 def load_safe(path: str | os.PathLike) -> Any:
