@@ -208,3 +208,35 @@ def test_virtual_pipeline_chunks_are_read_in_megatrons_layer_order(tmp_path):
     _, single, _ = read_megatron(LEGACY)
     assert chunked.keys() == single.keys()
     assert all(torch.equal(chunked[k], single[k]) for k in single)
+
+
+def test_transformer_engine_fused_layernorm_names_are_read(tmp_path):
+    # Megatron-LM with Transformer Engine saves the LayerNorms inside the fused linears.
+    path, _ = import_megatron(LEGACY, tmp_path / "zt")
+    export_megatron(Path(path).parent, tmp_path / "tp1", "mcore")
+    fused = {
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    }
+
+    def to_te(file):
+        model = {}
+        for key, value in file["model"].items():
+            for local, te in fused.items():
+                key = key.replace(local, te)
+            model[key] = value
+        file["model"] = model
+
+    _, te, _ = read_megatron(_rewrite(tmp_path / "tp1", tmp_path / "te", to_te))
+    _, single, _ = read_megatron(LEGACY)
+    assert te.keys() == single.keys()
+    assert all(torch.equal(te[k], single[k]) for k in single)
+
+
+def test_an_untied_output_layer_is_refused(tmp_path):
+    def untie(file):
+        lm = file["model"]["language_model"]
+        lm["output_layer"] = {"weight": lm["embedding"]["word_embeddings"]["weight"] * 2}
+
+    with pytest.raises(UnsupportedError, match="untied"):
+        read_megatron(_rewrite(LEGACY, tmp_path, untie))
