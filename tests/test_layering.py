@@ -93,6 +93,8 @@ ALLOWED_MODEL_IMPORTS: dict[tuple[str, str], str] = {
     # The generic checkpoint machinery (layout, save_load, reshard, state, zero_*) does not.
     ("zerotron.checkpoint.model", "zerotron.models.gpt"): "GPT's checkpoint format",
     ("zerotron.checkpoint.hf", "zerotron.models.gpt"): "HF GPT-2 conversion",
+    ("zerotron.checkpoint.megatron", "zerotron.models.gpt"): "Megatron-LM GPT import",
+    ("zerotron.checkpoint.megatron_export", "zerotron.models.gpt"): "Megatron-LM GPT export",
 }
 
 # Loose modules at the top of zerotron/: the entry point, the CLI, and the bottom modules.

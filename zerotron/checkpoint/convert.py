@@ -4,6 +4,9 @@ zerotron convert --from-hf ./gpt2-hf --save ./ckpt       # import (tag "release"
 zerotron convert --load ./ckpt --to-hf ./gpt2-export     # export (latest tag, or --tag)
 zerotron convert --load ./ckpt --save ./ckpt-tp1 \
     --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2   # reshard the weights
+zerotron convert --from-megatron ./megatron-save --save ./ckpt       # Megatron-LM import
+zerotron convert --load ./ckpt --to-megatron ./out --megatron-format mcore \
+    --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2   # Megatron-LM export
 
 Export and resharding read a checkpoint of any tensor/pipeline layout. A resharded checkpoint
 holds model weights, step counters and metadata, not optimizer states: resume it with
@@ -46,6 +49,18 @@ def build_parser() -> ArgumentParser:
         metavar="M",
         help="reshard --load into --save for this pipeline-parallel size",
     )
+    p.add_argument(
+        "--from-megatron",
+        metavar="DIR",
+        help="a Megatron-LM checkpoint (mcore, legacy or torch_dist; found by itself)",
+    )
+    p.add_argument("--to-megatron", metavar="DIR", help="where to write a Megatron-LM checkpoint")
+    p.add_argument(
+        "--megatron-format",
+        choices=("mcore", "legacy", "torch_dist"),
+        default="mcore",
+        help="--to-megatron's layout (default mcore)",
+    )
     return p
 
 
@@ -56,6 +71,10 @@ def _progress(steps: int) -> Progress:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.from_megatron or args.to_megatron:
+        from zerotron.checkpoint.megatron_cli import megatron_main
+
+        return megatron_main(args)
     targets = (args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
     if targets != (None, None):
         if not (args.load and args.save) or args.from_hf or args.to_hf:

@@ -1,0 +1,444 @@
+"""Megatron-LM GPT checkpoints in: megatron-core, legacy and torch_dist layouts read as ours.
+
+(:mod:`~zerotron.checkpoint.megatron_export` writes them, :mod:`~zerotron.checkpoint.megatron_io`
+finds, reads and writes the files.)
+
+Name map, per transformer layer (megatron-core names after ``decoder.layers.N.``, legacy ones
+after ``language_model.encoder.layers.N.``; ours after ``layers.N.``)::
+
+    megatron-core                          legacy                          zerotron
+    input_layernorm.*                      input_norm.* (input_layernorm)  input_layernorm.*
+      (TE: self_attention.linear_qkv.layer_norm_{weight,bias})
+    self_attention.linear_qkv.*            self_attention.query_key_value  same as legacy
+    self_attention.linear_proj.*           self_attention.dense.*          self_attention.dense.*
+    pre_mlp_layernorm.*                    post_attention_norm.*           post_attention_layernorm
+      (TE: mlp.linear_fc1.layer_norm_{weight,bias})  (post_attention_layernorm)
+    mlp.linear_fc1.*                       mlp.dense_h_to_4h.*             mlp.dense_h_to_4h.*
+    mlp.linear_fc2.*                       mlp.dense_4h_to_h.*             mlp.dense_4h_to_h.*
+
+and ``embedding.*`` (legacy: ``language_model.embedding.*``), ``decoder.final_layernorm``
+(legacy: ``language_model.encoder.final_norm``), the last stage's tied copy ``output_layer``
+(legacy: ``word_embeddings_for_head``). Layer indices in per-rank files are local to their
+pipeline stage (and virtual chunk); ``torch_dist`` stacks every layer's tensor on a leading axis.
+
+QKV order: megatron-core's ``linear_qkv`` rows are ``[query groups, (queries of the group, k,
+v), head_dim]``; with one query per group (multi-head attention, the only kind GPT-2 has) that is
+``[heads, (q, k, v), head_dim]``, the legacy order (checkpoint_version >= 2) and ours, so rows
+are copied as they are. Legacy checkpoint versions 0 and 1 ordered them ``[(q, k, v), heads, d]``
+and ``[heads, d, (q, k, v)]`` per tensor-parallel rank and are reordered on import.
+
+``args`` (Megatron-LM's flags, saved in every file) give the model's shape; what zerotron's GPT
+cannot represent (SwiGLU, RMSNorm, rotary positions, grouped queries, untied output layer, no
+linear biases, exact-erf GELU...) is refused with what differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotron.checkpoint import megatron_io as mio
+from zerotron.checkpoint.model import save_gpt
+from zerotron.checkpoint.reshard import (
+    TIED_COPY,
+    WORD_EMBEDDING,
+    merge_model_shards,
+)
+from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
+from zerotron.models.gpt import GPTConfig
+
+FORMATS = ("mcore", "legacy", "torch_dist")
+CHECKPOINT_VERSION = 3.0
+
+# Per-layer module names: megatron-core -> ours, legacy -> ours.
+MCORE_LAYER = {
+    "input_layernorm": "input_layernorm",
+    "self_attention.linear_qkv": "self_attention.query_key_value",
+    "self_attention.linear_proj": "self_attention.dense",
+    "pre_mlp_layernorm": "post_attention_layernorm",
+    "mlp.linear_fc1": "mlp.dense_h_to_4h",
+    "mlp.linear_fc2": "mlp.dense_4h_to_h",
+}
+# Transformer Engine's fused LayerNorm-linear names (and torch_dist's for every spec).
+TE_FUSED = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "post_attention_layernorm.bias",
+}
+LEGACY_LAYER = {
+    "input_norm": "input_layernorm",
+    "input_layernorm": "input_layernorm",
+    "self_attention.query_key_value": "self_attention.query_key_value",
+    "attention.query_key_value": "self_attention.query_key_value",
+    "self_attention.dense": "self_attention.dense",
+    "attention.dense": "self_attention.dense",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_attention_layernorm": "post_attention_layernorm",
+    "mlp.dense_h_to_4h": "mlp.dense_h_to_4h",
+    "mlp.dense_4h_to_h": "mlp.dense_4h_to_h",
+}
+# The linears megatron-core's local spec gives an ``_extra_state`` entry (None on CPU).
+MCORE_LINEARS = [m for m in MCORE_LAYER if "linear" in m]
+_LAYER_KEY = re.compile(r"(?:decoder|language_model\.(?:encoder|transformer))\.layers\.(\d+)\.(.+)")
+
+State = dict[str, torch.Tensor]
+
+
+# ---- args <-> config ---------------------------------------------------------------------------
+
+
+def _args_dict(args: Any, where: str) -> dict[str, Any]:
+    if isinstance(args, argparse.Namespace):
+        return vars(args)
+    if isinstance(args, Mapping):
+        return dict(args)
+    raise CheckpointError(
+        "the checkpoint has no Megatron 'args'",
+        where=where,
+        fix="zerotron reads the model's shape from the args Megatron-LM saves; re-save with it",
+    )
+
+
+def config_from_args(args: Mapping[str, Any], where: str) -> GPTConfig:
+    """Our GPT config for Megatron-LM's ``args``; refuses what our GPT cannot represent."""
+    differs = []
+
+    def want(key: str, ok: Any, expected: str) -> None:
+        value = args.get(key)
+        if value is not None and not ok(value):
+            differs.append(f"{key}={value!r} (zerotron's GPT: {expected})")
+
+    want("swiglu", lambda v: not v, "GELU MLP, no SwiGLU")
+    want("normalization", lambda v: v == "LayerNorm", "LayerNorm")
+    want("position_embedding_type", lambda v: v == "learned_absolute", "learned positions")
+    want("use_rotary_position_embeddings", lambda v: not v, "no rotary embeddings")
+    want("untie_embeddings_and_output_weights", lambda v: not v, "tied output layer")
+    want("add_bias_linear", lambda v: v, "linear layers with biases")
+    want("apply_residual_connection_post_layernorm", lambda v: not v, "pre-LayerNorm residual")
+    want("apply_layernorm_1p", lambda v: not v, "plain LayerNorm weights")
+    want("qk_layernorm", lambda v: not v, "no QK LayerNorm")
+    want("num_experts", lambda v: not v, "dense MLP")
+    want("squared_relu", lambda v: not v, "GELU")
+    heads, hidden = args.get("num_attention_heads"), args.get("hidden_size")
+    if args.get("group_query_attention") and args.get("num_query_groups") != heads:
+        differs.append(
+            f"num_query_groups={args.get('num_query_groups')} (zerotron's GPT: one key/value "
+            f"head per query head, {heads})"
+        )
+    if heads and hidden and args.get("kv_channels") not in (None, hidden // heads):
+        differs.append(f"kv_channels={args['kv_channels']} (zerotron's GPT: hidden/heads)")
+    # Megatron's GELU is the tanh approximation with --openai-gelu or the fused bias-GELU
+    # (--bias-gelu-fusion, on by default); otherwise it is erf GELU, which ours is not.
+    if not args.get("openai_gelu") and not args.get("bias_gelu_fusion", True):
+        differs.append("GELU (erf) without --openai-gelu or --bias-gelu-fusion (zerotron: tanh)")
+    if differs:
+        raise UnsupportedError(
+            "the Megatron model differs from what zerotron's GPT can represent: "
+            + "; ".join(differs),
+            where=where,
+            fix="only GPT-2-style models (LayerNorm, GELU, learned positions, tied embeddings) "
+            "convert",
+        )
+    padded = args.get("padded_vocab_size")
+    if padded is None:
+        raise CheckpointError("args lack padded_vocab_size", where=where)
+    orig = orig_vocab_size(args, int(padded))
+    seq = args.get("seq_length") or args.get("max_position_embeddings")
+    try:
+        return GPTConfig(
+            num_layers=int(args["num_layers"]),
+            hidden_size=int(hidden),
+            num_attention_heads=int(heads),
+            ffn_hidden_size=args.get("ffn_hidden_size"),
+            seq_length=int(seq),
+            max_position_embeddings=args.get("max_position_embeddings") or int(seq),
+            vocab_size=int(padded),
+            orig_vocab_size=int(orig),
+            layernorm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
+            init_method_std=float(args.get("init_method_std", 0.02)),
+            hidden_dropout=float(args.get("hidden_dropout", 0.1)),
+            attention_dropout=float(args.get("attention_dropout", 0.1)),
+        )
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        raise CheckpointError(f"args do not describe a usable GPT: {e}", where=where) from None
+
+
+def orig_vocab_size(args: Mapping[str, Any], padded: int) -> int:
+    """The tokenizer's vocabulary, which Megatron's args give only indirectly: ``--vocab-size``
+    (NullTokenizer adds its EOD id to it), GPT-2's BPE (50257), else the padded size."""
+    tokenizer, size = args.get("tokenizer_type"), args.get("vocab_size")
+    if args.get("orig_vocab_size"):  # what zerotron's export records
+        return int(args["orig_vocab_size"])
+    if size:
+        return int(size) + (tokenizer == "NullTokenizer")
+    if tokenizer == "GPT2BPETokenizer" and padded >= 50257:
+        return 50257
+    return padded
+
+
+def tokenizer_of(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The tokenizer entry of our metadata for Megatron's args."""
+    tok = {"type": args.get("tokenizer_type") or "GPT2BPETokenizer"}
+    for key in ("vocab_file", "merge_file", "vocab_size"):
+        if args.get(key) is not None:
+            tok[key] = args[key]
+    return tok
+
+
+# ---- names -------------------------------------------------------------------------------------
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Legacy state dicts nest (``language_model`` -> ``embedding`` -> ...): dotted keys."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def to_ours(key: str, where: str) -> str:
+    """Our name for a megatron-core or legacy key (layer index unchanged)."""
+    m = _LAYER_KEY.fullmatch(key)
+    if m:
+        index, rest = m.groups()
+        if rest in TE_FUSED:
+            return f"layers.{index}.{TE_FUSED[rest]}"
+        module, _, param = rest.rpartition(".")
+        table = MCORE_LAYER if key.startswith("decoder.") else LEGACY_LAYER
+        if module in table and param in ("weight", "bias"):
+            return f"layers.{index}.{table[module]}.{param}"
+    fixed = {
+        "embedding.word_embeddings.weight": WORD_EMBEDDING,
+        "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+        "decoder.final_layernorm.weight": "final_layernorm.weight",
+        "decoder.final_layernorm.bias": "final_layernorm.bias",
+        "output_layer.weight": TIED_COPY,
+        "word_embeddings_for_head.weight": TIED_COPY,
+    }
+    for enc in ("encoder", "transformer"):
+        for norm in ("final_norm", "final_layernorm"):
+            for p in ("weight", "bias"):
+                fixed[f"language_model.{enc}.{norm}.{p}"] = f"final_layernorm.{p}"
+    for p in ("word_embeddings", "position_embeddings"):
+        fixed[f"language_model.embedding.{p}.weight"] = f"embedding.{p}.weight"
+    if key in fixed:
+        return fixed[key]
+    hint = ""
+    if key.startswith("language_model.output_layer"):
+        hint = " (an untied output layer: zerotron's GPT ties it to the word embedding)"
+    raise UnsupportedError(
+        f"Megatron tensor {key!r} has no place in zerotron's GPT{hint}",
+        where=where,
+        fix="only GPT-2-style Megatron models convert",
+    )
+
+
+def _fix_legacy_qkv(t: torch.Tensor, version: float, heads: int) -> torch.Tensor:
+    """Rows of a legacy version-0/1 QKV shard in our ``[heads, (q, k, v), d]`` order."""
+    rest = t.shape[1:]
+    if version == 0:
+        return t.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(t.shape).contiguous()
+    return t.reshape(heads, -1, 3, *rest).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+# ---- import ------------------------------------------------------------------------------------
+
+
+def _model_chunks(file: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    if "model" in file:
+        return [file["model"]]
+    chunks = sorted((k for k in file if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    if not chunks:
+        raise CheckpointError("no 'model' entry", where=where)
+    return [file[k] for k in chunks]
+
+
+def _is_legacy(chunk: Mapping[str, Any]) -> bool:
+    return "language_model" in chunk or any(k.startswith("language_model.") for k in chunk)
+
+
+def _rank_states(
+    files: Mapping[tuple[int, int], dict], tp: int, pp: int, heads: int, root: Path
+) -> tuple[dict[tuple[int, int], State], str, float]:
+    """Each rank's state in our names with global layer indices; the layout and version."""
+    per_chunk: dict[tuple[int, int, int], State] = {}
+    kind = ""
+    version = float(files[(0, 0)].get("checkpoint_version", CHECKPOINT_VERSION) or 0)
+    for (t, p), file in files.items():
+        where = f"{root}/mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+        for c, chunk in enumerate(_model_chunks(file, where)):
+            flat = _flatten(chunk)
+            kind = kind or ("legacy" if _is_legacy(chunk) else "mcore")
+            state = {}
+            for key, value in flat.items():
+                if key.endswith("_extra_state") or not torch.is_tensor(value):
+                    continue
+                ours = to_ours(key, where)
+                if kind == "legacy" and version < 2 and ".query_key_value." in ours:
+                    value = _fix_legacy_qkv(value, version, heads // tp)
+                state[ours] = value
+            per_chunk[(t, p, c)] = state
+    # Local layer indices -> global: chunk-major, then stage (Megatron's interleaved order).
+    chunks = 1 + max(c for _, _, c in per_chunk)
+    offset, offsets = 0, {}
+    for c in range(chunks):
+        for p in range(pp):
+            offsets[(p, c)] = offset
+            offset += len(
+                {k.split(".")[1] for k in per_chunk[(0, p, c)] if k.startswith("layers.")}
+            )
+    states: dict[tuple[int, int], State] = {}
+    for (t, p, c), state in per_chunk.items():
+        shifted = states.setdefault((t, p), {})
+        for key, value in state.items():
+            if key.startswith("layers."):
+                _, i, rest = key.split(".", 2)
+                key = f"layers.{int(i) + offsets[(p, c)]}.{rest}"
+            shifted[key] = value
+    return states, kind, version
+
+
+def _unstack_torch_dist(tensors: Mapping[str, torch.Tensor], where: str) -> State:
+    """torch_dist's stacked ``decoder.layers.X`` tensors split into ours per layer."""
+    out: State = {}
+    for key, t in tensors.items():
+        if key.startswith("decoder.layers."):
+            rest = key.removeprefix("decoder.layers.")
+            for i in range(t.shape[0]):
+                out[to_ours(f"decoder.layers.{i}.{rest}", where)] = t[i].clone()
+        else:
+            out[to_ours(key, where)] = t
+    return out
+
+
+def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, Any]]:
+    """A Megatron-LM checkpoint as ours: ``(config, single-process state dict, info)``.
+
+    ``path`` is a ``--save`` directory (its tracker picks the iteration), one ``iter_*``
+    directory, or a ``torch_dist`` directory. ``info`` says what was found: ``format``
+    (mcore, legacy, torch_dist), ``tensor_parallel``, ``pipeline_parallel``, ``iteration``,
+    ``checkpoint_version``.
+    """
+    tag = mio.tag_dir(path)
+    if mio.is_torch_dist(tag):
+        tensors, common = mio.read_torch_dist(tag)
+        args = _args_dict(common.get("args"), str(tag / mio.COMMON_FILE))
+        config = config_from_args(args, str(tag / mio.COMMON_FILE))
+        state = _unstack_torch_dist(tensors, str(tag))
+        if TIED_COPY in state:
+            raise UnsupportedError(
+                "the checkpoint has its own output layer (untied)",
+                where=str(tag),
+                fix="zerotron's GPT ties the output layer to the word embedding",
+            )
+        info = {
+            "format": "torch_dist",
+            "tensor_parallel": args.get("tensor_model_parallel_size", 1),
+            "pipeline_parallel": args.get("pipeline_model_parallel_size", 1),
+            "iteration": common.get("iteration"),
+            "checkpoint_version": common.get("checkpoint_version"),
+        }
+    else:
+        files, tp, pp = mio.read_rank_files(tag)
+        first = files[(0, 0)]
+        args = _args_dict(first.get("args"), str(tag))
+        config = config_from_args(args, f"{tag}: args")
+        heads = config.num_attention_heads
+        states, kind, version = _rank_states(files, tp, pp, heads, tag)
+        if pp == 1 and any(TIED_COPY in s for s in states.values()):
+            raise UnsupportedError(
+                "the checkpoint has an output layer beside the word embedding at pipeline size "
+                "1 (untied)",
+                where=str(tag),
+                fix="zerotron's GPT ties the output layer to the word embedding",
+            )
+        state = merge_model_shards(states, tp, pp, where=str(tag))
+        info = {
+            "format": kind,
+            "tensor_parallel": tp,
+            "pipeline_parallel": pp,
+            "iteration": first.get("iteration"),
+            "checkpoint_version": version,
+        }
+    info["tokenizer"] = tokenizer_of(args)
+    _check_shapes(state, config, str(tag))
+    return config, state, info
+
+
+def _check_shapes(state: State, config: GPTConfig, where: str) -> None:
+    h, f, L = config.hidden_size, config.ffn_hidden_size, config.num_layers
+    expected = {
+        WORD_EMBEDDING: (config.vocab_size, h),
+        "embedding.position_embeddings.weight": (config.max_position_embeddings, h),
+        "final_layernorm.weight": (h,),
+        "final_layernorm.bias": (h,),
+    }
+    for i in range(L):
+        for name, shape in (
+            ("input_layernorm.weight", (h,)),
+            ("input_layernorm.bias", (h,)),
+            ("self_attention.query_key_value.weight", (3 * h, h)),
+            ("self_attention.query_key_value.bias", (3 * h,)),
+            ("self_attention.dense.weight", (h, h)),
+            ("self_attention.dense.bias", (h,)),
+            ("post_attention_layernorm.weight", (h,)),
+            ("post_attention_layernorm.bias", (h,)),
+            ("mlp.dense_h_to_4h.weight", (f, h)),
+            ("mlp.dense_h_to_4h.bias", (f,)),
+            ("mlp.dense_4h_to_h.weight", (h, f)),
+            ("mlp.dense_4h_to_h.bias", (h,)),
+        ):
+            expected[f"layers.{i}.{name}"] = shape
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    wrong = [
+        f"{k} {tuple(state[k].shape)} (args say {v})"
+        for k, v in expected.items()
+        if k in state and tuple(state[k].shape) != v
+    ]
+    if missing or extra or wrong:
+        raise CheckpointError(
+            "the weights do not match the model the args describe: "
+            + "; ".join(
+                part
+                for part in (
+                    f"missing {missing[:6]}" if missing else "",
+                    f"unexpected {extra[:6]}" if extra else "",
+                    f"shapes {wrong[:4]}" if wrong else "",
+                )
+                if part
+            ),
+            where=where,
+            fix="the checkpoint is incomplete, or its args are not the ones it was saved with",
+        )
+
+
+def import_megatron(
+    path: str | os.PathLike, save_dir: str | os.PathLike, tag: str | None = None
+) -> tuple[str, dict[str, Any]]:
+    """Convert a Megatron-LM checkpoint into a zerotron one; returns (its path, what was found)."""
+    config, state, info = read_megatron(path)
+    iteration = info.get("iteration")
+    if tag is None:
+        tag = f"iter_{int(iteration):07d}" if iteration else "release"
+    out = save_gpt(
+        save_dir,
+        config,
+        state,
+        tag=tag,
+        tokenizer=info.pop("tokenizer"),
+        source=os.fspath(path),
+        megatron=info,
+    )
+    return out, info

@@ -1,0 +1,51 @@
+"""``zerotron convert --from-megatron`` / ``--to-megatron``: the Megatron-LM branch of convert."""
+
+from __future__ import annotations
+
+import argparse
+
+from zerotron.checkpoint.megatron import import_megatron
+from zerotron.checkpoint.megatron_export import export_megatron
+from zerotron.errors import ConfigError
+from zerotron.progress import Progress
+
+
+def megatron_main(args: argparse.Namespace) -> int:
+    """Run the import (``--from-megatron DIR --save CKPT``) or the export (``--load CKPT
+    --to-megatron DIR --megatron-format F [--target-*-parallel-size]``)."""
+    if args.from_megatron and args.save and not (args.load or args.to_megatron or args.from_hf):
+        with Progress("convert", 1, unit="steps") as bar:
+            path, info = import_megatron(args.from_megatron, args.save, args.tag)
+            bar.update(1, info=f"wrote {path}")
+        print(
+            f"found a Megatron-LM {info['format']} checkpoint (tensor parallel "
+            f"{info['tensor_parallel']}, pipeline parallel {info['pipeline_parallel']}, "
+            f"iteration {info['iteration']}, checkpoint version {info['checkpoint_version']})"
+        )
+        print(f"imported {args.from_megatron} -> {path}")
+        return 0
+    if args.load and args.to_megatron and not (args.save or args.from_hf or args.to_hf):
+        tp = args.target_tensor_parallel_size or 1
+        pp = args.target_pipeline_parallel_size or 1
+        with Progress("convert", 1, unit="steps") as bar:
+            path = export_megatron(
+                args.load,
+                args.to_megatron,
+                args.megatron_format,
+                tp,
+                pp,
+                tag=args.tag,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            )
+            bar.update(1, info=f"wrote {path}")
+        print(
+            f"exported {args.load} -> {path} (Megatron-LM {args.megatron_format}, tensor "
+            f"parallel {tp}, pipeline parallel {pp}; weights only: load with --finetune, or "
+            "--no-load-optim --no-load-rng)"
+        )
+        return 0
+    raise ConfigError(
+        "give --from-megatron DIR --save CKPT (import) or --load CKPT --to-megatron DIR "
+        "[--megatron-format mcore|legacy|torch_dist] (export)",
+        where="zerotron convert",
+    )
