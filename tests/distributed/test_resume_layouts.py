@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+from pathlib import Path
 
 import pytest
 
@@ -86,7 +87,9 @@ CASES = {
 def _pretrain(world: int, root: str, run: str, flags: tuple[str, ...], *extra: object) -> dict:
     argv = [*TINY, *flags, *map(str, extra)]
     if "nvme" in flags:
-        argv += ["--offload-optimizer-nvme-path", f"{root}/nvme_{run}"]
+        nvme = Path(root) / f"nvme_{run}"
+        nvme.mkdir(exist_ok=True)
+        argv += ["--offload-optimizer-nvme-path", str(nvme)]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         summary = pretrain(parse_megatron_args(argv, world_size=world))
