@@ -39,7 +39,9 @@ def _rank(rank, data, root):
     tp2pp2 = ("--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2)
     tp1pp2 = ("--pipeline-model-parallel-size", 2)
     _run(data, *tp2pp2, "--train-iters", 2, "--save", f"{root}/a")
-    out = {"with_optimizer": _run(data, *tp1pp2, "--train-iters", 3, "--load", f"{root}/a")}
+    # a longer run than the saved one: its own schedule
+    longer = ("--train-iters", 3, "--override-opt-param-scheduler")
+    out = {"with_optimizer": _run(data, *tp1pp2, *longer, "--load", f"{root}/a")}
     out["direct"] = _run(
         data, *tp1pp2, "--train-iters", 3, "--load", f"{root}/a", "--no-load-optim"
     )

@@ -25,6 +25,7 @@ from zerotron.checkpoint.relayout import CheckpointFiles, describe_layout, refus
 from zerotron.checkpoint.stream_save import materialize
 from zerotron.checkpoint.target import check_target, rank_files, target_metadata
 from zerotron.distributed.state import ParallelState
+from zerotron.errors import CheckpointError, ConfigError
 from zerotron.zero.options import default_sizes
 
 if TYPE_CHECKING:
@@ -112,15 +113,31 @@ def converted_files(
     )
     t, p, d = ps.tp_rank, ps.pp_rank, ps.dp_rank
     wanted = [model_file(t, p, ps.pp_size)] + ([zero_file(d, t, p)] if target.zero_stage else [])
-    with open_checkpoint(load_dir, tag) as ckpt:
-        target = check_target(ckpt, target)
-        # Only data-parallel rank 0 writes the model file; every rank reads it.
-        trees = {**rank_files(ckpt, target, t, p, 0), **rank_files(ckpt, target, t, p, d)}
-        files = {rel: materialize(trees[rel], f"{ckpt.where} -> {rel}") for rel in wanted}
-        new_meta = target_metadata(ckpt, target)
+    try:
+        with open_checkpoint(load_dir, tag) as ckpt:
+            target = check_target(ckpt, target)
+            # Only data-parallel rank 0 writes the model file; every rank reads it.
+            trees = {**rank_files(ckpt, target, t, p, 0), **rank_files(ckpt, target, t, p, d)}
+            files = {rel: materialize(trees[rel], f"{ckpt.where} -> {rel}") for rel in wanted}
+            new_meta = target_metadata(ckpt, target)
+    except (CheckpointError, ConfigError) as e:
+        raise CheckpointError(
+            f"the checkpoint, saved at {was}, cannot be converted for this run ({now}): {e.what}",
+            where=e.where or where,
+            fix=(f"{e.fix}; or " if e.fix else "")
+            + f"resume on the saved layout ({_flags(saved)}), or load the weights alone "
+            "(--finetune or --no-load-optim; load_optimizer_states=False)",
+        ) from e
     if ps.rank == 0:
         _say(was, now, _converted(saved, target))
     return CheckpointFiles(load_dir, tag, files, converted_from=was), new_meta
+
+
+def _flags(layout: Layout) -> str:
+    s = f"tensor parallel {layout.tensor_parallel}, pipeline parallel {layout.pipeline_parallel}"
+    if layout.virtual_stages > 1:
+        s += f" with {layout.virtual_stages} virtual stages"
+    return s + f", ZeRO stage {layout.zero_stage}"
 
 
 def _say(was: str, now: str, what: str) -> None:
