@@ -16,6 +16,7 @@ converted.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,11 +67,11 @@ def layout_entries(engine: Engine, ps: ParallelState) -> dict[str, Any]:
 
 
 def _saved_layout(meta: Mapping[str, Any], load_dir: str | Path, tag: str) -> Layout:
-    saved = Layout.from_metadata(meta).with_defaults(meta)
-    if VPP_KEY not in (meta.get("layout") or {}) and saved.pipeline_parallel > 1:
+    saved = Layout.from_metadata(meta)
+    if VPP_KEY not in meta["layout"] and saved.pipeline_parallel > 1:
         # Saved before metadata recorded virtual stages: the stage files' layers tell.
         with open_checkpoint(load_dir, tag) as ckpt:
-            return ckpt.layout.with_defaults(meta)
+            return replace(saved, virtual_stages=ckpt.layout.virtual_stages)
     return saved
 
 
@@ -95,6 +96,8 @@ def converted_files(
 ) -> tuple[CheckpointFiles, dict[str, Any]] | None:
     """This rank's files and the metadata they go with, converted from the saved layout when
     the running one cannot read it as saved (None: read the files on disk)."""
+    if not isinstance(meta.get("layout"), Mapping):
+        return None  # not written by zerotron (no layout recorded): read as it is
     saved = _saved_layout(meta, load_dir, tag)
     target = running_layout(engine, ps)
     was = describe_layout(saved, str((meta.get("layout") or {}).get(OFFLOAD_KEY) or "none"))
