@@ -12,9 +12,13 @@ two virtual stages of one layer; hidden 64; NullTokenizer with 1001 ids, padded 
 every tensor-parallel size here, so A and B start from the same weights), Adam's epsilon 1e-6 as
 there (rounding noise in a zero gradient stays small against it), global batch 4, dropout 0.
 
+A fifth case re-pads the vocabulary (1008 rows at tp1 to 1024 at tp2) and continues the saved
+run's own losses (padded ids never reach the loss).
+
 Cost: three spawns, since A and B may have different world sizes: two ranks (A of the dp2 and
-NVMe cases, the NVMe case's B runs), four ranks (A of the tp2pp2 and tp1 cases, the B runs of
-the dp4 and virtual-stage cases), two ranks again (the tp1 dp2 ZeRO-3 B runs).
+NVMe cases, the NVMe case's B runs, the re-padding case), four ranks (A of the tp2pp2 and tp1
+cases, the B runs of the dp4 and virtual-stage cases), two ranks again (the tp1 dp2 ZeRO-3 B
+runs).
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from zerotron.checkpoint import tag_for_iteration
 from zerotron.checkpoint.relayout import refuse_other_model
+from zerotron.checkpoint.save_load import write_trackers
 from zerotron.config import parse_megatron_args
+from zerotron.distributed import comm
 from zerotron.distributed.state import destroy_model_parallel
 from zerotron.errors import CheckpointError
 from zerotron.training.pretrain import pretrain
@@ -43,7 +50,7 @@ TINY = [
     "--hidden-dropout", "0", "--attention-dropout", "0",
     "--optimizer", "adam", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
     "--lr-warmup-iters", "1", "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-eps", "1e-6",
-    "--split", "80,10,10", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+    "--split", "80,10,10", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
     "--seed", "1234", "--train-iters", str(N), "--save-interval", "1000", "--num-workers", "0",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
 ]  # fmt: skip
@@ -84,6 +91,17 @@ CASES = {
 }
 
 
+# Another vocabulary padding: tp1 padded to a multiple of 8 (1008 rows) resumed on tp2 (1024).
+# Padded ids never reach the loss (their logits are -inf), so the resumed run must continue the
+# saved run itself: its iterations K+1..N are the reference here.
+REPAD = (
+    (*_layout(), "--make-vocab-size-divisible-by", "8"),
+    _layout(tp=2),
+    "checkpoint saved at tp1 pp1 dp2 zero0; loading into tp2 pp1 dp1 zero0: weights "
+    "re-sharded, vocabulary re-padded from 1008 to 1024 rows, optimizer state re-cut",
+)
+
+
 def _pretrain(world: int, root: str, run: str, flags: tuple[str, ...], *extra: object) -> dict:
     argv = [*TINY, *flags, *map(str, extra)]
     if "nvme" in flags:
@@ -103,11 +121,21 @@ def _pretrain(world: int, root: str, run: str, flags: tuple[str, ...], *extra: o
 
 def _jobs_rank(rank: int, world: int, root: str, jobs: list[tuple[str, str]]) -> dict:
     """Run ``jobs`` in turn on this world size: ("save", case) saves A's checkpoint at K,
-    ("resume", case) runs B uninterrupted and B resumed from A's checkpoint."""
+    ("resume", case) runs B uninterrupted and B resumed from A's checkpoint, ("repad", name)
+    runs :data:`REPAD`'s saved run to N and resumes its iteration K on the other padding."""
     out = {}
     for what, case in jobs:
-        (_, flags_a), (_, flags_b), _ = CASES[case]
         ckpt = f"{root}/{case}"
+        if what == "repad":  # the saved run goes on to N; resume from its iteration K
+            flags_a, flags_b, _ = REPAD
+            saved = _pretrain(world, root, case, flags_a, "--save-interval", K, "--save", ckpt)
+            if rank == 0:
+                write_trackers(ckpt, tag_for_iteration(K))
+            comm.barrier()
+            resumed = _pretrain(world, root, f"{case}_resumed", flags_b, "--load", ckpt)
+            out[case] = {"whole": saved, "resumed": resumed}
+            continue
+        (_, flags_a), (_, flags_b), _ = CASES[case]
         if what == "save":
             _pretrain(world, root, f"{case}_a", flags_a, "--exit-interval", K, "--save", ckpt)
         else:
@@ -127,7 +155,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     root = str(tmp_path_factory.mktemp("resume_layouts"))
     phases = [
         (2, [("save", "dp2_zero2_to_dp4_zero1_cpu"), ("save", "dp2_zero3_nvme_to_tp2"),
-             ("resume", "dp2_zero3_nvme_to_tp2")]),
+             ("resume", "dp2_zero3_nvme_to_tp2"), ("repad", "repad")]),
         (4, [("save", "tp2pp2_zero1_to_tp1dp2_zero3"), ("resume", "dp2_zero2_to_dp4_zero1_cpu"),
              ("save", "tp1_to_tp2_virtual_stages"), ("resume", "tp1_to_tp2_virtual_stages")]),
         (2, [("resume", "tp2pp2_zero1_to_tp1dp2_zero3")]),
@@ -169,6 +197,11 @@ def test_zero3_nvme_offload_resumes_on_tp2(runs):
     _assert_continues(runs["dp2_zero3_nvme_to_tp2"])
 
 
+@RUNS
+def test_vocabulary_re_padded_continues_the_saved_run(runs):
+    _assert_continues(runs["repad"])
+
+
 _CARRIED = ("iteration", "consumed samples", "learning rate", "loss scale")
 
 
@@ -191,7 +224,7 @@ def test_schedule_data_position_and_loss_scale_continue(runs):
 @RUNS
 def test_the_log_says_once_what_was_converted(runs):
     for case, ranks in runs.items():
-        said = CASES[case][2]
+        said = REPAD[2] if case == "repad" else CASES[case][2]
         logged = "".join(r["resumed"]["stdout"] for r in ranks)
         assert logged.count(said) == 1, f"{case}: {said!r} not logged once in\n{logged}"
 
