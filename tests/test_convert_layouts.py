@@ -218,7 +218,12 @@ def test_round_trip_gives_the_same_bytes(source, tmp_path, a, b):
     convert(tmp_path / "a", tmp_path / "b", **b)
     convert(tmp_path / "b", tmp_path / "a2", **a)
     assert_same_checkpoint(tmp_path / "a", tmp_path / "a2")
-    convert(tmp_path / "b", tmp_path / "ref2")  # and back to the single-rank reference
+
+
+def test_back_to_the_source_layout_gives_the_source(source, tmp_path):
+    root, _, _ = source
+    convert(root / "ref", tmp_path / "a", tensor_parallel=2, pipeline_parallel=2, zero_stage=1)
+    convert(tmp_path / "a", tmp_path / "ref2")  # tp1 pp1 ZeRO-0 again
     assert_same_checkpoint(root / "ref", tmp_path / "ref2")
 
 
