@@ -36,6 +36,7 @@ from zerotron.errors import CheckpointError, ConfigError
 from zerotron.models.gpt import GPT, GPTConfig
 from zerotron.models.gpt_stage import build_gpt_stages
 from zerotron.optim import get_param_groups
+from zerotron.precision.mixed import MixedPrecisionOptimizer
 from zerotron.training.build import StageModel, build_run, lm_loss
 from zerotron.zero.optimizer import ZeroOptimizer
 from zerotron.zero.options import ZeroOptions, default_sizes
@@ -161,8 +162,23 @@ LAYOUTS = [  # (tp, pp, virtual, dp, stage)
     (2, 2, 1, 1, 1),
     (1, 2, 2, 2, 1),
     (2, 1, 1, 3, 3),
-    (1, 1, 1, 2, 2),
+    (2, 2, 2, 1, 0),
 ]
+
+
+def check_whole_optimizer(module, saved: dict, live, t: int, tp: int, rows: int) -> None:
+    """Stage 0: a MixedPrecisionOptimizer of the rank loads the converted state and saves it
+    back unchanged; its masters and moments are the live engine's, parameter by parameter."""
+    mixed = MixedPrecisionOptimizer(torch.optim.AdamW(get_param_groups(module, 0.01), lr=1e-3))
+    mixed.load_state_dict(saved)
+    same(mixed.state_dict(), saved)
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    for p, m in zip(mixed.model_params, mixed.master_params):
+        name = name_of[id(p)]
+        st = mixed.optimizer.state[m]
+        for kind, got in ((1, m), (2, st["exp_avg"]), (3, st["exp_avg_sq"])):
+            assert torch.equal(got, expected_shard(live, name, kind, t, tp, rows)), name
+        assert torch.equal(st["step"], live[WORD_EMBEDDING][4])
 
 
 @pytest.mark.parametrize("tp,pp,v,dp,stage", LAYOUTS)
@@ -177,11 +193,16 @@ def test_every_rank_is_what_its_own_objects_save(source, tp, pp, v, dp, stage):
             for d in range(dp):
                 files = files_for_rank(ckpt, target, t, p, d)
                 if d == 0:
-                    weights = files[names.model_file(t, p, pp)]["model"]
+                    model_file = files[names.model_file(t, p, pp)]
+                    weights = model_file["model"]
                     assert list(weights) == list(own)  # the module's own order
                     for k, w in weights.items():
                         assert w.shape == own[k].shape and w.dtype == own[k].dtype, k
                         assert torch.equal(w, expected_shard(live, k, 0, t, tp, rows)), k
+                if stage == 0:
+                    assert list(files) == [names.model_file(t, p, pp)]
+                    check_whole_optimizer(module, model_file["optimizer"], live, t, tp, rows)
+                    continue
                 zero_state = files[names.zero_file(d, t, p)]
                 opt = torch.optim.AdamW(get_param_groups(module, 0.01), lr=1e-3)
                 group = Group("dp", tuple(range(dp)), d) if dp > 1 else Group.single("dp")
