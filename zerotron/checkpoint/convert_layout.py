@@ -36,7 +36,8 @@ except ImportError:  # not merged yet: save_load's own commit (no checksums)
     begin_tag = commit_tag = record_checksum = None
 
 
-def _begin(save_dir: Path, tag: str) -> Path:
+def start_tag(save_dir: Path, tag: str) -> Path:
+    """The empty temporary directory ``<save>/.<tag>.tmp/`` to write a tag's files into."""
     if begin_tag is not None:
         return begin_tag(save_dir, tag)
     from zerotron.checkpoint.save_load import _clean_stale
@@ -48,7 +49,8 @@ def _begin(save_dir: Path, tag: str) -> Path:
     return tmp
 
 
-def _commit(save_dir: Path, tag: str, tmp: Path, metadata: dict[str, Any]) -> Path:
+def finish_tag(save_dir: Path, tag: str, tmp: Path, metadata: dict[str, Any]) -> Path:
+    """Commit ``tmp`` as ``<save>/<tag>/``: metadata.json, the rename, then the trackers."""
     if commit_tag is not None:
         return commit_tag(save_dir, tag, metadata)
     from zerotron.checkpoint.save_load import _finish
@@ -93,7 +95,7 @@ def convert_checkpoint(
         if progress is not None:
             progress.update(1, info=f"read {ckpt.tag} ({ckpt.layout.describe()})")
         save = Path(save_dir)
-        tmp = _begin(save, ckpt.tag)
+        tmp = start_tag(save, ckpt.tag)
         try:
             for t, p in target.mp_ranks():
                 for d in range(target.data_parallel):
@@ -108,7 +110,7 @@ def convert_checkpoint(
                             record_checksum(tmp, rel)
                         if progress is not None:
                             progress.update(1, info=f"wrote {rel}")
-            path = _commit(save, ckpt.tag, tmp, target_metadata(ckpt, target))
+            path = finish_tag(save, ckpt.tag, tmp, target_metadata(ckpt, target))
             if progress is not None:
                 progress.update(1, info=f"wrote {path}")
             return path
