@@ -24,8 +24,8 @@ Where each piece lives in the source:
 
 Source files are opened with ``torch.load(mmap=True, weights_only=True)``; only the slices a
 tensor needs are touched, and the mappings are dropped again (:meth:`release`) once the tensors
-read since the last release pass the size of the largest tensor, so the pages a conversion has
-touched stay bounded.
+read since the last release pass the size of the largest tensor (:data:`RELEASE_FLOOR` at
+least), so the pages a conversion has touched stay bounded.
 """
 
 from __future__ import annotations
@@ -66,6 +66,10 @@ from zerotron.optim import get_param_groups
 # the checkpoint layer sits below zero, tests/test_convert_layouts.py keeps them equal).
 DEFAULT_SUB_GROUP_SIZE = {1: int(1e9), 2: int(1e9), 3: int(2e6)}
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+RELEASE_FLOOR = 64 << 20
+"""Source mappings are dropped once the tensors read since the last drop pass the largest
+tensor's bytes or this, whichever is larger (re-opening a file for every small tensor costs
+more than the pages it frees)."""
 
 # Model-file entries that are not client state (the Engine writes them itself).
 ENGINE_ENTRIES = frozenset(
@@ -514,7 +518,7 @@ class CanonicalCheckpoint:
         for t, view in enumerate(parts):
             view.copy_(self._shard(name, kind, t, p, view.shape))
         self._touched += out.numel() * out.element_size()
-        if self._touched > self.largest_bytes:
+        if self._touched > max(self.largest_bytes, RELEASE_FLOOR):
             self.release()
         return out
 

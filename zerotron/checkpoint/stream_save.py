@@ -170,6 +170,8 @@ def save_streaming(
     leaves = pending_leaves(tree)
     refs: dict[int, _StorageRef] = {}
     total = 0
+    if isinstance(path, Path):
+        path = str(path)  # torch's zip writer takes a str or a file object
     with torch.serialization._open_zipfile_writer(path) as zf:
         for k, leaf in enumerate(leaves):
             t = leaf.make().detach().cpu()

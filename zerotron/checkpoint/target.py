@@ -134,7 +134,8 @@ def _model_tree(rank: _Rank, target: Layout) -> dict[str, Any]:
     for key in ("global_steps", "global_samples"):
         if ckpt.engine_entry(key) is not None:
             tree[key] = ckpt.engine_entry(key)
-    tree[BUFFER_NAMES_KEY] = list(rank.buffers)
+    if ckpt.engine_entry(BUFFER_NAMES_KEY) is not None:  # an Engine's save lists them
+        tree[BUFFER_NAMES_KEY] = list(rank.buffers)
     if target.zero_stage:
         tree[names.ZERO_STAGE_KEY] = target.zero_stage
         tree[names.DP_SIZE_KEY] = target.data_parallel
@@ -217,6 +218,7 @@ def _zero_tree(rank: _Rank, target: Layout, dp_rank: int) -> dict[str, Any]:
                     out[e["offset"] : e["offset"] + e["length"]] = src[
                         e["start"] : e["start"] + e["length"]
                     ]
+                    del src  # before the next parameter's full tensor is read
             return out
 
         return Pending((sub["numel"],), torch.float32, produce)
