@@ -7,7 +7,9 @@ which ``zerotron zero-to-fp32`` consolidates offline, and under stage 3 with
 ``gather_16bit_weights_on_model_save`` also ``pytorch_model.bin`` (the consolidated 16-bit state
 dict of this model-parallel rank; ``pytorch_model_mp_rank_XX_YYY.bin`` when there are several).
 What goes where is the optimizer part's to say (:mod:`zerotron.engine.optimizers`); fitting the
-loaded weights to the model is the fitter's (:mod:`zerotron.checkpoint.fit`).
+loaded weights to the model is the fitter's (:mod:`zerotron.checkpoint.fit`); a checkpoint of
+another layout is converted for this rank by :mod:`zerotron.engine.relayout`, and its files are
+read through a :class:`~zerotron.checkpoint.relayout.CheckpointFiles`.
 
 The functions take the Engine whose state they save or load; every rank calls them.
 """
@@ -263,11 +265,14 @@ def load_engine_checkpoint(
 
     ``load_module_only`` (Megatron's ``--finetune``) loads weights and nothing else: step
     counters stay at zero. Under ZeRO each rank reads its own partition file; a checkpoint saved
-    with another data-parallel size is re-partitioned from all of them (masters and elementwise
-    optimizer state, see :mod:`zerotron.checkpoint.zero_repartition`) unless
-    ``engine.repartition_zero_checkpoints`` is off (then it is refused, naming
-    ``zerotron zero-to-fp32``). Not ``strict``: weights the checkpoint lacks keep the module's
-    values, and those the module lacks are dropped. ``custom_load_fn(src=weights, dst=module)``
+    with another data-parallel size or stage is re-partitioned from all of them (masters and
+    elementwise optimizer state, see :mod:`zerotron.checkpoint.zero_repartition`) unless
+    ``engine.repartition_zero_checkpoints`` is off (then another data-parallel size is refused,
+    naming ``zerotron zero-to-fp32``). Saved on another tensor, pipeline or virtual pipeline
+    layout, with a whole optimizer state against a partitioned one or another vocabulary
+    padding, each rank's files are converted in memory (:mod:`zerotron.engine.relayout`). Not
+    ``strict``: weights the checkpoint lacks keep the module's values, and those the module
+    lacks are dropped. ``custom_load_fn(src=weights, dst=module)``
     loads the weights in the fitter's place (DeepSpeed's). ``tag`` None and no tracker file in
     ``load_dir``: nothing is loaded and ``(None, None)`` returned, with a warning, as DeepSpeed
     does (scripts test it to start fresh).
