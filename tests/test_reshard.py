@@ -165,14 +165,14 @@ def test_convert_command_round_trip_and_metadata(tp1_checkpoint, tmp_path, capsy
     assert convert_main([*argv, "--target-tensor-parallel-size", "2",
                          "--target-pipeline-parallel-size", "2"]) == 0  # fmt: skip
     printed = capsys.readouterr().out
-    assert "model weights only: resume with --finetune or --no-load-optim" in printed
+    assert "weights only: the source holds no optimizer state" in printed
     meta = read_metadata(out, "iter_0000010")
     assert (out / "latest").read_text() == "iter_0000010"
     assert meta["layout"]["tensor_model_parallel_size"] == 2
     assert meta["layout"]["pipeline_model_parallel_size"] == 2
     assert meta["vocab"] == {"size": ORIG_VOCAB, "padded_size": 128}  # 100 -> 64 x 2
     assert meta["model"]["vocab_size"] == 128 and meta["optimizer_states"] is False
-    assert meta["resharded_from"]["tensor_model_parallel_size"] == 1
+    assert meta["converted_from"]["tensor_model_parallel_size"] == 1
     assert sorted(meta["files"]) == sorted(model_files(2, 2))
     rank = load_file(out, "iter_0000010", model_file(1, 1, 2))
     assert "optimizer" not in rank and rank["checkpoint_version"] == 3.0
@@ -180,7 +180,8 @@ def test_convert_command_round_trip_and_metadata(tp1_checkpoint, tmp_path, capsy
 
     back = tmp_path / "back"
     assert convert_main(["--load", str(out), "--save", str(back),
-                         "--target-tensor-parallel-size", "1"]) == 0  # fmt: skip
+                         "--target-tensor-parallel-size", "1",
+                         "--target-pipeline-parallel-size", "1"]) == 0  # fmt: skip
     merged = load_file(back, "iter_0000010", model_file())["model"]
     assert_same_tensors(merged, model.state_dict())
     # The same weights at tp2 x pp2, read for one rank without the offline command.
@@ -191,9 +192,9 @@ def test_convert_command_round_trip_and_metadata(tp1_checkpoint, tmp_path, capsy
 
 def test_convert_argument_errors(tp1_checkpoint, tmp_path):
     src, _ = tp1_checkpoint
-    with pytest.raises(ConfigError, match="resharding takes --load CKPT --save OUT"):
+    with pytest.raises(ConfigError, match="layout conversion takes --load CKPT --save OUT"):
         convert_main(["--load", str(src), "--target-tensor-parallel-size", "2"])
-    with pytest.raises(ConfigError, match="cannot fill 8 pipeline stages"):
+    with pytest.raises(ConfigError, match="4 layers do not divide evenly into 8 pipeline stages"):
         convert_main(["--load", str(src), "--save", str(tmp_path / "x"),
                       "--target-pipeline-parallel-size", "8"])  # fmt: skip
 

@@ -29,9 +29,11 @@ with pp > 1 also holds ``output_layer.weight``, a copy of the tied embedding kep
 tied-gradient all-reduce. A merged state keeps the embedding once (the first stage's) and drops
 the copy; a split for pp > 1 gives the last stage its copy again.
 
-Only model weights are resharded: optimizer states (Adam moments, fp32 masters, ZeRO partitions)
-are laid out per rank and are not carried over. A resharded checkpoint holds the weights, the
-step counters and its metadata; resume it with ``--finetune`` or ``--no-load-optim``.
+This module moves model weights alone (:func:`load_model_state_for` for one rank in memory,
+:func:`reshard_checkpoint` offline: weights, step counters and metadata; resume with
+``--finetune`` or ``--no-load-optim``). ``zerotron convert --target-*`` carries the optimizer
+state too (fp32 masters, Adam moments, ZeRO partitions of any data-parallel size): see
+:mod:`zerotron.checkpoint.convert_layout`, which builds on the rules here.
 """
 
 from __future__ import annotations

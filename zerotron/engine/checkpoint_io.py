@@ -7,7 +7,9 @@ which ``zerotron zero-to-fp32`` consolidates offline, and under stage 3 with
 ``gather_16bit_weights_on_model_save`` also ``pytorch_model.bin`` (the consolidated 16-bit state
 dict of this model-parallel rank; ``pytorch_model_mp_rank_XX_YYY.bin`` when there are several).
 What goes where is the optimizer part's to say (:mod:`zerotron.engine.optimizers`); fitting the
-loaded weights to the model is the fitter's (:mod:`zerotron.checkpoint.fit`).
+loaded weights to the model is the fitter's (:mod:`zerotron.checkpoint.fit`); a checkpoint of
+another layout is converted for this rank by :mod:`zerotron.engine.relayout`, and its files are
+read through a :class:`~zerotron.checkpoint.relayout.CheckpointFiles`.
 
 The functions take the Engine whose state they save or load; every rank calls them.
 """
@@ -25,7 +27,6 @@ from torch import nn
 
 from zerotron.checkpoint import (
     get_rng_state,
-    load_file,
     model_file,
     read_latest_tag,
     read_metadata,
@@ -42,6 +43,7 @@ from zerotron.checkpoint.layout import (
     zero_file,
 )
 from zerotron.checkpoint.layout import tag_dir as layout_tag_dir
+from zerotron.checkpoint.relayout import CheckpointFiles
 from zerotron.checkpoint.reshard import checkpoint_layout, load_shared_entries
 from zerotron.checkpoint.state import refuse_non_finite
 from zerotron.checkpoint.zero_repartition import repartition_zero_state
@@ -49,7 +51,7 @@ from zerotron.checkpoint.zero_to_fp32 import BUFFER_NAMES_KEY, SHARED_PARAMS_KEY
 from zerotron.distributed import comm
 from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import ParallelState, state
-from zerotron.engine import deepspeed_checkpoint, run_metrics
+from zerotron.engine import deepspeed_checkpoint, relayout, run_metrics
 from zerotron.errors import CheckpointError, ConfigError
 from zerotron.fileio import atomic_open
 
@@ -240,6 +242,7 @@ def _metadata(engine: Engine, ps: ParallelState) -> dict[str, Any]:
     lay.setdefault("pipeline_model_parallel_size", ps.pp_size)
     lay["data_parallel_size"] = ps.dp_size
     lay["zero_stage"] = engine.optimizer_part.zero_stage
+    lay.update(relayout.layout_entries(engine, ps))
     meta["layout"] = lay
     return meta
 
@@ -266,11 +269,14 @@ def load_engine_checkpoint(
 
     ``load_module_only`` (Megatron's ``--finetune``) loads weights and nothing else: step
     counters stay at zero. Under ZeRO each rank reads its own partition file; a checkpoint saved
-    with another data-parallel size is re-partitioned from all of them (masters and elementwise
-    optimizer state, see :mod:`zerotron.checkpoint.zero_repartition`) unless
-    ``engine.repartition_zero_checkpoints`` is off (then it is refused, naming
-    ``zerotron zero-to-fp32``). Not ``strict``: weights the checkpoint lacks keep the module's
-    values, and those the module lacks are dropped. ``custom_load_fn(src=weights, dst=module)``
+    with another data-parallel size or stage is re-partitioned from all of them (masters and
+    elementwise optimizer state, see :mod:`zerotron.checkpoint.zero_repartition`) unless
+    ``engine.repartition_zero_checkpoints`` is off (then another data-parallel size is refused,
+    naming ``zerotron zero-to-fp32``). Saved on another tensor, pipeline or virtual pipeline
+    layout, with a whole optimizer state against a partitioned one or another vocabulary
+    padding, each rank's files are converted in memory (:mod:`zerotron.engine.relayout`). Not
+    ``strict``: weights the checkpoint lacks keep the module's values, and those the module
+    lacks are dropped. ``custom_load_fn(src=weights, dst=module)``
     loads the weights in the fitter's place (DeepSpeed's). ``tag`` None and no tracker file in
     ``load_dir``: nothing is loaded and ``(None, None)`` returned, with a warning, as DeepSpeed
     does (scripts test it to start fresh).
@@ -302,14 +308,20 @@ def load_engine_checkpoint(
     meta = read_metadata(load_dir, tag)
     part, fitter = engine.optimizer_part, engine.state_fitter
     weights_only = load_module_only or not load_optimizer_states
-    saved = _read_model_file(engine, load_dir, tag, meta, ps, weights_only, where)
+    files = CheckpointFiles(load_dir, tag)
+    if not weights_only:
+        # Saved on another layout: this rank's files as its own save would have written them.
+        converted = relayout.converted_files(engine, load_dir, tag, meta, ps, where)
+        if converted is not None:
+            files, meta = converted
+    saved = _read_model_file(engine, files, meta, ps, weights_only)
     if "model" not in saved:
         raise CheckpointError("no 'model' entry in the checkpoint", where=where)
     refuse_non_finite(saved["model"], f"{where}/{_model_file(ps)}", "model")
     opt_state = None
     if load_optimizer_states and not load_module_only:
         opt_state = part.read_optimizer_state(
-            load_dir, tag, saved, meta, where, engine.repartition_zero_checkpoints
+            files, saved, meta, where, engine.repartition_zero_checkpoints
         )
         refuse_non_finite(opt_state, where, "optimizer")
     model_config = engine.checkpoint_metadata.get("model")
@@ -378,44 +390,25 @@ def clear_modified(module: nn.Module) -> None:
 
 def _read_model_file(
     engine: Engine,
-    load_dir: str | Path,
-    tag: str,
+    files: CheckpointFiles,
     meta: Mapping[str, Any],
     ps: ParallelState,
     weights_only: bool,
-    where: str,
 ) -> dict[str, Any]:
-    """This rank's model file. From another tensor/pipeline layout, and only when no
-    optimizer state is wanted: this rank's weights merged and split from every file
-    (``checkpoint.reshard``, through the fitter) with the counters all files share; no
-    optimizer or RNG state."""
-    if checkpoint_layout(meta) == (ps.tp_size, ps.pp_size):
-        return load_file(load_dir, tag, _model_file(ps))
-    if not weights_only:
-        check_layout(meta, ps, where, load_dir)  # raises, naming zerotron convert
-    weights = engine.state_fitter.load_resharded(load_dir, tag, ps)
-    return {**load_shared_entries(load_dir, tag), "model": weights}
-
-
-def check_layout(
-    meta: Mapping[str, Any], ps: ParallelState, where: str, load_dir: str | Path = "CKPT"
-) -> None:
-    """Refuse optimizer states saved with another tensor/pipeline layout (they cannot be
-    resharded; the weights alone can, see ``Engine.load_checkpoint``)."""
-    saved = checkpoint_layout(meta)
-    if saved != (ps.tp_size, ps.pp_size):
-        raise CheckpointError(
-            f"the checkpoint was saved with tensor parallel {saved[0]} and pipeline parallel "
-            f"{saved[1]}; this run has {ps.tp_size} and {ps.pp_size}, and optimizer states "
-            "cannot be resharded",
-            where=where,
-            fix=f"resume with --tensor-model-parallel-size {saved[0]} "
-            f"--pipeline-model-parallel-size {saved[1]} (the data-parallel size may differ); "
-            "or load the weights alone (--finetune or --no-load-optim); or reshard them "
-            f"offline: zerotron convert --load {load_dir} --save NEW_DIR "
-            f"--target-tensor-parallel-size {ps.tp_size} "
-            f"--target-pipeline-parallel-size {ps.pp_size}",
-        )
+    """This rank's model file. Weights alone (no optimizer state wanted) from another tensor or
+    (virtual) pipeline layout: this rank's weights merged and split from every file
+    (``checkpoint.reshard``, through the fitter) with the counters all files share; no RNG
+    state. (With the optimizer state, ``files`` were converted already.)"""
+    saved_vpp = meta.get("layout", {}).get(relayout.VPP_KEY, ps.virtual_pipeline_size or 1)
+    same = checkpoint_layout(meta) == (ps.tp_size, ps.pp_size)
+    if (
+        files.memory is not None
+        or not weights_only
+        or (same and saved_vpp == (ps.virtual_pipeline_size or 1))
+    ):
+        return files.read(_model_file(ps))
+    weights = engine.state_fitter.load_resharded(files.load_dir, files.tag, ps)
+    return {**load_shared_entries(files.load_dir, files.tag), "model": weights}
 
 
 def saved_zero_stage(model_state: Mapping[str, Any], meta: Mapping[str, Any]) -> int:
@@ -424,8 +417,7 @@ def saved_zero_stage(model_state: Mapping[str, Any], meta: Mapping[str, Any]) ->
 
 
 def read_zero_partition(
-    load_dir: str | Path,
-    tag: str,
+    files: CheckpointFiles,
     model_state: Mapping[str, Any],
     meta: Mapping[str, Any],
     where: str,
@@ -437,11 +429,13 @@ def read_zero_partition(
 ) -> dict[str, Any]:
     """This rank's ZeRO partition file, after checking it was saved by this layout.
 
-    A checkpoint saved with another data-parallel size is re-partitioned from all of them
-    (masters and elementwise optimizer state; ``current_state()`` gives this rank's layout)
-    when ``repartition`` is on, else refused, naming ``zerotron zero-to-fp32``.
+    A checkpoint saved with another data-parallel size or ZeRO stage (whose sub-groups may be
+    cut otherwise) is re-partitioned from all of them (masters and elementwise optimizer state;
+    ``current_state()`` gives this rank's layout) when ``repartition`` is on; another
+    data-parallel size is refused otherwise, naming ``zerotron zero-to-fp32``.
     """
     ps = state()
+    load_dir, tag = files.load_dir, files.tag
     if not saved_zero_stage(model_state, meta):
         raise CheckpointError(
             f"the checkpoint holds a whole (not partitioned) optimizer state; this engine "
@@ -452,9 +446,11 @@ def read_zero_partition(
     saved_dp = int(
         model_state.get(DP_SIZE_KEY, meta.get("layout", {}).get("data_parallel_size", 0))
     )
-    if saved_dp != dp_size and repartition:
-        # Cut the saved partitions again for this data-parallel size (masters and
-        # elementwise optimizer state), from the layout entries of all saved files.
+    saved_stage = saved_zero_stage(model_state, meta)
+    if (saved_dp != dp_size or saved_stage != stage) and repartition and files.memory is None:
+        # Cut the saved partitions again for this data-parallel size and stage (masters and
+        # elementwise optimizer state), from the layout entries of all saved files; another
+        # stage may group the partitions in sub-groups of another size.
         return repartition_zero_state(
             layout_tag_dir(load_dir, tag), ps.tp_rank, ps.pp_rank, current_state()
         )
@@ -467,7 +463,7 @@ def read_zero_partition(
             f"`zerotron zero-to-fp32 {load_dir} OUT --tag {tag}` and start from them "
             "(load_optimizer_states=False also loads the weights alone)",
         )
-    zero_state = load_file(load_dir, tag, zero_file(ps.dp_rank, ps.tp_rank, ps.pp_rank))
+    zero_state = files.read(zero_file(ps.dp_rank, ps.tp_rank, ps.pp_rank))
     if zero_state.get("dp_rank", ps.dp_rank) != ps.dp_rank:
         raise CheckpointError(
             f"the partition file names dp_rank {zero_state.get('dp_rank')}",

@@ -18,13 +18,13 @@ OptimizerPart`); the Engine itself never asks which stage it runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from zerotron.checkpoint.layout import DP_SIZE_KEY, ZERO_STAGE_KEY, zero_file
+from zerotron.checkpoint.relayout import CheckpointFiles
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
 from zerotron.distributed.state import ParallelState
@@ -130,8 +130,7 @@ class MixedPrecisionPart:
 
     def read_optimizer_state(
         self,
-        load_dir: str | Path,
-        tag: str,
+        files: CheckpointFiles,
         model_state: Mapping[str, Any],
         meta: Mapping[str, Any],
         where: str,
@@ -204,16 +203,14 @@ class ZeroPart(MixedPrecisionPart):
 
     def read_optimizer_state(
         self,
-        load_dir: str | Path,
-        tag: str,
+        files: CheckpointFiles,
         model_state: Mapping[str, Any],
         meta: Mapping[str, Any],
         where: str,
         repartition: bool,
     ) -> dict[str, Any] | None:
         return read_zero_partition(
-            load_dir,
-            tag,
+            files,
             model_state,
             meta,
             where,

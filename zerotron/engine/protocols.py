@@ -22,11 +22,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any, Protocol
 
 from torch import Tensor, nn
 
+from zerotron.checkpoint.relayout import CheckpointFiles
 from zerotron.distributed.comm import Group
 from zerotron.distributed.state import ParallelState
 from zerotron.precision.step import StepResult
@@ -150,15 +150,14 @@ class OptimizerPart(Protocol):
 
     def read_optimizer_state(
         self,
-        load_dir: str | Path,
-        tag: str,
+        files: CheckpointFiles,
         model_state: Mapping[str, Any],
         meta: Mapping[str, Any],
         where: str,
         repartition: bool,
     ) -> dict[str, Any] | None:
-        """The optimizer state this rank loads, checked against how it was saved (None: the
-        checkpoint holds none)."""
+        """The optimizer state this rank loads (its files read through ``files``), checked
+        against how it was saved (None: the checkpoint holds none)."""
 
     def load_optimizer_state(
         self,
