@@ -19,14 +19,17 @@ megatron             megatron-core's ``TransformerBlock`` with its local (non-TE
 ===================  ===========================================================================
 
 megatron-core is written for CUDA: on the CPU its buffers are pointed at the CPU
-(``torch.cuda.current_device`` answers ``"cpu"`` in its rank) and its CUDA RNG tracker forks
-nothing (dropout is 0). Each system runs in a fresh set of processes (peak memory is its own);
-``--repeat`` rounds run every system in turn (the machine is shared) and each keeps its median
-round. Measured per rank: step time (the slowest rank's, median over ``--steps``), tokens/s =
-b·s / step (a TP group trains one batch), peak RSS (``ru_maxrss``) and peak malloc heap (glibc
-``mallinfo2``, sampled; what is allocated, not what the allocator keeps). ``--profile`` adds,
-for zerotron, the share of the step spent waiting in collectives (the comm ledger's calls timed
-by wrapping :mod:`zerotron.distributed.comm`'s waits).
+(``torch.cuda.current_device`` answers ``"cpu"`` in its rank), its CUDA RNG tracker forks
+nothing (dropout is 0) and it is given the causal mask it would build on ``"cuda"``.
+
+Timing: one set of ranks builds every system and they take turns step by step (the order
+rotates each step), so the load of the shared machine hits all alike; per system the step time
+is the slowest rank's, tokens/s = b·s / median step (a TP group trains one batch), and the
+ratio zerotron/peer is the median over steps of the paired ratio (same step, same load).
+``--profile`` adds, for zerotron, the share of the step spent in the blocking waits of
+:mod:`zerotron.distributed.comm` (communication, and waiting for the other rank). Memory: each
+system alone in fresh ranks for 3 steps: peak RSS (``ru_maxrss``) and peak malloc heap (glibc
+``mallinfo2``, sampled; what is allocated, not what the allocator keeps), the larger rank's.
 
 Run: ``PYTHONPATH=. /work/benchvenv/bin/python bench/tp.py [--quick] [--tp 2,4] [--repeat 3]``.
 """
@@ -63,7 +66,7 @@ class Setup:
     heads: int = 8
     seq: int = 256
     micro_batch: int = 4
-    steps: int = 6
+    steps: int = 12
     warmup: int = 2
     dtype: str = "fp32"
 
@@ -87,12 +90,11 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 # The systems: each returns step(x) -> loss, x being the full [b, s, h] batch
 
 
-def _zerotron(setup: Setup, sp: bool, overlap: bool):
+def _zerotron(setup: Setup, sp: bool):
     from zerotron.distributed.state import initialize_model_parallel, state
     from zerotron.models.gpt import GPTConfig, TransformerLayer
     from zerotron.parallel.tensor import allreduce_sequence_parallel_grads
 
-    os.environ["ZEROTRON_TP_OVERLAP"] = "1" if overlap else "0"
     initialize_model_parallel(tensor_model_parallel_size=int(os.environ["WORLD_SIZE"]))
     g = state().tp
     cfg = GPTConfig(
@@ -311,42 +313,64 @@ def _megatron(setup: Setup, sp: bool):
 
 
 # ------------------------------------------------------------------------------------------
-# One run: a fresh set of ranks for one system
+# Runs: one set of ranks times every system step by step; one fresh set per system for memory
 
 
-def _rank(rank: int, system: str, sp: bool, setup: Setup, profile: bool) -> dict:
+def _build(system: str, setup: Setup, sp: bool):
+    if system.startswith("zerotron"):
+        step = _zerotron(setup, sp)
+        overlap = "0" if system == "zerotron-nooverlap" else "1"
+
+        def switched(x):  # the switch is read at every forward
+            os.environ["ZEROTRON_TP_OVERLAP"] = overlap
+            return step(x)
+
+        return switched
+    return _dtensor(setup, sp) if system == "dtensor" else _megatron(setup, sp)
+
+
+def _timing_rank(rank: int, systems: list[str], sp: bool, setup: Setup, profile: bool) -> dict:
+    """Every system in one set of ranks, taking turns step by step (the order rotates), so
+    that the machine's load hits all alike; per system the step times and, for zerotron with
+    ``profile``, the time spent waiting in collectives."""
     import warnings
 
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    heap = HeapPeak()
-    if system == "zerotron":
-        step = _zerotron(setup, sp, overlap=True)
-    elif system == "zerotron-nooverlap":
-        step = _zerotron(setup, sp, overlap=False)
-    elif system == "dtensor":
-        step = _dtensor(setup, sp)
-    else:
-        step = _megatron(setup, sp)
-    waits = _time_comm_waits() if profile and system.startswith("zerotron") else None
+    steps = {system: _build(system, setup, sp) for system in systems}
+    waits = _time_comm_waits() if profile else None
     batches = _batches(setup, setup.warmup + setup.steps)
-    losses, times = [], []
-    for x in batches[: setup.warmup]:
-        losses.append(float(step(x)))
+    times: dict[str, list[float]] = {system: [] for system in systems}
+    comm_wait: dict[str, float] = dict.fromkeys(systems, 0.0)
+    for k, x in enumerate(batches):
+        order = systems[k % len(systems) :] + systems[: k % len(systems)]
+        for system in order:
+            dist.barrier()
+            if waits is not None:
+                waits.clear()
+            t0 = time.perf_counter()
+            float(steps[system](x))
+            if k >= setup.warmup:
+                times[system].append(time.perf_counter() - t0)
+                if waits is not None:
+                    comm_wait[system] += sum(waits)
     dist.barrier()
-    if waits is not None:
-        waits.clear()
-    for x in batches[setup.warmup :]:
-        t0 = time.perf_counter()
-        losses.append(float(step(x)))
-        times.append(time.perf_counter() - t0)
-    dist.barrier()
+    return {"times": times, "comm_wait": comm_wait}
+
+
+def _memory_rank(rank: int, system: str, sp: bool, setup: Setup) -> dict:
+    """One system alone in fresh ranks: its peak RSS and peak malloc heap over 3 steps."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    heap = HeapPeak()
+    step = _build(system, setup, sp)
+    for x in _batches(setup, 3):
+        float(step(x))
     return {
-        "times": times,
-        "losses": losses,
-        "comm_wait": None if waits is None else sum(waits) / max(setup.steps, 1),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "heap_peak": heap.stop(),
     }
@@ -370,87 +394,87 @@ def _time_comm_waits() -> list[float]:
     return waits
 
 
-def run_system(system: str, tp: int, sp: bool, setup: Setup, profile: bool, timeout: float):
-    name = f"{system}-tp{tp}{'+sp' if sp else ''}"
+def _last_line(e: RankError) -> str:
+    lines = [ln for ln in e.details.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else str(e)
+
+
+def run_config(systems, tp: int, sp: bool, setup: Setup, profile: bool, timeout: float):
+    """Timing (one run, systems alternating) and memory (one run per system) of one layout."""
+    tag = f"tp{tp}{'+sp' if sp else ''}"
+    results = {s: {"name": f"{s}-{tag}", "system": s, "tag": tag} for s in systems}
+    for system in systems:
+        try:
+            ranks = run_ranks(_memory_rank, tp, system, sp, setup, timeout=timeout)
+        except RankError as e:
+            results[system]["error"] = _last_line(e)
+            continue
+        results[system]["peak_rss"] = max(r["peak_rss"] for r in ranks)
+        results[system]["heap_peak"] = max(r["heap_peak"] or 0 for r in ranks) or None
+    ok = [s for s in systems if "error" not in results[s]]
     t0 = time.perf_counter()
-    try:
-        ranks = run_ranks(_rank, tp, system, sp, setup, profile, timeout=timeout)
-    except RankError as e:
-        last = [ln for ln in e.details.strip().splitlines() if ln.strip()]
-        return {"name": name, "system": system, "error": last[-1] if last else str(e)}
-    step_s = statistics.median(max(r["times"][i] for r in ranks) for i in range(setup.steps))
-    waits = [r["comm_wait"] for r in ranks if r["comm_wait"] is not None]
-    return {
-        "name": name,
-        "system": system,
-        "tp": tp,
-        "sp": sp,
-        "step_s": step_s,
-        "tokens_per_s": setup.micro_batch * setup.seq / step_s,
-        "peak_rss": max(r["peak_rss"] for r in ranks),
-        "heap_peak": max(r["heap_peak"] or 0 for r in ranks) or None,
-        "comm_share": statistics.mean(waits) / step_s if waits else None,
-        "losses": ranks[0]["losses"],
-        "seconds": time.perf_counter() - t0,
-    }
+    ranks = run_ranks(_timing_rank, tp, ok, sp, setup, profile, timeout=timeout)
+    n = setup.steps
+    for system in ok:
+        # per step, the slowest rank's time (the ranks wait for each other in the collectives)
+        per_step = [max(r["times"][system][i] for r in ranks) for i in range(n)]
+        step_s = statistics.median(per_step)
+        wait = statistics.mean(r["comm_wait"][system] for r in ranks) / n
+        results[system].update(
+            per_step=per_step,
+            step_s=step_s,
+            tokens_per_s=setup.micro_batch * setup.seq / step_s,
+            comm_share=wait / statistics.mean(per_step) if profile and wait else None,
+        )
+    print(f"  {tag}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return results
 
 
-def _best(rounds: list[dict]) -> dict:
-    """The median round by tokens/s (upper of an even count), with the largest peaks."""
-    ok = sorted((r for r in rounds if "error" not in r), key=lambda r: r["tokens_per_s"])
-    if not ok:
-        return rounds[-1]
-    best = dict(ok[len(ok) // 2])
-    best["rounds"] = [round(r["tokens_per_s"]) for r in ok]
-    best["peak_rss"] = max(r["peak_rss"] for r in ok)
-    heaps = [r["heap_peak"] for r in ok if r.get("heap_peak")]
-    best["heap_peak"] = max(heaps) if heaps else None
-    return best
+def _paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median over steps of b's step time / a's (same step index: the same load)."""
+    return statistics.median(y / x for x, y in zip(a, b, strict=True))
 
 
 def _mb(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**20:,.0f}"
 
 
-def print_report(results: list[dict], setup: Setup) -> None:
+def print_report(configs: list[dict[str, dict]], setup: Setup) -> None:
     print(f"\nCPU: {_cpu_model()}; load average {os.getloadavg()[0]:.1f}; setup {asdict(setup)}")
     print(
         f"{'system':<28}{'tokens/s':>10}{'step ms':>9}{'peak RSS MB':>13}{'heap MB':>9}"
-        f"{'comm wait':>11}  rounds"
+        f"{'comm wait':>11}"
     )
-    for r in results:
-        if "error" in r:
-            print(f"{r['name']:<28}  error: {r['error']}")
-            continue
-        share = "-" if r.get("comm_share") is None else f"{100 * r['comm_share']:.0f}%"
-        print(
-            f"{r['name']:<28}{r['tokens_per_s']:>10,.0f}{1000 * r['step_s']:>9.0f}"
-            f"{_mb(r['peak_rss']):>13}{_mb(r['heap_peak']):>9}{share:>11}  {r['rounds']}"
-        )
-    by_name = {r["name"]: r for r in results if "error" not in r}
-    print("\nzerotron / peer (tokens/s: higher is better; peak memory: lower is better)")
-    for name, ours in by_name.items():
-        if ours["system"] != "zerotron":
-            continue
-        suffix = name[len("zerotron") :]
-        for peer in ("zerotron-nooverlap", "dtensor", "megatron"):
-            other = by_name.get(peer + suffix)
-            if other is None:
+    for results in configs:
+        for r in results.values():
+            if "error" in r:
+                print(f"{r['name']:<28}  error: {r['error']}")
                 continue
-            speed = ours["tokens_per_s"] / other["tokens_per_s"]
-            rss = ours["peak_rss"] / other["peak_rss"]
-            heap = (
-                ours["heap_peak"] / other["heap_peak"]
-                if ours.get("heap_peak") and other.get("heap_peak")
-                else float("nan")
-            )
-            goal = (
-                ""
-                if peer.startswith("zerotron")
-                else ("  goal met" if speed >= 1 and heap <= 1 else "  goal NOT met")
-            )
+            share = "-" if r.get("comm_share") is None else f"{100 * r['comm_share']:.0f}%"
             print(
-                f"  {name:<16} / {peer + suffix:<26} tokens/s {speed:5.2f}x   "
+                f"{r['name']:<28}{r['tokens_per_s']:>10,.0f}{1000 * r['step_s']:>9.0f}"
+                f"{_mb(r['peak_rss']):>13}{_mb(r['heap_peak']):>9}{share:>11}"
+            )
+    print(
+        "\nzerotron / peer (tokens/s: median over steps of the paired ratio, higher is better; "
+        "peak memory: lower is better)"
+    )
+    for results in configs:
+        ours = results.get("zerotron")
+        if ours is None or "error" in ours:
+            continue
+        for peer in ("zerotron-nooverlap", "dtensor", "megatron"):
+            other = results.get(peer)
+            if other is None or "error" in other:
+                continue
+            speed = _paired_ratio(ours["per_step"], other["per_step"])
+            rss = ours["peak_rss"] / other["peak_rss"]
+            heap = ours["heap_peak"] / other["heap_peak"]
+            goal = ""
+            if peer != "zerotron-nooverlap":
+                goal = "  goal met" if speed >= 1 and heap <= 1 else "  goal NOT met"
+            print(
+                f"  {ours['name']:<16} / {other['name']:<26} tokens/s {speed:5.2f}x   "
                 f"peak RSS {rss:5.2f}x   heap {heap:5.2f}x{goal}"
             )
 
@@ -479,7 +503,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--warmup", type=int, default=Setup.warmup)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=Setup.dtype)
-    p.add_argument("--repeat", type=int, default=3, help="rounds over all systems")
     p.add_argument("--profile", action="store_true", help="zerotron's time waiting in comm")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="tiny model, 1 round: checks it runs")
@@ -501,34 +524,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.quick:
         setup = Setup(2, 64, 4, 32, 2, 2, 1, args.dtype)
-        args.repeat = 1
     if "megatron" in systems:
         try:
             import megatron.core  # noqa: F401
         except Exception as e:  # noqa: BLE001 - any import failure: no megatron rows
             print(f"megatron-core not importable ({type(e).__name__}: {e}); its rows are skipped")
             systems.remove("megatron")
-    runs = [
-        (system, int(tp), sp == "on")
-        for tp in args.tp.split(",")
-        for sp in args.sp.split(",")
-        for system in systems
-    ]
-    rounds: dict[tuple, list[dict]] = {run: [] for run in runs}
-    for k in range(args.repeat):
-        print(f"round {k + 1}/{args.repeat} (load average {os.getloadavg()[0]:.1f})", flush=True)
-        for run in runs:
-            if rounds[run] and "error" in rounds[run][-1]:
-                continue
-            r = run_system(*run[:1], run[1], run[2], setup, args.profile, args.timeout)
-            note = r.get("error") or f"{r['tokens_per_s']:,.0f} tokens/s"
-            print(f"  {r['name']}: {note} ({r.get('seconds', 0):.0f} s)", flush=True)
-            rounds[run].append(r)
-    results = [_best(rs) for rs in rounds.values()]
-    print_report(results, setup)
+    configs = []
+    for tp in args.tp.split(","):
+        for sp in args.sp.split(","):
+            print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
+            configs.append(
+                run_config(systems, int(tp), sp == "on", setup, args.profile, args.timeout)
+            )
+    print_report(configs, setup)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setup": asdict(setup), "results": results}, f, indent=2)
+            json.dump({"setup": asdict(setup), "configs": configs}, f, indent=2)
     return 0
 
 
