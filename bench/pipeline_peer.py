@@ -53,8 +53,6 @@ from bench.tp import _cpu_model, _mb, _paired_ratio  # noqa: E402
 from bench.zero import HeapPeak  # noqa: E402
 from tests.distributed.spawn import RankError, run_ranks  # noqa: E402
 
-SYSTEMS = ("zerotron-1f1b", "torch-1f1b", "zerotron-interleaved", "torch-interleaved")
-
 
 @dataclass(frozen=True)
 class Setup:
@@ -242,7 +240,12 @@ def run_config(kind: str, pp: int, setup: Setup, timeout: float) -> dict[str, di
     if any("error" in r for r in results.values()):
         return results
     t0 = time.perf_counter()
-    ranks = run_ranks(_timing_rank, pp, kind, setup, timeout=timeout)
+    try:
+        ranks = run_ranks(_timing_rank, pp, kind, setup, timeout=timeout)
+    except RankError as e:
+        for system in systems:
+            results[system]["error"] = _last_line(e)
+        return results
     for system in systems:
         per_step = [max(r[system][i] for r in ranks) for i in range(setup.steps)]
         step_s = statistics.median(per_step)

@@ -413,7 +413,12 @@ def run_config(systems, tp: int, sp: bool, setup: Setup, profile: bool, timeout:
         results[system]["heap_peak"] = max(r["heap_peak"] or 0 for r in ranks) or None
     ok = [s for s in systems if "error" not in results[s]]
     t0 = time.perf_counter()
-    ranks = run_ranks(_timing_rank, tp, ok, sp, setup, profile, timeout=timeout)
+    try:
+        ranks = run_ranks(_timing_rank, tp, ok, sp, setup, profile, timeout=timeout)
+    except RankError as e:
+        for system in ok:
+            results[system]["error"] = _last_line(e)
+        return results
     n = setup.steps
     for system in ok:
         # per step, the slowest rank's time (the ranks wait for each other in the collectives)
