@@ -49,6 +49,11 @@ from zerotron.parallel.tensor.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from zerotron.parallel.tensor.overlap import (
+    fused_path_applies,
+    linear_with_async_grad_comm,
+    overlap_enabled,
+)
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -157,6 +162,10 @@ class ColumnParallelLinear(nn.Module):
     Input: the full ``X`` (replicated on the TP ranks), or with ``sequence_parallel`` this
     rank's sequence shard ``[b, s/tp, in]``, all-gathered here. Output: this rank's columns
     ``[..., out/tp]``, or all of them with ``gather_output``.
+
+    The backward overlaps the input gradient's all-reduce (reduce-scatter under sequence
+    parallelism) with the weight gradient (:mod:`~zerotron.parallel.tensor.overlap`; same
+    bits), unless ``overlap_grad_comm`` is False or ``ZEROTRON_TP_OVERLAP=0``.
     """
 
     tp_group = tp_group_attribute()
@@ -174,9 +183,11 @@ class ColumnParallelLinear(nn.Module):
         tp_size: int | None = None,
         tp_rank: int | None = None,
         tp_group: Group | None = None,
+        overlap_grad_comm: bool = True,
     ):
         super().__init__()
         self.tp_group = resolve_tp_group(tp_group, tp_size, tp_rank, "ColumnParallelLinear")
+        self.overlap_grad_comm = overlap_grad_comm
         tp_size, tp_rank = self.tp_group.size, self.tp_group.rank
         self.input_size, self.output_size = input_size, output_size
         self.gather_output = gather_output
@@ -201,11 +212,20 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
             return linear(input_, self.weight, self.bias)
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(input_, self.tp_group)
+        if (
+            self.overlap_grad_comm
+            and overlap_enabled()
+            and fused_path_applies(input_, self.weight, self.bias)
+        ):
+            y = linear_with_async_grad_comm(
+                input_, self.weight, self.bias, self.tp_group, self.sequence_parallel
+            )
         else:
-            x = copy_to_tensor_model_parallel_region(input_, self.tp_group)
-        y = linear(x, self.weight, self.bias)
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(input_, self.tp_group)
+            else:
+                x = copy_to_tensor_model_parallel_region(input_, self.tp_group)
+            y = linear(x, self.weight, self.bias)
         return (
             gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
         )
