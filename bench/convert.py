@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeat):
             for kind in ("zerotron", "load-all"):
                 res = run_child(kind, src, work / "out")
+                rounds[kind].append(res)
                 if kind == "zerotron":
-                    rounds[kind].append(res)
+                    out_bytes = dir_bytes(work / "out")
                 print(f"round {r + 1} {kind:9s}: {res['seconds']:7.1f} s, peak RSS growth "
                       f"{mb(res['peak_growth'])} ({res['peak_growth'] / largest:.2f}x the "
                       "largest tensor)")  # fmt: skip
