@@ -138,7 +138,15 @@ def test_zero_files_load_into_an_engine_which_saves_them_back_unchanged(source):
     engine = build("--zero-stage", 1, "--sub-group-size", 20000).engine
     engine.load_checkpoint(root / "z1", TAG)
     engine.save_checkpoint(root / "z1-again", TAG, {"iteration": 2, "consumed_train_samples": 4})
-    assert_same_checkpoint(root / "z1", root / "z1-again")
+    # The Engine may also write DeepSpeed's zero_to_fp32 view of a one-rank ZeRO save (its
+    # *_model_states.pt and each partition's "optimizer_state_dict"): not converted yet.
+    converted, saved = tag_files(root / "z1"), tag_files(root / "z1-again")
+    assert set(converted) <= set(saved)
+    assert all(f.endswith("model_states.pt") for f in set(saved) - set(converted))
+    for rel in converted:
+        again = load_file(root / "z1-again", TAG, rel)
+        again.pop("optimizer_state_dict", None)
+        same(load_file(root / "z1", TAG, rel), again, rel)
 
 
 def expected_shard(live, name, kind, t, tp, rows) -> torch.Tensor:
@@ -298,6 +306,7 @@ def test_command_flags_and_refusals(source, tmp_path, capsys):
     meta = read_metadata(out, TAG)
     assert meta["layout"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
                               "data_parallel_size": 2, "zero_stage": 1}  # fmt: skip
+    # (no offload keys: the files do not depend on it, the run that loads them chooses)
     assert (
         meta["converted_from"]["padded_vocab_size"] == 128 and meta["vocab"]["padded_size"] == 256
     )

@@ -518,7 +518,7 @@ class CanonicalCheckpoint:
         for t, view in enumerate(parts):
             view.copy_(self._shard(name, kind, t, p, view.shape))
         self._touched += out.numel() * out.element_size()
-        if self._touched > max(self.largest_bytes, RELEASE_FLOOR):
+        if self._touched >= max(self.largest_bytes, RELEASE_FLOOR):
             self.release()
         return out
 

@@ -314,6 +314,8 @@ def target_metadata(ckpt: CanonicalCheckpoint, target: Layout) -> dict[str, Any]
         "zero_stage": target.zero_stage,
     }
     lay.pop("virtual_pipeline_model_parallel_size", None)
+    for key in [k for k in lay if k.startswith("offload")]:  # the loading run's choice
+        del lay[key]
     if target.virtual_stages > 1:
         lay["virtual_pipeline_model_parallel_size"] = target.virtual_stages
     meta["layout"] = lay
