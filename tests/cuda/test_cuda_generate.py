@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_generate import prompt
+from tests.test_generate import make_hf_and_ours, prompt
 from zerotron.inference import generate, generate_batch
 
 NEW = 24
@@ -16,9 +16,7 @@ NEW = 24
 @pytest.fixture(scope="module")
 def models(device):
     """(transformers on the device, zerotron on the device, zerotron on the CPU), fp32."""
-    from tests.test_generate import hf_and_ours
-
-    hf, ours_cpu = hf_and_ours.__wrapped__()
+    hf, ours_cpu = make_hf_and_ours()
     ours = type(ours_cpu)(ours_cpu.config).eval()
     ours.load_state_dict(ours_cpu.state_dict())
     return hf.to(device), ours.to(device), ours_cpu
