@@ -10,7 +10,7 @@ JOBS   ?= 2
 # Files holding tests marked `timing`: the serial pass collects only these.
 TIMING := $(shell grep -rlE 'pytest\.mark\.timing' tests)
 
-.PHONY: demo test lint venv clean multihost-deps report-deps
+.PHONY: demo test test-gpu lint venv clean multihost-deps report-deps
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,28 @@ report-deps:
 	else \
 	  echo "the report test needs:$$missing (apt-get install as root); it fails without it"; \
 	fi
+
+# tests/cuda/ (never part of `make test`) on this machine's GPU. It installs nothing from the
+# network: the Python is .venv's when there is one, else GPU_PYTHON (default python3, e.g. a
+# machine image's own venv holding a CUDA torch); wheels in GPU_WHEELS (default .whl/, for
+# zerotron's dependencies that Python lacks, e.g. pydantic on an offline machine) are installed
+# offline into .gpu-site/ first. Fails, saying why, when no CUDA device is visible.
+GPU_PYTHON ?= python3
+GPU_WHEELS ?= .whl
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(GPU_PYTHON))
+test-gpu:
+	@$(GPU_PY) -c 'import torch' 2>/dev/null || { \
+	  echo "make test-gpu: $(GPU_PY) cannot import torch; run \`make venv\` with a CUDA torch," \
+	    "or set GPU_PYTHON to a Python that has one"; exit 1; }
+	@$(GPU_PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' || { \
+	  $(GPU_PY) -c 'import torch; print("make test-gpu: no CUDA device visible to torch", \
+	    torch.__version__, "(CUDA build:", torch.version.cuda, "); run it on a machine with" \
+	    " an NVIDIA GPU and a CUDA build of torch")'; exit 1; }
+	@if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then \
+	  $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+	    --target .gpu-site $(GPU_WHEELS)/*.whl; fi
+	ZEROTRON_GPU_TESTS=1 PYTHONPATH=$(CURDIR):$(CURDIR)/.gpu-site$${PYTHONPATH:+:$$PYTHONPATH} \
+	  $(GPU_PY) -m pytest -q -n 0 -p no:cacheprovider tests/cuda
 
 lint: $(STAMP)
 	$(PY) -m ruff check zerotron tests bench examples

@@ -2,8 +2,8 @@
 
 Every system trains the same model (zerotron's GPT, GPT-2-shaped, default 6 layers, hidden 512,
 8 heads, seq 256, vocabulary 8192, micro-batch 4; dropout 0) on the same batches, with AdamW
-and gradient clipping at 1.0, on 2 gloo CPU ranks with one torch thread each; each system in a
-fresh pair of processes, so peak RSS belongs to it alone:
+and gradient clipping at 1.0, on 2 and 4 gloo CPU ranks (``--ranks``) with one torch thread each;
+each system in fresh processes, so peak RSS belongs to it alone:
 
 ==============  ==============================================================================
 zerotron-0      Engine + DataParallel + MixedPrecisionOptimizer (ZeRO stage 0)
@@ -16,6 +16,15 @@ deepspeed-1/2/3 deepspeed.initialize with zero_optimization.stage (when deepspee
                 ``DS_BUILD_OPS=0 pip install deepspeed``); otherwise the columns are skipped
 ==============  ==============================================================================
 
+DeepSpeed on the CPU: its accelerator picks the ``ccl`` backend when oneCCL's torch bindings
+import, else gloo, and its TorchBackend builds the ``deepspeed_shm_comm`` op at run time (a C++
+compiler and ninja; cached under ``~/.cache/torch_extensions``). The op's shared-memory
+all-reduce is switched on only when ``LOCAL_SIZE`` equals the world size (DeepSpeed's launcher
+sets it; this benchmark sets it too), and DeepSpeed calls it from ``inference_all_reduce`` only:
+its ZeRO training collectives go through ``torch.distributed``. Each DeepSpeed rank reports
+which backend, whether the op loaded and whether its shared-memory path is on; the report
+prints it.
+
 Mixed precision (``--dtype bf16``, default): zerotron and DeepSpeed hold bf16 parameters with
 fp32 master weights in the optimizer; FSDP2 holds fp32 sharded parameters and computes with
 bf16 copies (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``), DDP holds fp32
@@ -23,10 +32,12 @@ parameters under ``torch.autocast(bfloat16)`` (torch's AMP recipe). ``--dtype fp
 everywhere. Each library uses its default bucket sizes.
 
 Measured per system, per rank: tokens/s (all ranks' tokens over the wall time of ``--steps``
-steps after ``--warmup``), peak RSS (``ru_maxrss``: the whole process life) and its growth over
-the RSS the rank started with (the fork of an interpreter that has imported torch), and the
-bytes communicated per step: zerotron's comm ledger, and for the peers every
-``torch.distributed`` collective they call (wrapped in the rank; DDP through its python
+steps after ``--warmup``), tokens per CPU-second (the same tokens over the CPU time all the
+ranks' threads spent in those steps: on a machine other jobs load, wall time measures their
+share as much as the system, CPU time much less), peak RSS (``ru_maxrss``: the whole process
+life) and its growth over the RSS the rank started with (the fork of an interpreter that has
+imported torch), and the bytes communicated per step: zerotron's comm ledger, and for the peers
+every ``torch.distributed`` collective they call (wrapped in the rank; DDP through its python
 all-reduce comm hook). Bytes are the logical sizes of :mod:`zerotron.distributed.comm` converted
 to what a ring puts on the wire per rank: all-reduce 2(n-1)/n x tensor, reduce-scatter (n-1)/n x
 input, all-gather (n-1) x shard, broadcast 1 x tensor.
@@ -63,7 +74,7 @@ import tempfile
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -114,6 +125,7 @@ class Setup:
     nvme_path: str = ""
     zero_bucket: int = 0  # zerotron ZeRO reduce/allgather bucket size; 0 = zerotron's default
     sub_group_size: int = 0  # zerotron ZeRO sub_group_size; 0 = zerotron's (2e6 with NVMe)
+    ranks: int = 2  # gloo processes
 
     def config(self) -> GPTConfig:
         return GPTConfig(
@@ -377,6 +389,9 @@ def _fsdp2(setup: Setup):
 
 def _deepspeed(setup: Setup, stage: int):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed's launcher sets LOCAL_SIZE; its shm op turns its shared-memory all-reduce on
+    # only when LOCAL_SIZE equals the world size (all ranks on one host, as here).
+    os.environ["LOCAL_SIZE"] = str(setup.ranks)
     import deepspeed
 
     dtype = setup.torch_dtype
@@ -401,7 +416,27 @@ def _deepspeed(setup: Setup, stage: int):
         engine.step()
         return loss.detach()
 
-    return step, lambda: None
+    return step, _deepspeed_comm_path
+
+
+def _deepspeed_comm_path() -> dict:
+    """Which communication path DeepSpeed took in this rank: its backend object, the torch
+    backend under it, whether the shm op loaded and whether its shared-memory path is on."""
+    import torch.distributed as dist
+    from deepspeed.comm import comm as ds_comm
+
+    cdb = ds_comm.cdb
+    shm = getattr(cdb, "shm_comm_op", None)
+    return {
+        "comm_path": {
+            "backend": f"{type(cdb).__name__}({dist.get_backend()})",
+            "shm_op_loaded": shm is not None,
+            "shm_all_reduce_on": shm is not None
+            and os.environ.get("LOCAL_SIZE") == str(dist.get_world_size()),
+            "inference_all_reduce_op": hasattr(torch.ops, "deepspeed")
+            and hasattr(torch.ops.deepspeed, "inference_all_reduce_"),
+        }
+    }
 
 
 def _rss() -> int:
@@ -439,11 +474,13 @@ def _rank(rank: int, system: str, setup: Setup) -> dict:
     dist.barrier()
     counter.on = True
     times = []
+    cpu0 = time.process_time()
     with comm.ledger.capture() as cap:
         for b in batches[setup.warmup :]:
             t0 = time.perf_counter()
             losses.append(float(step(b)))
             times.append(time.perf_counter() - t0)
+        cpu_s = time.process_time() - cpu0  # all of this process's threads (gloo's too)
         dist.barrier()
     counter.on = False
     wire = counter.wire
@@ -457,6 +494,7 @@ def _rank(rank: int, system: str, setup: Setup) -> dict:
                 by_op[op] = by_op.get(op, 0.0) + WIRE[op](n) * b
     return {
         "times": times,
+        "cpu_per_step": cpu_s / max(setup.steps, 1),
         "losses": losses,
         "wire_per_step": wire / max(setup.steps, 1),
         "by_op": {k: v / max(setup.steps, 1) for k, v in by_op.items()},
@@ -503,7 +541,7 @@ def memory_theory(stage: int, psi: int, n: int) -> float | None:
 def run_system(system: str, setup: Setup, timeout: float) -> dict:
     t0 = time.perf_counter()
     try:
-        ranks = run_ranks(_rank, 2, system, setup, timeout=timeout)
+        ranks = run_ranks(_rank, setup.ranks, system, setup, timeout=timeout)
     except RankError as e:
         last = [ln for ln in e.details.strip().splitlines() if ln.strip()]
         return {"system": system, "error": last[-1] if last else str(e)}
@@ -518,6 +556,9 @@ def run_system(system: str, setup: Setup, timeout: float) -> dict:
         "stage": stage,
         "tokens_per_s": tokens / step_s,
         "step_s": step_s,
+        # tokens per CPU-second of the ranks: what the step costs, whatever else the machine
+        # runs (wall time on a loaded machine is mostly the others' share)
+        "tokens_per_cpu_s": tokens / sum(r["cpu_per_step"] for r in ranks),
         "peak_rss": max(r["peak_rss"] for r in ranks),
         "growth": max(r["peak_rss"] - r["start_rss"] for r in ranks),
         "heap_peak": None if ranks[0]["heap_peak"] is None else max(r["heap_peak"] for r in ranks),
@@ -525,6 +566,7 @@ def run_system(system: str, setup: Setup, timeout: float) -> dict:
         "by_op": ranks[0]["by_op"],
         "theory": comm_theory(system, stage, numels, n, setup),
         "model_states": (ranks[0]["memory_report"] or {}).get("total"),
+        "comm_path": (ranks[0]["memory_report"] or {}).get("comm_path"),
         "memory_theory": memory_theory(stage, psi, n) if setup.dtype == "bf16" else None,
         "losses": ranks[0]["losses"],
         "psi": psi,
@@ -545,6 +587,8 @@ def _best(rounds: list[dict]) -> dict:
     heaps = [r["heap_peak"] for r in ok if r.get("heap_peak") is not None]
     best["heap_peak"] = max(heaps) if heaps else None
     best["rounds"] = [r["tokens_per_s"] for r in rounds if "error" not in r]
+    best["cpu_rounds"] = [r["tokens_per_cpu_s"] for r in rounds if "error" not in r]
+    best["tokens_per_cpu_s"] = statistics.median(best["cpu_rounds"])
     return best
 
 
@@ -557,8 +601,8 @@ def print_report(results: list[dict], setup: Setup) -> None:
     print(
         f"\nGPT {setup.layers}x{setup.hidden} (heads {setup.heads}), seq {setup.seq}, vocab "
         f"{setup.vocab}, micro-batch {setup.micro_batch}, Ψ = {psi / 1e6:.2f}M parameters, "
-        f"{setup.dtype}, 2 gloo ranks x 1 thread, {setup.steps} timed steps (median), median of "
-        f"{max(len(r.get('rounds', [])) for r in results)} rounds\n"
+        f"{setup.dtype}, {setup.ranks} gloo ranks x 1 thread, {setup.steps} timed steps "
+        f"(median), median of {max(len(r.get('rounds', [])) for r in results)} rounds\n"
     )
     head = (
         f"{'system':<16}{'stage':>5}{'tokens/s':>10}{'peak RSS MB':>13}{'growth MB':>11}"
@@ -590,6 +634,14 @@ def print_report(results: list[dict], setup: Setup) -> None:
             if "error" not in r
         )
     )
+    print(
+        "tokens per CPU-second of the ranks, per round: "
+        + "; ".join(
+            f"{r['system']} " + "/".join(f"{t:,.0f}" for t in r.get("cpu_rounds", []))
+            for r in results
+            if "error" not in r
+        )
+    )
     print("\ncommunication per rank per step by op (MB on the wire)")
     for r in results:
         if "error" not in r:
@@ -607,6 +659,7 @@ def print_report(results: list[dict], setup: Setup) -> None:
         if ours in by_name and peer in by_name:
             a, b = by_name[ours], by_name[peer]
             speed = a["tokens_per_s"] / b["tokens_per_s"]
+            cpu = a["tokens_per_cpu_s"] / b["tokens_per_cpu_s"]
             mem = a["growth"] / b["growth"]
             peak = a["peak_rss"] / b["peak_rss"]
             goal = "met" if speed >= 1 and peak <= 1 else "NOT met"
@@ -616,9 +669,18 @@ def print_report(results: list[dict], setup: Setup) -> None:
                 else ""
             )
             print(
-                f"  {ours:<11} / {peer:<12} tokens/s {speed:5.2f}x   peak RSS {peak:5.2f}x   "
+                f"  {ours:<11} / {peer:<12} tokens/s {speed:5.2f}x   tokens/CPU-s {cpu:5.2f}x   "
+                f"peak RSS {peak:5.2f}x   "
                 f"growth {mem:5.2f}x   {heap}goal (>= 1x, <= 1x): {goal}"
             )
+    paths = {r["system"]: r["comm_path"] for r in results if r.get("comm_path")}
+    for system, path in paths.items():
+        print(
+            f"\n{system} communication: {path['backend']}, deepspeed_shm_comm op "
+            f"{'loaded' if path['shm_op_loaded'] else 'NOT loaded'}, shared-memory all-reduce "
+            f"{'on' if path['shm_all_reduce_on'] else 'off'} (DeepSpeed calls it from "
+            "inference_all_reduce only; ZeRO's collectives are torch.distributed's)"
+        )
     if "zerotron-3" in by_name and "zerotron-3+nvme" in by_name:
         a, b = by_name["zerotron-3+nvme"], by_name["zerotron-3"]
         print(
@@ -627,6 +689,27 @@ def print_report(results: list[dict], setup: Setup) -> None:
             f"({a['growth'] / b['growth']:.2f}x), "
             f"tokens/s {a['tokens_per_s'] / b['tokens_per_s']:.2f}x"
         )
+
+
+def machine() -> str:
+    """The CPU model, its core count and vector flags, and the load: numbers need them."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    vector = sorted(f for f in flags if f.startswith(("avx2", "avx512", "amx")))
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"CPU: {model}, {os.cpu_count()} logical cores, {' '.join(vector) or 'no AVX2'}; "
+        f"load average {load}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -655,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="zerotron's reduce/allgather bucket size in elements (default: zerotron's, 5e8; "
         "stage 3 reduces in 4e6)",
+    )
+    p.add_argument(
+        "--ranks", default="2,4", help="comma-separated world sizes, each a run of its own"
     )
     p.add_argument("--repeat", type=int, default=3, help="rounds over all systems (median kept)")
     p.add_argument("--timeout", type=float, default=600)
@@ -701,21 +787,32 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - any import failure means: no DeepSpeed columns
             print(f"deepspeed not importable ({type(e).__name__}: {e}); its columns are skipped")
             systems = [s for s in systems if not s.startswith("deepspeed")]
-        rounds: dict[str, list[dict]] = {s: [] for s in systems}
-        for k in range(args.repeat):
-            print(f"round {k + 1}/{args.repeat} (load average {os.getloadavg()[0]:.1f})")
-            for system in systems:
-                if rounds[system] and "error" in rounds[system][-1]:
-                    continue
-                r = run_system(system, setup, args.timeout)
-                note = r.get("error") or f"{r['tokens_per_s']:,.0f} tokens/s"
-                print(f"  {system}: {note} ({r.get('seconds', 0):.0f} s)", flush=True)
-                rounds[system].append(r)
-        results = [_best(rs) for rs in rounds.values()]
-    print_report(results, setup)
+        world_sizes = [int(n) for n in args.ranks.split(",") if n.strip()]
+        print(machine())
+        reports = []
+        for n in world_sizes:
+            setup = replace(setup, ranks=n)
+            rounds: dict[str, list[dict]] = {s: [] for s in systems}
+            for k in range(args.repeat):
+                print(
+                    f"{n} ranks, round {k + 1}/{args.repeat} "
+                    f"(load average {os.getloadavg()[0]:.1f})"
+                )
+                for system in systems:
+                    if rounds[system] and "error" in rounds[system][-1]:
+                        continue
+                    r = run_system(system, setup, args.timeout)
+                    note = r.get("error") or f"{r['tokens_per_s']:,.0f} tokens/s"
+                    print(f"  {system}: {note} ({r.get('seconds', 0):.0f} s)", flush=True)
+                    rounds[system].append(r)
+            reports.append((setup, [_best(rs) for rs in rounds.values()]))
+    for setup, results in reports:
+        print_report(results, setup)
+    print("\n" + machine())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setup": asdict(setup), "results": results}, f, indent=2)
+            runs = [{"setup": asdict(st), "results": rs} for st, rs in reports]
+            json.dump({"machine": machine(), "runs": runs}, f, indent=2)
     return 0
 
 

@@ -11,6 +11,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# tests/cuda/ needs a GPU and runs under `make test-gpu` alone (which sets this variable): a plain
+# `pytest tests` or `make test` never collects it.
+collect_ignore = [] if os.environ.get("ZEROTRON_GPU_TESTS") == "1" else ["cuda"]
 AUSTEN = os.path.join(REPO, "data", "austen.jsonl")
 
 

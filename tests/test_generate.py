@@ -14,6 +14,11 @@ VOCAB, PADDED = 1000, 1024
 
 @pytest.fixture(scope="module")
 def hf_and_ours():
+    return make_hf_and_ours()
+
+
+def make_hf_and_ours() -> tuple[GPT2LMHeadModel, GPT]:
+    """transformers' GPT-2 with well-spread random weights and zerotron's GPT holding them."""
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(
         GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=VOCAB)

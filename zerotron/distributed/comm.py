@@ -237,6 +237,15 @@ def _pairwise(t: torch.Tensor, group: Group) -> bool:
     return "gloo" in _backends[group.pg]
 
 
+def _cuda_only(t: torch.Tensor, group: Group) -> bool:
+    """Whether ``t`` is a CPU tensor and ``group``'s backend takes CUDA tensors only (nccl)."""
+    if t.device.type != "cpu":
+        return False
+    if group.pg not in _backends:
+        _backends[group.pg] = str(dist.get_backend(group.pg))
+    return not any(b in _backends[group.pg] for b in ("gloo", "mpi"))
+
+
 class _Works:
     """Several point-to-point works waited for as one."""
 
@@ -284,6 +293,10 @@ def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
         return Pending.done(t)
     call = _record(group, "all_reduce", _nbytes(t))
     buf = t if t.is_contiguous() else t.contiguous()
+    if _cuda_only(t, group):
+        # A CPU tensor (an overflow flag, a norm, a count) on a group whose backend carries only
+        # CUDA tensors (nccl) travels through the current GPU; ``finish`` copies it back.
+        buf = t.to(torch.device("cuda", torch.cuda.current_device()))
     with call.guard():
         work = dist.all_reduce(buf, op=torch_op, group=group.pg, async_op=True)
 

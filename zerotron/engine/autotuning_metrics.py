@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from zerotron.config.sections import AutotuningConfig
+from zerotron.distributed import comm
 from zerotron.distributed.state import is_model_parallel_initialized, state
 from zerotron.engine.flops_profiler import flop_counter
 from zerotron.fileio import atomic_write_text
@@ -110,7 +111,8 @@ class AutotuningProbe:
         world = 1
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size()
-            dist.all_reduce(counts)
+            # through comm: a CPU tensor travels through the GPU on an nccl group
+            comm.all_reduce(counts, comm.world_group())
         # every data-parallel replica holds the same model
         replicas = state().dp_size if is_model_parallel_initialized() else world
         info = {

@@ -63,6 +63,11 @@ def sample_logits(
     logits = logits.float() / temperature
     logits = top_p_filter(top_k_filter(logits, top_k), top_p)
     probs = torch.softmax(logits, dim=-1)
+    if generator is not None and generator.device.type != probs.device.type:
+        # torch samples only with a generator of the tensor's device type: a CPU generator (the
+        # default torch.Generator()) with a model on CUDA draws on the CPU, from its stream.
+        on = probs.to(generator.device)
+        return torch.multinomial(on, 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

@@ -42,6 +42,7 @@ FLOPS_CONVENTION = (
 GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
     ("H200", 989e12, 67e12),
     ("H100 PCIe", 756e12, 51e12),
+    ("H100 NVL", 835e12, 60e12),
     ("H100", 989e12, 67e12),
     ("A100", 312e12, 19.5e12),
     ("A10G", 70e12, 31.2e12),
