@@ -7,6 +7,7 @@ calls ``zerotron.cli.main`` in this process.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import zerotron.cli
 import zerotron.inference.cli
 from zerotron.checkpoint import load_file, model_file, read_latest_tag
+from zerotron.checkpoint.checksums import file_checksum
 from zerotron.checkpoint.layout import MEGATRON_TRACKER
 from zerotron.config import parse_megatron_args
 from zerotron.data.tokenizer import build_tokenizer
@@ -234,6 +236,11 @@ def test_generate_from_pretrain_checkpoint_never_emits_padding(data_prefix, tmp_
     emb[VOCAB:] = 100 * b
     assert (emb @ b).argmax().item() >= VOCAB  # the check below can fail
     torch.save(state, path)
+    # as if these weights had been trained: metadata.json records the rigged file's checksum
+    meta_path = rigged / "iter_0000002" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["checksums"][model_file()] = file_checksum(path)
+    meta_path.write_text(json.dumps(meta))
     assert (
         cli("generate", "--load", rigged, "--prompt", prompt, "--greedy", "--max-new-tokens", 20)
         == 0
