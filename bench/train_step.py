@@ -69,6 +69,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from zerotron.checkpoint.hf import from_hf_state_dict  # noqa: E402
 from zerotron.engine import Engine  # noqa: E402
 from zerotron.fileio import atomic_write_text  # noqa: E402
+from zerotron.kernels import KernelShape, choose_kernels  # noqa: E402
 from zerotron.kernels.onednn import ONEDNN_AVAILABLE, onednn_mm_t  # noqa: E402
 from zerotron.models.gpt import GPT  # noqa: E402
 from zerotron.optim import build_optimizer, get_param_groups  # noqa: E402
@@ -163,8 +164,20 @@ def zerotron_side(
     compile: bool,
     hp: Hyper,
     device: torch.device,
+    kernels: str | None = None,
 ) -> Side:
-    """zerotron's training path: GPT + MixedPrecisionOptimizer inside an Engine."""
+    """zerotron's training path: GPT + MixedPrecisionOptimizer inside an Engine, with the kernel
+    choices ``zerotron pretrain`` makes (measured once per machine and cached, or ``kernels``)."""
+    dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
+    kshape = KernelShape(
+        shape.hidden_size,
+        shape.num_heads,
+        shape.seq_length,
+        shape.micro_batch,
+        shape.vocab_size,
+        dtype_name,
+    )
+    print(f"  zerotron {dtype_name}: {choose_kernels(kshape, device, kernels).line()}", flush=True)
     cfg, sd = from_hf_state_dict(hf_sd, hf_config, shape.padded_vocab_size)
     model = GPT(cfg)
     model.load_state_dict(sd, strict=True)
@@ -327,10 +340,16 @@ def num_model_params(model: GPT2LMHeadModel) -> int:
 
 
 def check_initial_loss(
-    hf_sd: dict, hf_config: dict, shape: Shape, batch: dict, hp: Hyper, device: torch.device
+    hf_sd: dict,
+    hf_config: dict,
+    shape: Shape,
+    batch: dict,
+    hp: Hyper,
+    device: torch.device,
+    args: argparse.Namespace,
 ) -> tuple[float, float]:
     """fp32 loss of both models on one batch, before any step; they must agree."""
-    zt = zerotron_side(hf_sd, hf_config, shape, torch.float32, False, hp, device)
+    zt = zerotron_side(hf_sd, hf_config, shape, torch.float32, False, hp, device, args.kernels)
     hf = hf_side(hf_sd, shape, torch.float32, False, hp, device, "master")
     with torch.no_grad():
         ours, theirs = zt.forward(batch).item(), hf.forward(batch).item()
@@ -374,7 +393,7 @@ def run_column(
     col = Column(dtype_name, compiled)
     dtype = DTYPES[dtype_name]
     sides = [
-        zerotron_side(hf_sd, hf_config, shape, dtype, compiled, hp, device),
+        zerotron_side(hf_sd, hf_config, shape, dtype, compiled, hp, device, args.kernels),
         hf_side(hf_sd, shape, dtype, compiled, hp, device, args.hf_bf16),
     ]
     steps_done = {s.name: 0 for s in sides}
@@ -507,6 +526,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="wall time, or this process's CPU time (with --threads 1: steady on a busy machine)",
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--kernels",
+        help="force zerotron's CPU kernel choices, e.g. linear=torch,attention=sdpa "
+        "(default: measured once per machine and cached, as zerotron pretrain does)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
@@ -565,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         f"after {args.warmup} warmup, median round; clock: {args.clock}"
     )
 
-    ours, theirs = check_initial_loss(hf_sd, hf_config, shape, batches[0], hp, device)
+    ours, theirs = check_initial_loss(hf_sd, hf_config, shape, batches[0], hp, device, args)
     print(
         f"initial fp32 loss, same weights and batch: zerotron {ours:.6f}, transformers "
         f"{theirs:.6f} (|diff| {abs(ours - theirs):.1e})"
