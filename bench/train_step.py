@@ -127,6 +127,21 @@ class Side:
     backward: Callable[[torch.Tensor], None]
     step: Callable[[], Any]
     keep: list[Any] = field(default_factory=list)  # owns the objects the closures use
+    head: torch.nn.Module | None = None  # the output layer (+ loss): where "loss" begins
+    marks: dict[str, float] = field(default_factory=dict)  # clock at the head, this step
+
+
+def mark_loss_phase(side: Side, clock: Callable[[], float]) -> None:
+    """Time the output layer and loss of ``side`` apart (eager only: a hook calling a clock
+    inside a compiled graph would break it): the clock when the head's forward starts and when
+    the gradient of its input is ready (its backward done)."""
+
+    def at_head(module, args) -> None:
+        side.marks["head"] = clock()
+        if args[0].requires_grad:
+            args[0].register_hook(lambda grad: side.marks.__setitem__("head_grad", clock()))
+
+    side.keep.append(side.head.register_forward_pre_hook(at_head))
 
 
 def hf_model(shape: Shape, seed: int) -> GPT2LMHeadModel:
@@ -191,6 +206,7 @@ def zerotron_side(
         backward=engine.backward,
         step=engine.step,
         keep=[engine],
+        head=model.lm_head,
     )
 
 
@@ -222,6 +238,7 @@ def hf_side(
         backward=lambda loss: loss.backward(),
         step=optimizer.step,
         keep=[model, optimizer],
+        head=model.lm_head,
     )
 
 
@@ -258,7 +275,10 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 def timed_step(
     side: Side, batch: dict, device: torch.device, clock: Callable[[], float] = time.perf_counter
 ) -> tuple[float, list[float]]:
-    """One training step; returns (loss, [forward, backward, optimizer] seconds of ``clock``)."""
+    """One training step; returns (loss, [forward, loss, backward, optimizer] seconds of
+    ``clock``). "loss" is the output layer and the cross entropy, forward and backward, where
+    :func:`mark_loss_phase` marks it (else 0, and forward includes it)."""
+    side.marks.clear()
     t0 = clock()
     loss = side.forward(batch)
     sync(device)
@@ -269,7 +289,10 @@ def timed_step(
     side.step()
     sync(device)
     t3 = clock()
-    return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
+    head, head_grad = side.marks.get("head"), side.marks.get("head_grad")
+    if head is None or head_grad is None:
+        return loss.item(), [t1 - t0, 0.0, t2 - t1, t3 - t2]
+    return loss.item(), [head - t0, (t1 - head) + (head_grad - t1), t2 - head_grad, t3 - t2]
 
 
 def _onednn_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -368,7 +391,7 @@ class Column:
     dtype: str
     compiled: bool
     step_s: dict[str, float] = field(default_factory=dict)  # median seconds per step
-    phases_ms: dict[str, list[float]] = field(default_factory=dict)  # fwd, bwd, opt medians
+    phases_ms: dict[str, list[float]] = field(default_factory=dict)  # fwd, loss, bwd, opt
     first_loss: dict[str, float] = field(default_factory=dict)
     warmup_s: dict[str, float] = field(default_factory=dict)  # incl. compilation
     rounds_s: dict[str, list[float]] = field(default_factory=dict)  # mean step time per round
@@ -396,6 +419,9 @@ def run_column(
         zerotron_side(hf_sd, hf_config, shape, dtype, compiled, hp, device, args.kernels),
         hf_side(hf_sd, shape, dtype, compiled, hp, device, args.hf_bf16),
     ]
+    if not compiled:  # eager: the output layer + loss timed apart from the rest
+        for side in sides:
+            mark_loss_phase(side, CLOCKS[args.clock])
     steps_done = {s.name: 0 for s in sides}
     phases: dict[str, list[list[float]]] = {s.name: [] for s in sides}
 
@@ -429,7 +455,7 @@ def run_column(
     for name, rounds in col.rounds_s.items():
         col.step_s[name] = statistics.median(rounds)
         col.phases_ms[name] = [
-            1e3 * statistics.median(p[i] for p in phases[name]) for i in range(3)
+            1e3 * statistics.median(p[i] for p in phases[name]) for i in range(4)
         ]
     col.ratio = statistics.median(
         hf / zt for zt, hf in zip(col.rounds_s["zerotron"], col.rounds_s["transformers"])
@@ -465,10 +491,7 @@ def report(
     lines.append(row)
 
     lines.append("")
-    lines.append("per-step phases, median ms (forward+loss / backward / optimizer):")
-    for c in columns:
-        parts = [f"{n} {'/'.join(f'{x:.0f}' for x in c.phases_ms[n])}" for n in c.phases_ms]
-        lines.append(f"  {c.label:14} " + "   ".join(parts))
+    lines += phase_table(columns)
     lines.append("rounds, seconds per step (zerotron | transformers):")
     for c in columns:
         zt = " ".join(f"{x:.3f}" for x in c.rounds_s["zerotron"])
@@ -501,6 +524,26 @@ def report(
             "thread(s), and the peak in the same clock)"
         )
     return "\n".join(lines), results
+
+
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+
+def phase_table(columns: list[Column]) -> list[str]:
+    """Median ms per step phase, both sides and their ratio (transformers / zerotron)."""
+    lines = [
+        "per-step phases, median ms (loss: the output layer and cross entropy, forward and "
+        "backward, timed apart in eager columns; compiled columns count it in forward):",
+        f"  {'':16}{'':14}" + "".join(f"{p:>11}" for p in PHASES),
+    ]
+    for c in columns:
+        zt, hf = c.phases_ms["zerotron"], c.phases_ms["transformers"]
+        ratio = [f"{b / a:>10.2f}x" if a > 0 and b > 0 else f"{'-':>11}" for a, b in zip(zt, hf)]
+        for label, name, values in ((c.label, "zerotron", zt), ("", "transformers", hf)):
+            cells = "".join(f"{v:>11,.0f}" if v > 0 else f"{'-':>11}" for v in values)
+            lines.append(f"  {label:16}{name:14}{cells}")
+        lines.append(f"  {'':16}{'ratio':14}" + "".join(ratio))
+    return lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -43,7 +43,7 @@ class FakeMachine:
 
             return call
 
-        return {c: run(c) for c in chooser.CANDIDATES[name]}
+        return {c: run(c) for c in chooser.CANDIDATES.get(name, chooser.PRECISIONS)}
 
     def choose(self, shape=FP32, **kw):
         return choose_kernels(shape, "cpu", runners=self.runners, clock=self.clock, **kw)
@@ -241,13 +241,34 @@ def test_forced_loss_chunk_equals_the_plain_loss(columns):
     torch.testing.assert_close(grads, (x.grad, w.grad), rtol=1e-5, atol=1e-6)
 
 
-def test_pretrain_prints_the_choices_once(capsys, monkeypatch):
-    monkeypatch.setenv(chooser.ENV, "linear=torch")
-    argv = ["pretrain", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"]
-    argv += ["--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1"]
-    argv += ["--train-iters", "0", "--lr", "1e-3", "--kernels", "linear=onednn,loss_chunk=1024"]
-    assert zerotron.cli.main(argv) == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if "kernels:" in ln]
-    assert lines == [
-        " kernels: linear=onednn (forced), attention=- (n/a), loss_chunk=1024 (forced)"
-    ]
+# ---- the training precision (make demo) -------------------------------------------------------
+
+
+def test_precision_is_the_faster_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setitem(COSTS, "bf16", 6)
+    monkeypatch.setitem(COSTS, "fp32", 1)
+    fake = FakeMachine()
+    assert chooser.choose_precision(BF16, runners=fake.runners, clock=fake.clock) == (
+        "fp32",
+        "measured",
+    )
+    again = FakeMachine()
+    assert chooser.choose_precision(FP32, runners=again.runners, clock=again.clock) == (
+        "fp32",
+        "cached",
+    )
+    assert again.calls == 0
+
+
+def test_precision_on_cuda_is_bf16_unmeasured():
+    fake = FakeMachine()
+    got = chooser.choose_precision(FP32, "cuda", runners=fake.runners, clock=fake.clock)
+    assert got == ("bf16", "n/a") and fake.calls == 0
+
+
+def test_kernels_command_prints_the_choices(capsys):
+    argv = ["kernels", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16"]
+    assert zerotron.cli.main([*argv, "--bf16", "--kernels", "attention=sdpa"]) == 0
+    assert capsys.readouterr().out == (
+        "kernels: linear=- (n/a), attention=sdpa (forced), loss_chunk=- (n/a)\n"
+    )

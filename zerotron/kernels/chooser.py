@@ -350,6 +350,39 @@ def choose_kernels(
     return chosen
 
 
+PRECISIONS = ("bf16", "fp32")
+"""Training precisions :func:`choose_precision` compares (a tie keeps bf16: half the memory)."""
+
+
+def choose_precision(
+    shape: KernelShape,
+    device: torch.device | str = "cpu",
+    *,
+    path: Path | None = None,
+    runners: Callable[[str, KernelShape], Mapping[Any, Runner]] = runners_for,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[str, str]:
+    """The faster training precision for ``shape`` on ``device`` and how it was found.
+
+    bf16 everywhere but on a CPU, where the block's linear layers are timed in bf16 and in fp32
+    (a CPU without native 16-bit matmuls runs bf16 several times slower than fp32); cached as
+    the kernel choices are (``shape.dtype`` is not part of the key). Returns ``(precision,
+    "measured" | "cached" | "n/a")``.
+    """
+    if torch.device(device).type != "cpu":
+        return "bf16", "n/a"
+    path = path or cache_path()
+    key = _entry_key(dataclasses.replace(shape, dtype="any"))
+    entry = _read_cache(path).get(key, {})
+    cached = entry.get("choices", {}).get("precision") if isinstance(entry, dict) else None
+    if cached in PRECISIONS:
+        return cached, "cached"
+    winner, times = time_candidates(runners("precision", shape), clock=clock)
+    timings = {"precision": {c: round(1e3 * t, 3) for c, t in times.items()}}
+    _write_cache(path, key, {"choices": {"precision": winner}, "timings_ms": timings})
+    return winner, "measured"
+
+
 def _pow2(n: int) -> int:
     """The power of two nearest ``n`` from below (the shape-class bucket)."""
     return 1 << max(0, int(n).bit_length() - 1)

@@ -31,18 +31,34 @@ LOSS_COLUMNS = 16384
 
 
 def _randn(g: torch.Generator, *shape: int, dtype=torch.float32, grad: bool = True):
-    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(grad)
+    return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
 
 
 def linear_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
     """fp32 ``onednn`` / ``torch``: the block's four linear layers, forward and backward."""
+    block = _linear_block(shape, torch.float32)
+    return {"onednn": block(_OneDNNLinear.apply), "torch": block(F.linear)}
+
+
+def precision_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
+    """``bf16`` / ``fp32``: the block's four linear layers by ``F.linear`` in each dtype (what
+    most of a training step is), forward and backward."""
+    return {
+        "bf16": _linear_block(shape, torch.bfloat16)(F.linear),
+        "fp32": _linear_block(shape, torch.float32)(F.linear),
+    }
+
+
+def _linear_block(shape: KernelShape, dtype: torch.dtype):
+    """A function of a linear (``F.linear``'s signature) giving a call that runs the block's
+    four linear layers in ``dtype`` on ``shape``, forward and backward."""
     g = torch.Generator().manual_seed(0)
     h, tokens = shape.hidden, min(shape.seq * shape.micro_batch, LINEAR_TOKENS)
-    x = _randn(g, tokens, h)
+    x = _randn(g, tokens, h, dtype=dtype)
     layers = [(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)]
-    params = [(_randn(g, n, k), _randn(g, n)) for n, k in layers]
-    inputs = {k: x if k == h else _randn(g, tokens, k) for _, k in layers}
-    grads = {n: torch.randn(tokens, n, generator=g) for n, _ in layers}
+    params = [(_randn(g, n, k, dtype=dtype), _randn(g, n, dtype=dtype)) for n, k in layers]
+    inputs = {k: x if k == h else _randn(g, tokens, k, dtype=dtype) for _, k in layers}
+    grads = {n: torch.randn(tokens, n, generator=g).to(dtype) for n, _ in layers}
 
     def run(linear) -> Callable[[], None]:
         def call() -> None:
@@ -54,7 +70,7 @@ def linear_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
 
         return call
 
-    return {"onednn": run(_OneDNNLinear.apply), "torch": run(F.linear)}
+    return run
 
 
 def attention_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
@@ -104,4 +120,5 @@ RUNNERS: dict[str, Callable[[KernelShape], dict[Any, Callable[[], None]]]] = {
     "linear": linear_runners,
     "attention": attention_runners,
     "loss_chunk": loss_chunk_runners,
+    "precision": precision_runners,
 }
