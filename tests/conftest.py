@@ -47,6 +47,16 @@ def data_prefix(tmp_path_factory) -> str:
 
 
 @pytest.fixture(autouse=True)
+def _default_kernel_choices():
+    """Kernel choices are process-wide (zerotron.kernels.policy): a test that made some
+    (``zerotron pretrain --kernels``, the chooser's tests) leaves the defaults to the next."""
+    yield
+    from zerotron.kernels.policy import KernelChoices, set_choices
+
+    set_choices(KernelChoices())
+
+
+@pytest.fixture(autouse=True)
 def _no_leftover_process_group():
     """A test that ran DeepSpeed's entry points in this process (``initialize``,
     ``init_distributed``) leaves a one-process default group behind, as DeepSpeed does; destroy

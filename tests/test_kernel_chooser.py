@@ -51,12 +51,10 @@ class FakeMachine:
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch, tmp_path):
-    """No forcing from the suite's conftest, a private cache, the default choices after."""
+    """No forcing from the suite's conftest, a private cache (conftest restores the choices)."""
     for env in (chooser.ENV, "ZEROTRON_ONEDNN", "ZEROTRON_MATH_ATTENTION", "ZEROTRON_FUSED_LOSS"):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv(chooser.CACHE_ENV, str(tmp_path))
-    yield
-    set_choices(KernelChoices())
 
 
 def test_time_candidates_returns_the_fastest():
