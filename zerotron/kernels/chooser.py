@@ -1,10 +1,10 @@
 """Kernel choices made by measuring the candidates on this machine, cached, like cuDNN's benchmark.
 
-Which CPU fast path wins is not a property of the CPU's vendor (oneDNN's fp32 GEMM beats
-torch.mm's MKL one on an AVX-512 AMD EPYC and ties with it on an AVX2 one; SDPA's MATH kernel
-kept in 16 bits beats flash where 16-bit matmuls are native). So at the first run of a model
-shape on a machine, :func:`choose_kernels` times each applicable choice's candidates on the
-model's own shapes and keeps the fastest:
+Which CPU fast path wins is not a property of the CPU's vendor: oneDNN's fp32 GEMM beats
+torch.mm's MKL one on an AVX-512 AMD EPYC and loses to it on an AVX2 one; SDPA's MATH kernel
+kept in 16 bits beats flash where 16-bit matmuls are native and loses where they are emulated
+(bench/README.md). So at the first run of a model shape on a machine, :func:`choose_kernels`
+times each applicable choice's candidates on the model's own shapes and keeps the fastest:
 
 - ``linear`` (fp32, oneDNN built in): ``onednn`` or ``torch``, a forward and backward of the
   block's four linear layers (``[tokens, h]`` by ``3h``, ``h``, ``4h`` and ``4h -> h``);
@@ -27,11 +27,11 @@ cached entry is used without measuring again. A file that cannot be read is repo
 warning, ignored, and rewritten.
 
 Forcing: ``ZEROTRON_KERNELS=linear=torch,attention=sdpa,loss_chunk=4096`` (or ``zerotron
-pretrain --kernels ...``, which wins over the variable) sets those choices without measuring;
-the off switches of :mod:`~zerotron.kernels.policy` (``ZEROTRON_ONEDNN=0``,
-``ZEROTRON_MATH_ATTENTION=0``, ``ZEROTRON_FUSED_LOSS=0``) still turn their path off and count as
-forcing its plain twin. Each candidate computes exactly what its path computes when forced
-(tests/test_kernel_chooser.py).
+pretrain --kernels ...``, which wins over the variable) sets those choices without measuring.
+The off switches of :mod:`~zerotron.kernels.policy` keep working: ``ZEROTRON_ONEDNN=0`` and
+``ZEROTRON_MATH_ATTENTION=0`` count as forcing the plain twin (``linear=torch``,
+``attention=sdpa``), and with ``ZEROTRON_FUSED_LOSS=0`` ``loss_chunk`` has nothing to choose.
+Each candidate computes exactly what its path computes when forced (tests/test_kernel_chooser.py).
 """
 
 from __future__ import annotations
