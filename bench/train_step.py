@@ -78,6 +78,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from zerotron.checkpoint.hf import from_hf_state_dict  # noqa: E402
 from zerotron.engine import Engine  # noqa: E402
 from zerotron.fileio import atomic_write_text  # noqa: E402
+from zerotron.kernels import KernelShape, choose_kernels  # noqa: E402
 from zerotron.kernels.onednn import ONEDNN_AVAILABLE, onednn_mm_t  # noqa: E402
 from zerotron.models.gpt import GPT  # noqa: E402
 from zerotron.optim import build_optimizer, get_param_groups  # noqa: E402
@@ -152,6 +153,21 @@ class Side:
     backward: Callable[[torch.Tensor], None]
     step: Callable[[], Any]
     keep: list[Any] = field(default_factory=list)  # owns the objects the closures use
+    head: torch.nn.Module | None = None  # the output layer (+ loss): where "loss" begins
+    marks: dict[str, float] = field(default_factory=dict)  # clock at the head, this step
+
+
+def mark_loss_phase(side: Side, clock: Callable[[], float]) -> None:
+    """Time the output layer and loss of ``side`` apart (eager only: a hook calling a clock
+    inside a compiled graph would break it): the clock when the head's forward starts and when
+    the gradient of its input is ready (its backward done)."""
+
+    def at_head(module, args) -> None:
+        side.marks["head"] = clock()
+        if args[0].requires_grad:
+            args[0].register_hook(lambda grad: side.marks.__setitem__("head_grad", clock()))
+
+    side.keep.append(side.head.register_forward_pre_hook(at_head))
 
 
 def hf_model(shape: Shape, seed: int) -> GPT2LMHeadModel:
@@ -189,8 +205,20 @@ def zerotron_side(
     compile: bool,
     hp: Hyper,
     device: torch.device,
+    kernels: str | None = None,
 ) -> Side:
-    """zerotron's training path: GPT + MixedPrecisionOptimizer inside an Engine."""
+    """zerotron's training path: GPT + MixedPrecisionOptimizer inside an Engine, with the kernel
+    choices ``zerotron pretrain`` makes (measured once per machine and cached, or ``kernels``)."""
+    dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
+    kshape = KernelShape(
+        shape.hidden_size,
+        shape.num_heads,
+        shape.seq_length,
+        shape.micro_batch,
+        shape.vocab_size,
+        dtype_name,
+    )
+    print(f"  zerotron {dtype_name}: {choose_kernels(kshape, device, kernels).line()}", flush=True)
     cfg, sd = from_hf_state_dict(hf_sd, hf_config, shape.padded_vocab_size)
     model = GPT(cfg)
     model.load_state_dict(sd, strict=True)
@@ -204,6 +232,7 @@ def zerotron_side(
         backward=engine.backward,
         step=engine.step,
         keep=[engine],
+        head=model.lm_head,
     )
 
 
@@ -235,6 +264,7 @@ def hf_side(
         backward=lambda loss: loss.backward(),
         step=optimizer.step,
         keep=[model, optimizer],
+        head=model.lm_head,
     )
 
 
@@ -271,7 +301,10 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 def timed_step(
     side: Side, batch: dict, device: torch.device, clock: Callable[[], float] = time.perf_counter
 ) -> tuple[float, list[float]]:
-    """One training step; returns (loss, [forward, backward, optimizer] seconds of ``clock``)."""
+    """One training step; returns (loss, [forward, loss, backward, optimizer] seconds of
+    ``clock``). "loss" is the output layer and the cross entropy, forward and backward, where
+    :func:`mark_loss_phase` marks it (else 0, and forward includes it)."""
+    side.marks.clear()
     t0 = clock()
     loss = side.forward(batch)
     sync(device)
@@ -282,7 +315,10 @@ def timed_step(
     side.step()
     sync(device)
     t3 = clock()
-    return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
+    head, head_grad = side.marks.get("head"), side.marks.get("head_grad")
+    if head is None or head_grad is None:
+        return loss.item(), [t1 - t0, 0.0, t2 - t1, t3 - t2]
+    return loss.item(), [head - t0, (t1 - head) + (head_grad - t1), t2 - head_grad, t3 - t2]
 
 
 def _onednn_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -355,10 +391,16 @@ def num_model_params(model: GPT2LMHeadModel) -> int:
 
 
 def check_initial_loss(
-    hf_sd: dict, hf_config: dict, shape: Shape, batch: dict, hp: Hyper, device: torch.device
+    hf_sd: dict,
+    hf_config: dict,
+    shape: Shape,
+    batch: dict,
+    hp: Hyper,
+    device: torch.device,
+    args: argparse.Namespace,
 ) -> tuple[float, float]:
     """fp32 loss of both models on one batch, before any step; they must agree."""
-    zt = zerotron_side(hf_sd, hf_config, shape, torch.float32, False, hp, device)
+    zt = zerotron_side(hf_sd, hf_config, shape, torch.float32, False, hp, device, args.kernels)
     hf = hf_side(hf_sd, shape, torch.float32, False, hp, device, "master")
     with torch.no_grad():
         ours, theirs = zt.forward(batch).item(), hf.forward(batch).item()
@@ -378,7 +420,7 @@ class Column:
     dtype: str
     compiled: bool
     step_s: dict[str, float] = field(default_factory=dict)  # median seconds per step
-    phases_ms: dict[str, list[float]] = field(default_factory=dict)  # fwd, bwd, opt medians
+    phases_ms: dict[str, list[float]] = field(default_factory=dict)  # fwd, loss, bwd, opt
     first_loss: dict[str, float] = field(default_factory=dict)
     warmup_s: dict[str, float] = field(default_factory=dict)  # incl. compilation
     rounds_s: dict[str, list[float]] = field(default_factory=dict)  # mean step time per round
@@ -403,9 +445,12 @@ def run_column(
     col = Column(dtype_name, compiled)
     dtype = DTYPES[dtype_name]
     sides = [
-        zerotron_side(hf_sd, hf_config, shape, dtype, compiled, hp, device),
+        zerotron_side(hf_sd, hf_config, shape, dtype, compiled, hp, device, args.kernels),
         hf_side(hf_sd, shape, dtype, compiled, hp, device, args.hf_bf16),
     ]
+    if not compiled:  # eager: the output layer + loss timed apart from the rest
+        for side in sides:
+            mark_loss_phase(side, CLOCKS[args.clock])
     steps_done = {s.name: 0 for s in sides}
     phases: dict[str, list[list[float]]] = {s.name: [] for s in sides}
 
@@ -439,7 +484,7 @@ def run_column(
     for name, rounds in col.rounds_s.items():
         col.step_s[name] = statistics.median(rounds)
         col.phases_ms[name] = [
-            1e3 * statistics.median(p[i] for p in phases[name]) for i in range(3)
+            1e3 * statistics.median(p[i] for p in phases[name]) for i in range(4)
         ]
     col.ratio = statistics.median(
         hf / zt for zt, hf in zip(col.rounds_s["zerotron"], col.rounds_s["transformers"])
@@ -475,10 +520,7 @@ def report(
     lines.append(row)
 
     lines.append("")
-    lines.append("per-step phases, median ms (forward+loss / backward / optimizer):")
-    for c in columns:
-        parts = [f"{n} {'/'.join(f'{x:.0f}' for x in c.phases_ms[n])}" for n in c.phases_ms]
-        lines.append(f"  {c.label:14} " + "   ".join(parts))
+    lines += phase_table(columns)
     lines.append("rounds, seconds per step (zerotron | transformers):")
     for c in columns:
         zt = " ".join(f"{x:.3f}" for x in c.rounds_s["zerotron"])
@@ -513,6 +555,26 @@ def report(
     return "\n".join(lines), results
 
 
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+
+def phase_table(columns: list[Column]) -> list[str]:
+    """Median ms per step phase, both sides and their ratio (transformers / zerotron)."""
+    lines = [
+        "per-step phases, median ms (loss: the output layer and cross entropy, forward and "
+        "backward, timed apart in eager columns; compiled columns count it in forward):",
+        f"  {'':16}{'':14}" + "".join(f"{p:>11}" for p in PHASES),
+    ]
+    for c in columns:
+        zt, hf = c.phases_ms["zerotron"], c.phases_ms["transformers"]
+        ratio = [f"{b / a:>10.2f}x" if a > 0 and b > 0 else f"{'-':>11}" for a, b in zip(zt, hf)]
+        for label, name, values in ((c.label, "zerotron", zt), ("", "transformers", hf)):
+            cells = "".join(f"{v:>11,.0f}" if v > 0 else f"{'-':>11}" for v in values)
+            lines.append(f"  {label:16}{name:14}{cells}")
+        lines.append(f"  {'':16}{'ratio':14}" + "".join(ratio))
+    return lines
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -541,6 +603,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="wall time, or this process's CPU time (with --threads 1: steady on a busy machine)",
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--kernels",
+        help="force zerotron's CPU kernel choices, e.g. linear=torch,attention=sdpa "
+        "(default: measured once per machine and cached, as zerotron pretrain does)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
@@ -601,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         f"after {args.warmup} warmup, median round; clock: {args.clock}"
     )
 
-    ours, theirs = check_initial_loss(hf_sd, hf_config, shape, batches[0], hp, device)
+    ours, theirs = check_initial_loss(hf_sd, hf_config, shape, batches[0], hp, device, args)
     print(
         f"initial fp32 loss, same weights and batch: zerotron {ours:.6f}, transformers "
         f"{theirs:.6f} (|diff| {abs(ours - theirs):.1e})"

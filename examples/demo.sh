@@ -17,13 +17,23 @@ echo "== 2/4 dataset statistics and the train/valid/test split"
     --seq-length 128
 
 echo
-echo "== 3/4 pretrain a 4-layer GPT-2 (hidden 256) for $ITERS iterations in bf16"
+# bf16 where this machine multiplies bf16 matrices fast (GPUs, CPUs with AVX-512 BF16 or AMX),
+# fp32 where bf16 is slower (e.g. AVX2-only CPUs): timed once on the model's shapes, cached
+# (`zerotron kernels`, docs/kernels.md). DEMO_PRECISION=bf16|fp32 skips the measurement.
+SHAPE=(--hidden-size 256 --num-attention-heads 4 --seq-length 128 --micro-batch-size 16)
+PRECISION=${DEMO_PRECISION:-$("$PY" -m zerotron kernels "${SHAPE[@]}" --pick-precision)}
+case "$PRECISION" in
+    bf16) PRECISION_FLAG=--bf16 ;;
+    fp32) PRECISION_FLAG= ;;
+    *) echo "demo.sh: precision '$PRECISION' is neither bf16 nor fp32" >&2; exit 2 ;;
+esac
+echo "== 3/4 pretrain a 4-layer GPT-2 (hidden 256) for $ITERS iterations in $PRECISION"
 rm -rf "$OUT/ckpt" "$OUT/tensorboard"
-"$PY" -m zerotron pretrain \
-    --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \
-    --micro-batch-size 16 --global-batch-size 16 --train-iters "$ITERS" \
+# shellcheck disable=SC2086  # PRECISION_FLAG is one word or none
+"$PY" -m zerotron pretrain --num-layers 4 "${SHAPE[@]}" \
+    --global-batch-size 16 --train-iters "$ITERS" \
     --lr 2e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10 \
-    --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --bf16 \
+    --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 $PRECISION_FLAG \
     --data-path "$OUT/austen_text_document" --split 98,1,1 \
     --log-interval 20 --eval-interval 100 --eval-iters 4 \
     --save "$OUT/ckpt" --save-interval 100 --tensorboard-dir "$OUT/tensorboard" \

@@ -4,6 +4,10 @@ Austen fixtures, and xdist groups that hold under pytest 9."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite runs the CPU kernels' default candidates, forced (zerotron.kernels.chooser): nothing
+# measured, so results do not depend on the machine or its load, and nothing is written to
+# ~/.cache. tests/test_kernel_chooser.py clears it to test the chooser itself.
+os.environ.setdefault("ZEROTRON_KERNELS", "linear=onednn,attention=math16,loss_chunk=2048")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -44,6 +48,16 @@ def data_prefix(tmp_path_factory) -> str:
             + ["--append-eod", "--workers", "1"]
         )
     return str(d / "austen20_text_document")
+
+
+@pytest.fixture(autouse=True)
+def _default_kernel_choices():
+    """Kernel choices are process-wide (zerotron.kernels.policy): a test that made some
+    (``zerotron pretrain --kernels``, the chooser's tests) leaves the defaults to the next."""
+    yield
+    from zerotron.kernels.policy import KernelChoices, set_choices
+
+    set_choices(KernelChoices())
 
 
 @pytest.fixture(autouse=True)

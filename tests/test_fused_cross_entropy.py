@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.kernels import fused_cross_entropy as fce
-from zerotron.kernels import fused_linear_cross_entropy
+from zerotron.kernels import fused_linear_cross_entropy, policy
 from zerotron.kernels.fused_cross_entropy import ChunkWorkspace, default_chunk_size
+from zerotron.kernels.policy import KernelChoices
 from zerotron.models import GPT, GPTConfig
 
 H, V, V_PAD = 24, 50, 64
@@ -140,7 +141,7 @@ def test_second_backward_is_refused():
     [(torch.bfloat16, ["16bit", "fp32", "grad_w_t"]), (torch.float32, ["fp32", "grad_slice"])],
 )
 def test_workspace_is_reused_and_changes_nothing(monkeypatch, dtype, buffers):
-    monkeypatch.setattr(fce, "SLICE_COLUMNS", 9)  # fp32: 9 columns per slice
+    monkeypatch.setattr(policy, "_choices", KernelChoices(loss_chunk=9))  # fp32: 9 per slice
     x, w, target = inputs(dtype)
     up = upstreams(target.shape)["arbitrary"]  # backward recomputes through the workspace too
     workspace = ChunkWorkspace()
@@ -160,7 +161,7 @@ def test_workspace_is_reused_and_changes_nothing(monkeypatch, dtype, buffers):
 
 @pytest.mark.parametrize("chunk", [8, 39, 1000])
 def test_fp32_vocab_slices_equal_one_product(monkeypatch, chunk):
-    """On CPU the fp32 logits and grad_W come from oneDNN in vocabulary slices (SLICE_COLUMNS):
+    """On CPU the fp32 logits and grad_W come from oneDNN in vocabulary slices (``loss_chunk``):
     7 columns (V = 50: the last slice is 1 column wide), 1 column, and
     unsliced, all equal within 1e-6 and to the unfused path."""
     x, w, target = inputs(torch.float32)
@@ -175,7 +176,7 @@ def test_fp32_vocab_slices_equal_one_product(monkeypatch, chunk):
     monkeypatch.setattr(fce, "_onednn_linear", spy)
 
     def run(columns, up):
-        monkeypatch.setattr(fce, "SLICE_COLUMNS", columns)
+        monkeypatch.setattr(policy, "_choices", KernelChoices(loss_chunk=columns))
         calls.clear()
 
         def fused(x, w, t):
@@ -205,7 +206,7 @@ def test_fp32_grad_x_does_not_depend_on_the_chunks(monkeypatch):
     """Each token's grad_x sums the same vocabulary slices in the same order whatever chunks the
     tokens are cut in (slices of a fixed column count): 8-, 13- and 39-token chunks and one
     whole chunk give the same bits for it (and for the loss)."""
-    monkeypatch.setattr(fce, "SLICE_COLUMNS", 7)  # V = 50: 8 slices
+    monkeypatch.setattr(policy, "_choices", KernelChoices(loss_chunk=7))  # V = 50: 8 slices
     x, w, target = inputs(torch.float32)
     up = upstreams(target.shape)["uniform"]
     runs = []

@@ -10,7 +10,13 @@ import torch.nn.functional as F
 import zerotron.kernels.policy as policy_module
 import zerotron.models.gpt as gpt_module
 from tests.test_model import config as model_config
-from zerotron.kernels import KernelPolicy, apply_process_settings, kernel_policy, onednn
+from zerotron.kernels import (
+    KernelChoices,
+    KernelPolicy,
+    apply_process_settings,
+    kernel_policy,
+    onednn,
+)
 from zerotron.kernels.policy import ENV_SWITCHES
 from zerotron.models import GPT, GPTConfig
 
@@ -39,6 +45,15 @@ def test_cpu_takes_every_fast_path_cuda_none(monkeypatch):
         monkeypatch.setenv(env, "0")
         assert not getattr(kernel_policy("cpu"), field)
         monkeypatch.delenv(env)
+
+
+def test_kernel_choices_narrow_the_cpu_policy(monkeypatch):
+    for env in ENV_SWITCHES.values():
+        monkeypatch.delenv(env, raising=False)
+    policy_module.set_choices(KernelChoices(linear="torch", attention="sdpa"))
+    got = kernel_policy("cpu")
+    assert not got.onednn_linear and not got.attention_16bit
+    assert got.fused_loss and got.eager_embedding and got.keep_freed_heap
 
 
 def test_process_settings_only_for_one_cpu_process(monkeypatch):

@@ -173,8 +173,11 @@ def test_train_iters_zero_prints_arguments_and_parameter_count(capsys):
     argv += ["--num-attention-heads", heads, "--ffn-hidden-size", ffn, "--seq-length", seq]
     argv += ["--max-position-embeddings", pos, "--make-vocab-size-divisible-by", div]
     argv += ["--micro-batch-size", 2, "--global-batch-size", 4, "--train-iters", 0, "--lr", 1e-3]
+    argv += ["--kernels", "linear=torch"]  # wins over the suite's ZEROTRON_KERNELS (conftest)
     assert zerotron.cli.main(list(map(str, argv))) == 0
     out = capsys.readouterr().out
+    kernels = " kernels: linear=torch (forced), attention=- (n/a), loss_chunk=- (n/a)\n"
+    assert out.count(" kernels: ") == 1 and kernels in out  # the choices, printed once
 
     padded = -(-GPT2_VOCAB // div) * div
     assert padded == 50432

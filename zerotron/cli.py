@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dataset-info": ("zerotron.data.info", "statistics of a tokenized dataset and its splits"),
     "pretrain": ("zerotron.training.pretrain", "pretrain a GPT model (Megatron-LM flags)"),
     "generate": ("zerotron.inference.cli", "generate text from a checkpoint"),
+    "kernels": (
+        "zerotron.training.kernels_cli",
+        "the CPU kernel choices for a model shape (measured once per machine, cached)",
+    ),
     "convert": (
         "zerotron.checkpoint.convert",
         "import/export HuggingFace GPT-2 checkpoints; reshard between TP/PP layouts",

@@ -28,7 +28,7 @@ padding rows zero, so the tied embedding's gradient costs no slice-backward zero
 Numerics equal the unfused path up to rounding. fp32: the same operations in the same order per
 element (loss and gradients within ~1e-6 relative; on CPU the three matmuls run on oneDNN, whose
 fp32 GEMM is up to 2x torch.mm's MKL one on AMD CPUs, see
-:mod:`~zerotron.kernels.onednn`, in vocabulary slices of ``SLICE_COLUMNS`` so that no large
+:mod:`~zerotron.kernels.onednn`, in vocabulary slices of :func:`slice_columns` so that no large
 product comes out fresh, ``grad_x`` summed over the slices: see :meth:`_Chunks.products`).
 16-bit: the same 16-bit
 logits and fp32 loss (within ~2e-7), the softmax from ``torch.softmax``'s faster exp (~1e-5
@@ -46,6 +46,7 @@ import torch
 from zerotron.kernels.onednn import onednn_mm_t as _onednn_linear
 from zerotron.kernels.onednn import onednn_mm_t_into as _onednn_linear_into
 from zerotron.kernels.onednn import use_onednn as _use_onednn
+from zerotron.kernels.policy import current_choices
 from zerotron.kernels.tied_grad import TiedGrad
 
 # fp32 logits of one chunk, in bytes: large enough for efficient matmuls (the weight is re-read
@@ -60,8 +61,14 @@ DEFAULT_CHUNK_BYTES = 512 * 50257 * 4
 # (bench/README.md: widths from 1,024 to 8,192 columns within noise of each other). Fixed, not
 # sized by the chunk's token count: each token's grad_x sums the same slices in the same order
 # however the tokens are cut into chunks (pipeline micro-batches, the last short chunk), so
-# layouts give the same bits.
+# layouts give the same bits. The default of the kernel choice ``loss_chunk``
+# (:class:`~zerotron.kernels.policy.KernelChoices`), which the chooser may set per machine.
 SLICE_COLUMNS = 2048
+
+
+def slice_columns() -> int:
+    """Vocabulary columns per oneDNN product slice: this process's ``loss_chunk`` choice."""
+    return current_choices().loss_chunk
 
 
 def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
@@ -111,6 +118,7 @@ class _Chunks:
         self.low = ws.get("16bit", rows, v, x, x.dtype) if x.dtype != torch.float32 else None
         self.with_grad = with_grad
         self.sliced = self.low is None and _use_onednn(x)  # fp32 on CPU: see products()
+        self.step = slice_columns()  # read once: every chunk is cut the same way
 
     def __iter__(self):
         for start in range(0, self.x.shape[0], self.size):
@@ -147,7 +155,7 @@ class _Chunks:
             return
         x, t = self.x[rows], self.target[rows].unsqueeze(1)
         n, v = x.shape[0], self.w.shape[0]
-        work, step = self.work[:n], SLICE_COLUMNS
+        work, step = self.work[:n], self.step
         _onednn_linear_into(work, x, self.w, step)
         stats = self._softmax(work, t, loss[rows].unsqueeze(1) if loss is not None else None)
         if stats is None or (grad_x is None and acc is None):
@@ -192,7 +200,7 @@ class _Chunks:
         work = self.work[:n]
         if self.low is None:
             if _use_onednn(x):  # ahead of mm; in vocabulary slices into the reused buffer
-                _onednn_linear_into(work, x, self.w, SLICE_COLUMNS)
+                _onednn_linear_into(work, x, self.w, self.step)
             else:
                 torch.mm(x, self.w.t(), out=work)
         else:

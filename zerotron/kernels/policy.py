@@ -26,11 +26,20 @@ Fields, their off switches, and the plain twin each fast path must equal (tests/
 An off switch is read whenever the policy is asked (under ``torch.compile``: when the graph is
 traced), so ``ZEROTRON_FUSED_LOSS=0 zerotron pretrain ...`` runs the plain path on the CPU, to
 compare or to bisect. Why each fast path exists and what it gains is measured in bench/README.md.
+
+Which of two candidates wins on a given CPU is not a property of its vendor: the process-wide
+:class:`KernelChoices` (:func:`set_choices`, made by :mod:`~zerotron.kernels.chooser` from
+timings of the model's own shapes) narrow the policy further. ``onednn_linear`` holds only where
+the choice ``linear`` is ``onednn``, ``attention_16bit`` only where ``attention`` is ``math16``,
+and the fp32 fused loss cuts its oneDNN products in ``loss_chunk`` vocabulary columns. Until a
+choice is made the defaults below hold (every fast path on, 2,048 columns).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +65,57 @@ class KernelPolicy:
     keep_freed_heap: bool = False
 
 
+@dataclass(frozen=True)
+class KernelChoices:
+    """The CPU candidates this process runs, one per machine-dependent choice.
+
+    ``linear``: the fp32 linear layers' (and fp32 fused loss's) matmuls, ``"onednn"`` or
+    ``"torch"`` (torch.mm); ``attention``: 16-bit attention without dropout, ``"math16"``
+    (:func:`~zerotron.kernels.attention_cpu.sdpa_math_16bit`) or ``"sdpa"`` (SDPA's own pick);
+    ``loss_chunk``: vocabulary columns per oneDNN product slice of the fp32 fused loss.
+    """
+
+    linear: str = "onednn"
+    attention: str = "math16"
+    loss_chunk: int = 2048
+
+
+_choices = KernelChoices()
+
+
+def set_choices(choices: KernelChoices) -> None:
+    """Make ``choices`` this process's kernel choices (read whenever the policy is asked)."""
+    global _choices
+    _choices = choices
+
+
+def current_choices() -> KernelChoices:
+    """This process's kernel choices (the defaults until :func:`set_choices`)."""
+    return _choices
+
+
+@contextlib.contextmanager
+def using_choices(choices: KernelChoices) -> Iterator[None]:
+    """``choices`` in effect inside the block, the previous ones restored after it."""
+    before = current_choices()
+    set_choices(choices)
+    try:
+        yield
+    finally:
+        set_choices(before)
+
+
 def kernel_policy(device: torch.device | str) -> KernelPolicy:
-    """The fast paths for tensors on ``device``: all of them on the CPU (less those switched off
-    by their environment variable), none elsewhere."""
+    """The fast paths for tensors on ``device``: on the CPU those the current
+    :class:`KernelChoices` pick (less those switched off by their environment variable), none
+    elsewhere."""
     device_type = device if isinstance(device, str) else device.type
     if device_type != "cpu":
         return KernelPolicy()
     switches = {field: _on(env) for field, env in ENV_SWITCHES.items()}
+    choices = current_choices()
+    switches["onednn_linear"] &= choices.linear == "onednn"
+    switches["attention_16bit"] &= choices.attention == "math16"
     return KernelPolicy(**switches, keep_freed_heap=True)
 
 

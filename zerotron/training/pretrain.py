@@ -44,6 +44,8 @@ from zerotron.engine import run_metrics
 from zerotron.engine.timers import Timers
 from zerotron.errors import CheckpointError, ConfigError, DistributedError, UnsupportedError
 from zerotron.fileio import check_writable_dir
+from zerotron.kernels import KernelShape, choose_kernels
+from zerotron.kernels.chooser import parse_forced
 from zerotron.models.gpt import print_num_parameters
 from zerotron.training import preemption
 from zerotron.training.build import Run, build_run
@@ -137,6 +139,22 @@ def _print_num_parameters(run: Run, ps: ParallelState) -> None:
             f"({ps.tp_rank}, {ps.pp_rank}): {n}",
             flush=True,
         )
+
+
+def _choose_kernels(run: Run, ps: ParallelState) -> None:
+    """The CPU kernel choices for this model (:mod:`zerotron.kernels.chooser`), printed once:
+    measured by a one-process run at its first use on a machine, else cached or defaults."""
+    m = run.cfg.model
+    shape = KernelShape(
+        hidden=m.hidden_size,
+        heads=m.num_attention_heads,
+        seq=m.seq_length,
+        micro_batch=run.cfg.training.micro_batch_size,
+        vocab=run.tokenizer.vocab_size,
+        dtype=run.cfg.precision.params_dtype,
+    )
+    chosen = choose_kernels(shape, run.engine.device, m.kernels, measure=ps.world_size == 1)
+    print_rank_0(f" {chosen.line()}")
 
 
 def _resume(run: Run, state: TrainState) -> None:
@@ -246,8 +264,10 @@ def pretrain(cfg: Config) -> TrainSummary:
         print_rank_0(f" WARNING: {w}")
     start = time.time()
     timers = Timers()
+    parse_forced(cfg.model.kernels, "--kernels")  # a typo stops the run before anything is built
     run = build_run(cfg, timers=timers)
     _print_num_parameters(run, ps)
+    _choose_kernels(run, ps)
     state = TrainState()
     if cfg.training.train_iters == 0:
         print_rank_0(cfg.describe())

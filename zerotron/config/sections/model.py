@@ -46,3 +46,9 @@ class ModelConfig(Section):
         None, gt=0, description="Layers per recompute unit (uniform) or per stage (block); 1."
     )
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    kernels: str | None = Field(
+        None,
+        description="Force CPU kernel choices instead of measuring them, e.g. "
+        "'linear=torch,attention=sdpa,loss_chunk=4096' (wins over $ZEROTRON_KERNELS; "
+        "zerotron.kernels.chooser).",
+    )
