@@ -24,7 +24,6 @@ What a target rank's files hold:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -54,8 +53,6 @@ WRITTEN_BY_SAVE = (
     "saved_at",
     "checksums",
 )
-# Model-config keys that do not change a tensor's shape (a difference is carried).
-_SHAPE_FREE = ("dropout", "epsilon", "init_method", "recompute", "sequence_parallel", "vocab")
 
 
 def _chunk_bounds(numel: int, world: int, rank: int) -> tuple[int, int, int]:
@@ -336,29 +333,3 @@ def target_metadata(ckpt: CanonicalCheckpoint, target: Layout) -> dict[str, Any]
         "padded_vocab_size": src.padded_vocab_size,
     }
     return meta
-
-
-def check_model(
-    ckpt: CanonicalCheckpoint, model_config: Mapping[str, Any], vocab_size: int | None = None
-) -> None:
-    """Refuse carrying ``ckpt`` into a model of another shape: a :class:`CheckpointError`
-    listing every difference (layers, hidden size, heads, ffn, positions, bias, vocabulary)."""
-    saved = ckpt.meta.get("model") or {}
-    diffs = [
-        f"{k}: checkpoint {saved[k]!r} vs {model_config[k]!r}"
-        for k in saved
-        if k in model_config
-        and isinstance(saved[k], (int, str, bool))
-        and not any(s in k for s in _SHAPE_FREE)
-        and saved[k] != model_config[k]
-    ]
-    if vocab_size is not None and ckpt.orig_vocab_size not in (None, vocab_size):
-        diffs.append(f"vocabulary: checkpoint {ckpt.orig_vocab_size} tokens vs {vocab_size}")
-    if diffs:
-        raise CheckpointError(
-            f"the checkpoint's model differs in shape ({len(diffs)} difference"
-            f"{'s' if len(diffs) != 1 else ''}), which no layout conversion carries:\n    "
-            + "\n    ".join(diffs),
-            where=ckpt.where,
-            fix="build the model with the checkpoint's shapes (its metadata.json 'model')",
-        )

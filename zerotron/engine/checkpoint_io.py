@@ -34,6 +34,7 @@ from zerotron.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from zerotron.checkpoint.canonical import ENGINE_ENTRIES
 from zerotron.checkpoint.layout import (
     CHECKPOINT_VERSION,
     DP_SIZE_KEY,
@@ -57,23 +58,6 @@ from zerotron.fileio import atomic_open
 
 if TYPE_CHECKING:
     from zerotron.engine.core import Engine
-
-# Model-file entries the Engine reads itself; the rest is the caller's client_state.
-OWN_ENTRIES = frozenset(
-    {
-        "model",
-        "optimizer",
-        "opt_param_scheduler",
-        "rng_state",
-        "checkpoint_version",
-        "global_steps",
-        "global_samples",
-        SHARED_PARAMS_KEY,
-        BUFFER_NAMES_KEY,
-        ZERO_STAGE_KEY,
-        DP_SIZE_KEY,
-    }
-)
 
 
 # ---- save ----------------------------------------------------------------------------------
@@ -361,7 +345,7 @@ def load_engine_checkpoint(
     engine.global_steps = int(saved.get("global_steps", 0))
     engine.global_samples = int(saved.get("global_samples", 0))
     run_metrics.loaded(engine, where)  # the metrics file's next "run" record: a resume
-    return where, {k: v for k, v in saved.items() if k not in OWN_ENTRIES}
+    return where, {k: v for k, v in saved.items() if k not in ENGINE_ENTRIES}
 
 
 def _loosely(engine: Engine, weights: Mapping[str, Any]) -> dict[str, Any]:
