@@ -219,3 +219,18 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale_after_hysteresis(pois
     poison["on"] = True  # the third overflow spends the hysteresis: the scale halves
     train_step(engine, mbs[6], mbs[7])
     assert engine.skipped_steps == 3 and engine.cur_scale == 2048.0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_dropped_engine_frees_its_optimizer(stage):
+    """Nothing global keeps an Engine's optimizer (masters, moments, gradient buckets) alive
+    after the run is dropped: gradient hooks hold their owners weakly (precision.weak_hook)."""
+    import gc
+    import weakref
+
+    run = build("--bf16", "--micro-batch-size", 2, "--train-iters", 2, "--zero-stage", stage)
+    train_step(run.engine, batch(2, seed=0))
+    gone = weakref.ref(run.engine.optimizer)
+    del run
+    gc.collect()
+    assert gone() is None

@@ -451,6 +451,28 @@ def test_zero_count_and_wrapping_a_used_optimizer():
         MixedPrecisionOptimizer(opt.optimizer)
 
 
+def test_a_dropped_optimizer_and_its_masters_are_freed():
+    """The owner table (zerotron.precision.owners) must not keep a wrapper alive: a strong
+    reference there held its parameters, so the table's weak key never died, and every
+    optimizer a process made (masters, Adam moments) lived until exit."""
+    import gc
+    import weakref
+
+    from zerotron.precision.owners import owner_of
+
+    model = Tiny(torch.bfloat16)
+    opt = wrap(model)
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    opt.step()
+    assert owner_of(next(model.parameters())) is opt
+    gone = weakref.ref(opt)
+    master = weakref.ref(opt.master_params[0])
+    del model, opt  # (the wrapper's gradient hooks on the parameters are a cycle gc frees)
+    gc.collect()
+    assert gone() is None and master() is None
+
+
 def train(model, opt, sched, data):
     losses = []
     for x, y in data:

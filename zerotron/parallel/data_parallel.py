@@ -47,7 +47,7 @@ from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
 from zerotron.errors import ConfigError
 from zerotron.parallel.buckets import GradBucket, GradBuckets, group_into_buckets
-from zerotron.precision.grads import accumulate_grad_
+from zerotron.precision.grads import accumulate_grad_, weak_hook
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 """Elements per bucket, Megatron-core's default (``max(40M, 1M * dp)``)."""
@@ -131,7 +131,9 @@ class DataParallel:
         self.buckets: GradBuckets[Bucket] = GradBuckets(
             self._make_buckets(reduce_in_fp32), lambda b: b.launch(self.group), Bucket.wait
         )
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad)) for p in self.params
+        ]
 
     def _make_buckets(self, reduce_in_fp32: bool) -> list[Bucket]:
         """Reversed registration order (backward reaches the last layers first, so the first

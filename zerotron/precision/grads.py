@@ -27,8 +27,9 @@ ranks in fp64. The inf-norm is a maximum and exact in any precision.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -264,3 +265,23 @@ def count_zeros(
     if reduce_fn is not None:
         local = reduce_fn(local, "sum")
     return int(local.item())
+
+
+def weak_hook(method: Callable[[Tensor], Any]) -> Callable[[Tensor], None]:
+    """``method`` (a bound method) as a parameter hook that holds its object weakly.
+
+    A hook registered with ``register_post_accumulate_grad_hook`` lives in autograd's C++
+    gradient accumulator once a backward has run, where Python's garbage collector cannot see
+    it: an object that holds the parameter and hooks a bound method of its own onto it is then
+    a cycle gc never frees, and a dropped optimizer or gradient reducer would keep its buffers
+    (fp32 masters, Adam moments, buckets) until the process exits. Through this wrapper the hook
+    does nothing once its object is gone.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook

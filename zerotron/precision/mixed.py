@@ -30,6 +30,7 @@ One step (:meth:`MixedPrecisionOptimizer.step`; steps 2-3 are
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -129,10 +130,15 @@ class MixedPrecisionOptimizer(StepSequence):
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
 
     def _hook(self, i: int) -> Callable[[Tensor], None]:
+        me = weakref.ref(self)  # not self: see grads.weak_hook
+
         def accumulate(param: Tensor) -> None:
+            owner = me()
+            if owner is None:  # dropped without remove_hooks: leave .grad to whoever is next
+                return
             accumulate_grad_(param.main_grad, param.grad)
             param.grad = None
-            self._got_grad[i] = True
+            owner._got_grad[i] = True
 
         return accumulate
 

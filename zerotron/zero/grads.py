@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
 from zerotron.parallel.buckets import GradBucket, GradBuckets
+from zerotron.precision.grads import weak_hook
 from zerotron.zero.masters import ParamInfo, SubGroup
 from zerotron.zero.partition import BucketLayout, build_buckets, full_shape
 
@@ -110,7 +111,9 @@ class GradReducer:
         self._callback_queued = False
         self.reduced_since_step = False
         """True once a reduction has delivered every bucket (reset by the optimizer's step)."""
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad)) for p in self.params
+        ]
 
     # ---- during backward ------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from zerotron.distributed.comm import Group
 from zerotron.errors import ConfigError, DistributedError
+from zerotron.precision.grads import weak_hook
 from zerotron.zero.stage3.externals import register_declared_externals
 from zerotron.zero.stage3.gather import (
     drop_ref,
@@ -230,7 +231,7 @@ class ParamCoordinator:
         st.coordinator = self
         self.params.append(p)
         if p.requires_grad:  # registered now, so it runs before the optimizer's hook
-            self._handles.append(p.register_post_accumulate_grad_hook(self._after_grad))
+            self._handles.append(p.register_post_accumulate_grad_hook(weak_hook(self._after_grad)))
 
     def _install_hooks(self) -> None:
         # Bookkeeping and collectives, not tensor math: torch.compile runs them eagerly.
