@@ -54,8 +54,10 @@ def upstreams(shape, seed=1):
     }
 
 
+@pytest.mark.parametrize("linear", ["onednn", "torch"])  # the chooser's two fp32 candidates
 @pytest.mark.parametrize("chunk", [8, 39, 1000])  # uneven chunks, one chunk per call
-def test_fp32_equals_unfused(chunk):
+def test_fp32_equals_unfused(monkeypatch, chunk, linear):
+    monkeypatch.setattr(policy, "_choices", KernelChoices(linear=linear))
     x, w, target = inputs(torch.float32)
     for name, up in upstreams(target.shape).items():
 

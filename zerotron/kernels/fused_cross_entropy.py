@@ -91,14 +91,33 @@ class ChunkWorkspace:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype):
-        """An uninitialized ``[rows, cols]`` tensor of ``dtype`` on ``like``'s device."""
+    def get(
+        self,
+        name: str,
+        rows: int,
+        cols: int,
+        like: torch.Tensor,
+        dtype: torch.dtype,
+        row_stride: int | None = None,
+    ):
+        """An uninitialized ``[rows, cols]`` tensor of ``dtype`` on ``like``'s device; with
+        ``row_stride`` (>= ``cols``), a view whose rows lie that many elements apart."""
+        stride = cols if row_stride is None else row_stride
         if like.device.type != "cpu":
-            return like.new_empty(rows, cols, dtype=dtype)
+            return like.new_empty(rows, stride, dtype=dtype)[:, :cols]
         buf = self._buffers.get(name)
-        if buf is None or buf.numel() < rows * cols or buf.dtype != dtype:
-            buf = self._buffers[name] = like.new_empty(rows * cols, dtype=dtype)
-        return buf[: rows * cols].view(rows, cols)
+        if buf is None or buf.numel() < rows * stride or buf.dtype != dtype:
+            buf = self._buffers[name] = like.new_empty(rows * stride, dtype=dtype)
+        return buf[: rows * stride].view(rows, stride)[:, :cols]
+
+
+def padded_row_stride(cols: int) -> int:
+    """A row stride for ``[rows, cols]`` fp32 logits: ``cols`` rounded up to 64 elements.
+
+    GPT-2's 50,257 columns make every row start at another misaligned address: torch.mm writing
+    ``[512, 384] @ [384, 50257]`` fp32 into such rows took 334 ms against 240 ms into rows
+    50,304 apart (one thread, the Zen 3 of bench/README.md); the elementwise passes do not care."""
+    return -(-cols // 64) * 64
 
     def clear(self) -> None:
         """Drop the buffers (they are made again on the next call)."""
@@ -113,7 +132,10 @@ class _Chunks:
         self.w = weight[:vocab_size]  # a contiguous prefix: no copy
         rows, v = min(chunk_size, x.shape[0]), vocab_size
         ws = self.workspace = workspace or ChunkWorkspace()
-        self.work = ws.get("fp32", rows, v, x, torch.float32)
+        # fp32: the products write and read the logits in place, rows padded (padded_row_stride).
+        # 16-bit: kept contiguous; torch.softmax(out=) on padded rows ran 6x slower (copies).
+        stride = padded_row_stride(v) if x.dtype == torch.float32 else None
+        self.work = ws.get("fp32", rows, v, x, torch.float32, stride)
         # 16-bit: the logits come out of the matmul here, and the gradient goes back in here
         self.low = ws.get("16bit", rows, v, x, x.dtype) if x.dtype != torch.float32 else None
         self.with_grad = with_grad
@@ -347,13 +369,15 @@ class _GradW:
     16-bit on CPU: each chunk's product is taken transposed, ``x^T @ grad_logits`` (``[h, V]``),
     summed in a reused workspace buffer, and transposed into ``out`` once at the end: that layout
     is the faster one there, and the transposing copy costs less than it gains (bench/README.md).
-    Elsewhere ``addmm_`` accumulates into ``out`` directly.
+    Elsewhere (fp32 on torch.mm, the GPU) ``addmm_`` accumulates into ``out`` directly: in fp32
+    the transposed layout ran at 60 GFLOP/s against 88 for ``grad_logits^T @ x`` on the Zen 3
+    of bench/README.md.
     """
 
     def __init__(self, out: torch.Tensor, workspace: ChunkWorkspace) -> None:
         self.out = out
         self.sum_t: torch.Tensor | None = None  # [h, V] (CPU, 16-bit)
-        if out.device.type == "cpu" and not _use_onednn(out):
+        if out.device.type == "cpu" and out.dtype != torch.float32:
             v, h = out.shape
             self.sum_t = workspace.get("grad_w_t", h, v, out, out.dtype)
         self.first = True  # the first chunk writes, the others add
