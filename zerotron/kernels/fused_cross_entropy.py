@@ -110,6 +110,10 @@ class ChunkWorkspace:
             buf = self._buffers[name] = like.new_empty(rows * stride, dtype=dtype)
         return buf[: rows * stride].view(rows, stride)[:, :cols]
 
+    def clear(self) -> None:
+        """Drop the buffers (they are made again on the next call)."""
+        self._buffers.clear()
+
 
 def padded_row_stride(cols: int) -> int:
     """A row stride for ``[rows, cols]`` fp32 logits: ``cols`` rounded up to 64 elements.
@@ -118,10 +122,6 @@ def padded_row_stride(cols: int) -> int:
     ``[512, 384] @ [384, 50257]`` fp32 into such rows took 334 ms against 240 ms into rows
     50,304 apart (one thread, the Zen 3 of bench/README.md); the elementwise passes do not care."""
     return -(-cols // 64) * 64
-
-    def clear(self) -> None:
-        """Drop the buffers (they are made again on the next call)."""
-        self._buffers.clear()
 
 
 class _Chunks:
