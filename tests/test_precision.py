@@ -452,9 +452,10 @@ def test_zero_count_and_wrapping_a_used_optimizer():
 
 
 def test_a_dropped_optimizer_and_its_masters_are_freed():
-    """The owner table (zerotron.precision.owners) must not keep a wrapper alive: a strong
-    reference there held its parameters, so the table's weak key never died, and every
-    optimizer a process made (masters, Adam moments) lived until exit."""
+    """Neither the owner table (zerotron.precision.owners) nor the wrapper's gradient hooks
+    keep it alive: a strong reference in either (the hooks live in autograd's C++ accumulator,
+    out of gc's sight) kept every optimizer a process made, masters and Adam moments, until
+    exit."""
     import gc
     import weakref
 
