@@ -26,6 +26,7 @@ demo: $(STAMP)
 # (marker `timing`) alone, so that the other tests' load cannot distort them.
 test: $(STAMP) multihost-deps report-deps
 	$(PY) -m ruff check zerotron tests bench examples
+	$(PY) -m ruff format --check zerotron tests bench examples
 	$(PY) -m pytest -q -n $(JOBS) -m 'not timing' tests
 	$(PY) -m pytest -q -n 0 -m timing $(TIMING)
 
@@ -83,6 +84,7 @@ test-gpu:
 
 lint: $(STAMP)
 	$(PY) -m ruff check zerotron tests bench examples
+	$(PY) -m ruff format --check zerotron tests bench examples
 
 clean:
 	rm -rf work

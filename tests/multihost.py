@@ -168,9 +168,7 @@ def sshd(on: list[Host], tmp: str) -> Iterator[Sshd]:
                 "LogLevel ERROR",
             ])  # fmt: skip
             log = open(os.path.join(tmp, f"sshd.{host.addr}.log"), "wb")  # noqa: SIM115
-            servers.append(
-                subprocess.Popen(host.argv(SSHD, "-D", "-e", "-f", config), stderr=log)
-            )
+            servers.append(subprocess.Popen(host.argv(SSHD, "-D", "-e", "-f", config), stderr=log))
             log.close()
         for host in on:
             _wait_for_ssh(on[0], host, client, servers)

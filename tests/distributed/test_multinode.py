@@ -143,9 +143,20 @@ def test_ssh_starts_a_2x2_pretrain_equal_to_one_process(cluster, data_prefix, on
 def test_no_ssh_runs_the_same_pretrain_by_hand(cluster, data_prefix, one_process):
     nodes = [
         cluster.launch(
-            "--hostfile", cluster.hostfile, "--no_ssh", "--node_rank", str(i),
-            "--master_port", "29522", "-m", "zerotron", "pretrain", *TINY,
-            "--data-path", data_prefix, host=i,
+            "--hostfile",
+            cluster.hostfile,
+            "--no_ssh",
+            "--node_rank",
+            str(i),
+            "--master_port",
+            "29522",
+            "-m",
+            "zerotron",
+            "pretrain",
+            *TINY,
+            "--data-path",
+            data_prefix,
+            host=i,
         )  # fmt: skip
         for i in range(2)
     ]

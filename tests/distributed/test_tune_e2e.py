@@ -75,9 +75,10 @@ def test_the_best_is_the_one_the_measured_metrics_say_and_run_launches_it(tuned)
     got = (optimal["zero_optimization"]["stage"], optimal["train_micro_batch_size_per_gpu"])
     assert got == (int(best["zero_stage"]), int(best["micro_batch_size"]))
     assert "ds_config_optimal.json" in (results / "cmd_optimal.txt").read_text()
-    assert f"| global | 4 | {float(best['throughput']):.6g} | {best['name']} |" in (
-        results / "summary.txt"
-    ).read_text()
+    assert (
+        f"| global | 4 | {float(best['throughput']):.6g} | {best['name']} |"
+        in (results / "summary.txt").read_text()
+    )
     said = f"tune_train: trained 4 steps, micro-batch {got[1]}, ZeRO stage {got[0]}"
     assert said in run.stdout
 

@@ -80,6 +80,7 @@ def install_module_alias(
 
     if not any(isinstance(f, DeepSpeedAliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, DeepSpeedAliasFinder())
+
     def __getattr__(attr: str) -> Any:
         try:
             return getattr(zerotron, attr)

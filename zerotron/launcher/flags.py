@@ -365,40 +365,65 @@ def _autotuning_flags(p: ArgumentParser) -> None:
         '"autotuning" block says how); run: then train with it',
     )
     g.add_argument(
-        "--zero_stages", "--zero-stages", dest="zero_stages", type=_stages, metavar="LIST",
+        "--zero_stages",
+        "--zero-stages",
+        dest="zero_stages",
+        type=_stages,
+        metavar="LIST",
         default=None,
         help="ZeRO stages to search, e.g. 0,1,2 or all (default: the config's "
         "zero_optimization.stage, which may be a list or 'all')",
     )
     g.add_argument(
-        "--micro_batch_sizes", "--micro-batch-sizes", dest="micro_batch_sizes", type=_int_list,
-        metavar="LIST", default=None,
+        "--micro_batch_sizes",
+        "--micro-batch-sizes",
+        dest="micro_batch_sizes",
+        type=_int_list,
+        metavar="LIST",
+        default=None,
         help="micro-batch sizes to search (default: DeepSpeed's choice up to the largest that "
         "fits)",
     )
     g.add_argument(
-        "--tensor_parallel_sizes", "--tensor-parallel-sizes", dest="tensor_parallel_sizes",
-        type=_int_list, metavar="LIST", default=None,
+        "--tensor_parallel_sizes",
+        "--tensor-parallel-sizes",
+        dest="tensor_parallel_sizes",
+        type=_int_list,
+        metavar="LIST",
+        default=None,
         help="zerotron pretrain: tensor-parallel sizes to search (default: all that divide)",
     )
     g.add_argument(
-        "--pipeline_parallel_sizes", "--pipeline-parallel-sizes",
-        dest="pipeline_parallel_sizes", type=_int_list, metavar="LIST", default=None,
+        "--pipeline_parallel_sizes",
+        "--pipeline-parallel-sizes",
+        dest="pipeline_parallel_sizes",
+        type=_int_list,
+        metavar="LIST",
+        default=None,
         help="zerotron pretrain: pipeline-parallel sizes to search (default: all that divide)",
     )
     g.add_argument(
-        "--recompute", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
-        metavar="LIST", default=None,
+        "--recompute",
+        type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
+        metavar="LIST",
+        default=None,
         help="zerotron pretrain: recompute granularities to search, of none, selective, full "
         "(default: all three)",
     )
     g.add_argument(
-        "--experiment_time_limit", "--experiment-time-limit", dest="experiment_time_limit",
-        type=float, metavar="S", default=600.0,
+        "--experiment_time_limit",
+        "--experiment-time-limit",
+        dest="experiment_time_limit",
+        type=float,
+        metavar="S",
+        default=600.0,
         help="seconds an experiment may run before it is stopped and recorded as hung",
     )
     g.add_argument(
-        "--device_memory", "--device-memory", dest="device_memory", metavar="SIZE",
+        "--device_memory",
+        "--device-memory",
+        dest="device_memory",
+        metavar="SIZE",
         default=None,
         help="memory of one rank's device for pruning, e.g. 80GB (default: the GPU's, or the "
         "host's RAM over its local ranks)",

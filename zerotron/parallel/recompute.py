@@ -443,4 +443,3 @@ def saved_bytes(output: torch.Tensor) -> int:
     except RuntimeError:  # backward already ran and freed them
         return 0
     return sum(t.numel() * t.element_size() for t in kept)
-
