@@ -267,8 +267,9 @@ def count_zeros(
     return int(local.item())
 
 
-def weak_hook(method: Callable[[Tensor], Any]) -> Callable[[Tensor], None]:
-    """``method`` (a bound method) as a parameter hook that holds its object weakly.
+def weak_hook(method: Callable[..., Any], *args: Any) -> Callable[[Tensor], None]:
+    """``method(*args, param)`` (a bound method) as a parameter hook that holds its object
+    weakly.
 
     A hook registered with ``register_post_accumulate_grad_hook`` lives in autograd's C++
     gradient accumulator once a backward has run, where Python's garbage collector cannot see
@@ -282,6 +283,6 @@ def weak_hook(method: Callable[[Tensor], Any]) -> Callable[[Tensor], None]:
     def hook(param: Tensor) -> None:
         bound = ref()
         if bound is not None:
-            bound(param)
+            bound(*args, param)
 
     return hook

@@ -30,15 +30,19 @@ One step (:meth:`MixedPrecisionOptimizer.step`; steps 2-3 are
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from zerotron.errors import CheckpointError, ConfigError
-from zerotron.precision.grads import IsCounted, ReduceFn, accumulate_grad_, count_zeros
+from zerotron.precision.grads import (
+    IsCounted,
+    ReduceFn,
+    accumulate_grad_,
+    count_zeros,
+    weak_hook,
+)
 from zerotron.precision.loss_scaler import LossScaler
 from zerotron.precision.owners import set_owner
 from zerotron.precision.step import SKIPPED, StepResult, StepSequence, checks_overflow
@@ -127,20 +131,15 @@ class MixedPrecisionOptimizer(StepSequence):
                 if self._is_16bit[i] and getattr(p, "main_grad", None) is None:
                     p.main_grad = torch.zeros_like(p, dtype=torch.float32)
                     self._owns_main_grad[i] = True
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+                    # Weakly held (grads.weak_hook): once this wrapper is dropped without
+                    # remove_hooks, the hook leaves .grad to whoever is next.
+                    hook = weak_hook(self._accumulate, i)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
-    def _hook(self, i: int) -> Callable[[Tensor], None]:
-        me = weakref.ref(self)  # not self: see grads.weak_hook
-
-        def accumulate(param: Tensor) -> None:
-            owner = me()
-            if owner is None:  # dropped without remove_hooks: leave .grad to whoever is next
-                return
-            accumulate_grad_(param.main_grad, param.grad)
-            param.grad = None
-            owner._got_grad[i] = True
-
-        return accumulate
+    def _accumulate(self, i: int, param: Tensor) -> None:
+        accumulate_grad_(param.main_grad, param.grad)
+        param.grad = None
+        self._got_grad[i] = True
 
     # ---- what the Engine uses -------------------------------------------------------------
 
