@@ -49,7 +49,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.tp import _cpu_model, _mb, _paired_ratio  # noqa: E402
+from bench.tp import _cpu_model, _last_line, _mb, _paired_ratio  # noqa: E402
 from bench.zero import HeapPeak  # noqa: E402
 from tests.distributed.spawn import RankError, run_ranks  # noqa: E402
 
@@ -199,7 +199,7 @@ def _memory_rank(rank: int, system: str, setup: Setup) -> dict:
     for c in chunks:
         c.zero_grad(set_to_none=True)
     gc.collect()
-    base = _heap_in_use(heap)  # the base of "growth": what the model and the warm-up left
+    base = heap.in_use()  # the base of "growth": what the model and the warm-up left
     heap.peak = 0
     for k in (1, 2):
         step(*_batch(setup, k))
@@ -211,19 +211,6 @@ def _memory_rank(rank: int, system: str, setup: Setup) -> dict:
         "heap_peak": peak,
         "heap_growth": (peak or 0) - base,
     }
-
-
-def _heap_in_use(heap: HeapPeak) -> int:
-    """The bytes malloc has handed out now (``HeapPeak`` samples the same sum)."""
-    if heap._info is None:
-        return 0
-    m = heap._info()
-    return m.uordblks + m.hblkhd
-
-
-def _last_line(e: RankError) -> str:
-    lines = [ln for ln in e.details.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else str(e)
 
 
 def run_config(kind: str, pp: int, setup: Setup, timeout: float) -> dict[str, dict]:

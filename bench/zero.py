@@ -238,9 +238,16 @@ class HeapPeak:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _sample(self) -> None:
+    def in_use(self) -> int:
+        """The bytes malloc has handed out now (the sum the peak samples); 0 without
+        ``mallinfo2``."""
+        if self._info is None:
+            return 0
         m = self._info()
-        self.peak = max(self.peak, m.uordblks + m.hblkhd)
+        return m.uordblks + m.hblkhd
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self.in_use())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
