@@ -11,12 +11,12 @@ meaning: elements ``[start, start + length)`` of the flattened parameter ``name`
 model-parallel rank cover every element of every parameter exactly once; this module checks that
 and puts the pieces back together, without processes or a model.
 
-Memory. The files are opened with ``torch.load(mmap=True)``: nothing is read until touched, and
-the optimizer's moments (2× the weights for Adam) are never touched. For the safetensors output
-the pieces are written file by file straight to their byte offsets in the output (its header is
-known from the layout before any data is read), so the process holds about one rank's
-partitions at a time, not the model. The Megatron output builds each model-parallel rank's
-state dict in memory (1× its size) because ``torch.save`` needs it whole.
+Memory. The files are opened with ``torch.load(weights_only=True, mmap=True)``: nothing is read
+until touched, and the optimizer's moments (2× the weights for Adam) are never touched. For the
+safetensors output the pieces are written file by file straight to their byte offsets in the output
+(its header is known from the layout before any data is read), so the process holds about one rank's
+partitions at a time, not the model. The Megatron output builds each model-parallel rank's state
+dict in memory (1× its size) because ``torch.save`` needs it whole.
 
 Outputs (``--format``):
 
