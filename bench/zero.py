@@ -9,6 +9,8 @@ each system in fresh processes, so peak RSS belongs to it alone:
 zerotron-0      Engine + DataParallel + MixedPrecisionOptimizer (ZeRO stage 0)
 zerotron-1/2/3  Engine + ZeroOptimizer(stage)
 zerotron-3+nvme stage 3 with offload_optimizer and offload_param on NVMe (files in --nvme-path)
+zerotron-3+reuse stage 3 with DeepSpeed's default stage3_max_reuse_distance (1e9): parameters
+                stay gathered from their forward to their backward (the DeepSpeed-3 comparison)
 ddp             torch DistributedDataParallel (the stage-0 peer)
 fsdp2           torch.distributed.fsdp.fully_shard on every transformer layer and the root
                 (the stage-3 peer)
@@ -94,6 +96,7 @@ SYSTEMS = (
     "zerotron-3",
     "fsdp2",
     "deepspeed-3",
+    "zerotron-3+reuse",
     "zerotron-3+nvme",
 )
 STAGE = {
@@ -107,6 +110,7 @@ STAGE = {
     "fsdp2": 3,
     "deepspeed-3": 3,
     "zerotron-3+nvme": 3,
+    "zerotron-3+reuse": 3,
 }
 LR, CLIP = 1e-4, 1.0
 
@@ -287,7 +291,7 @@ def _model(setup: Setup, dtype: torch.dtype) -> GPT:
     return GPT(setup.config()).to(dtype)
 
 
-def _zerotron(setup: Setup, stage: int, nvme: bool):
+def _zerotron(setup: Setup, stage: int, nvme: bool, reuse: bool = False):
     from zerotron.distributed.state import state
     from zerotron.engine import Engine, grad_norm_hooks
     from zerotron.parallel.data_parallel import DataParallel
@@ -325,6 +329,7 @@ def _zerotron(setup: Setup, stage: int, nvme: bool):
             ),
             # NVMe streams the states through memory in pieces of this size (elements)
             sub_group_size=setup.sub_group_size or (2_000_000 if nvme else None),
+            max_reuse_distance=int(1e9) if reuse else 0,
         )
         opt = dp = ZeroOptimizer(
             model,
@@ -467,7 +472,9 @@ def _rank(rank: int, system: str, setup: Setup) -> dict:
     counter.install()
     stage = STAGE[system]
     if system.startswith("zerotron"):
-        step, report = _zerotron(setup, stage, system.endswith("+nvme"))
+        step, report = _zerotron(
+            setup, stage, system.endswith("+nvme"), reuse=system.endswith("+reuse")
+        )
     elif system == "ddp":
         step, report = _ddp(setup)
     elif system == "fsdp2":
@@ -535,7 +542,7 @@ def comm_theory(system: str, stage: int, numels: list[int], n: int, setup: Setup
     persistent = 0
     if stage == 3 and system != "fsdp2":
         persistent = sum(k for k in numels if k <= PERSISTENCE_THRESHOLD)
-    if stage in (1, 2):
+    if stage in (1, 2) or system == "zerotron-3+reuse":  # (+reuse: gathered once per step)
         return (n - 1) / n * psi * (g + p)
     return (n - 1) / n * ((psi - persistent) * (2 * p + g) + persistent * (p + g))
 
@@ -653,7 +660,7 @@ def print_report(results: list[dict], setup: Setup) -> None:
     for r in results:
         if "error" not in r:
             ops = ", ".join(f"{op} {b / 1e6:.2f}" for op, b in sorted(r["by_op"].items()))
-            print(f"  {r['system']:<16}{ops}")
+            print(f"  {r['system']:<18}{ops}")
     by_name = {r["system"]: r for r in results if "error" not in r}
     print("\nzerotron / peer, same stage (tokens/s: higher is better; peak RSS growth: lower)")
     for ours, peer in (
@@ -662,6 +669,7 @@ def print_report(results: list[dict], setup: Setup) -> None:
         ("zerotron-2", "deepspeed-2"),
         ("zerotron-3", "fsdp2"),
         ("zerotron-3", "deepspeed-3"),
+        ("zerotron-3+reuse", "deepspeed-3"),
     ):
         if ours in by_name and peer in by_name:
             a, b = by_name[ours], by_name[peer]
@@ -676,7 +684,7 @@ def print_report(results: list[dict], setup: Setup) -> None:
                 else ""
             )
             print(
-                f"  {ours:<11} / {peer:<12} tokens/s {speed:5.2f}x   tokens/CPU-s {cpu:5.2f}x   "
+                f"  {ours:<16} / {peer:<12} tokens/s {speed:5.2f}x   tokens/CPU-s {cpu:5.2f}x   "
                 f"peak RSS {peak:5.2f}x   "
                 f"growth {mem:5.2f}x   {heap}goal (>= 1x, <= 1x): {goal}"
             )

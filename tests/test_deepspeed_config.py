@@ -255,8 +255,8 @@ def test_adagrad_params_and_deepspeeds_defaults():
 
 def test_without_a_deepspeed_config_zero_sizes_are_zerotrons():
     """Flags and the schema leave the bucket, sub-group and prefetch sizes unset: ZeroOptimizer
-    takes zerotron's (stage 3 in pieces of a few MB, the next module prefetched), a DeepSpeed
-    config DeepSpeed's (test_deepspeed_defaults)."""
+    takes zerotron's (stage 3 in pieces of a few MB, the next module prefetched, every
+    parameter released after use), a DeepSpeed config DeepSpeed's (test_deepspeed_defaults)."""
     from zerotron.config import ZeroConfig
     from zerotron.zero.options import default_sizes
 
@@ -266,6 +266,7 @@ def test_without_a_deepspeed_config_zero_sizes_are_zerotrons():
         None,
         None,
     )
+    assert z.stage3_max_reuse_distance == 0
     assert default_sizes(3, None, None) == (4_000_000, 2_000_000)
     assert default_sizes(1, None, None) == default_sizes(2, None, None) == (500_000_000, 10**9)
     assert default_sizes(3, 7, 9) == (7, 9)

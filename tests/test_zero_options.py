@@ -42,18 +42,19 @@ def test_from_config_maps_the_zero_section(tmp_path):
         789,
         torch.bfloat16,
     )
-    assert (o.param_persistence_threshold, o.prefetch_bucket_size, o.max_live_parameters) == (
-        10,
-        11,
-        12,
-    )
+    assert (
+        o.param_persistence_threshold,
+        o.prefetch_bucket_size,
+        o.max_live_parameters,
+        o.max_reuse_distance,
+    ) == (10, 11, 12, 13)
     assert o.gather_16bit_weights_on_model_save is True
     assert o.offload_optimizer == OffloadOptions(device="cpu", pin_memory=True)
     assert o.offload_param == OffloadOptions(
         device="nvme", nvme_path=str(tmp_path), buffer_count=cfg.zero.offload_param_buffer_count
     )
     fields = {f.name for f in dataclasses.fields(ZeroOptions)}
-    assert not fields & {"contiguous_gradients", "round_robin_gradients", "max_reuse_distance"}
+    assert not fields & {"contiguous_gradients", "round_robin_gradients"}
 
 
 def test_options_are_frozen():

@@ -108,7 +108,7 @@ def test_dp2_stages_equal_one_process(dp2, references, kind):
     moved = max(rel_err(start[n].detach(), w) for n, w in ref["weights"].items())
     assert moved > 100 * TOL
     configs = [k for k in dp2[0] if k[0] == kind]
-    assert len(configs) == {"mlp": 10 + 3 + 3, "gpt": 10 + 1, "mlp inf-norm": 1}[kind]
+    assert len(configs) == {"mlp": 10 + 3 + 3, "gpt": 10 + 1 + 2, "mlp inf-norm": 1}[kind]
     for key in configs:
         for rank in range(2):
             check_equal(dp2[rank][key], ref, f"{key} rank {rank}")

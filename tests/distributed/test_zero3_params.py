@@ -128,15 +128,21 @@ def build(kind: str, dtype: torch.dtype) -> nn.Module:
 
 
 CONFIGS = [
-    # kind, dtype, prefetch_bucket_size, max_live_parameters
-    ("gpt", torch.float32, int(5e7), int(1e9)),
-    ("gpt", torch.float32, None, int(1e9)),  # zerotron's default: the next module only
-    ("gpt-recompute", torch.float32, 3000, int(1e9)),
-    ("gpt", torch.float32, 0, int(1e9)),
-    ("gpt", torch.float32, int(5e7), 30000),
-    ("mlp", torch.float32, 4000, int(1e9)),
-    ("gpt", torch.bfloat16, int(5e7), int(1e9)),
-    ("branchy", torch.float32, int(5e7), int(1e9)),
+    # kind, dtype, prefetch_bucket_size, max_live_parameters, max_reuse_distance
+    ("gpt", torch.float32, int(5e7), int(1e9), 0),
+    ("gpt", torch.float32, None, int(1e9), 0),  # zerotron's default: the next module only
+    ("gpt-recompute", torch.float32, 3000, int(1e9), 0),
+    ("gpt", torch.float32, 0, int(1e9), 0),
+    ("gpt", torch.float32, int(5e7), 30000, 0),
+    ("mlp", torch.float32, 4000, int(1e9), 0),
+    ("gpt", torch.bfloat16, int(5e7), int(1e9), 0),
+    ("branchy", torch.float32, int(5e7), int(1e9), 0),
+    # DeepSpeed's default reuse distance: kept from the forward to the backward
+    ("gpt", torch.float32, None, int(1e9), int(1e9)),
+    ("gpt-recompute", torch.float32, 3000, int(1e9), int(1e9)),
+    # 1: only what is used again at once (the tied word embedding, output layer's forward to
+    # its backward)
+    ("gpt", torch.float32, int(5e7), int(1e9), 1),
 ]
 PATHS = {"branchy": "aabbb"}  # per step: the branch taken (others: STEPS steps)
 
@@ -144,7 +150,7 @@ PATHS = {"branchy": "aabbb"}  # per step: the branch taken (others: STEPS steps)
 def _lifecycle(rank: int) -> list[dict]:
     dp = state().dp
     out = []
-    for kind, dtype, prefetch, max_live in CONFIGS:
+    for kind, dtype, prefetch, max_live, reuse in CONFIGS:
         ref = build(kind, dtype)
         model = copy.deepcopy(ref)
         coord = partition_parameters(
@@ -153,6 +159,7 @@ def _lifecycle(rank: int) -> list[dict]:
             persistence_threshold=THRESHOLD,
             prefetch_bucket_size=prefetch,
             max_live_parameters=max_live,
+            max_reuse_distance=reuse,
         )
         names = {id(p): n for n, p in model.named_parameters()}
         ref_params = dict(ref.named_parameters())
@@ -167,9 +174,9 @@ def _lifecycle(rank: int) -> list[dict]:
             p.register_post_accumulate_grad_hook(take_grad)
         gathered_storages: list[StorageWeakRef] = []
 
-        def see_gathered(module, args, store=gathered_storages):
-            for p in module.parameters(recurse=False):
-                if is_partitioned(p) and p.numel():
+        def see_gathered(module, args, store=gathered_storages, coord=coord):
+            for p in coord._fetch_list(module):  # its own and its external parameters
+                if p.numel():
                     store.append(StorageWeakRef(p.data.untyped_storage()))
 
         for m in model.modules():
@@ -238,7 +245,7 @@ def _lifecycle(rank: int) -> list[dict]:
         persistent = [p for p in model.parameters() if not is_partitioned(p)]
         out.append(
             {
-                "config": (kind, str(dtype), prefetch, max_live),
+                "config": (kind, str(dtype), prefetch, max_live, reuse),
                 "steps": steps,
                 "elt": torch.tensor([], dtype=dtype).element_size(),
                 "chunks": sum(chunk_size(p.ds_numel, DP) for p in partitioned),
@@ -249,6 +256,9 @@ def _lifecycle(rank: int) -> list[dict]:
                 "largest_fetch": max(
                     sum(p.ds_numel for p in coord._fetch_list(m)) for m in model.modules()
                 ),
+                "word_chunk": chunk_size(model.embedding.word_embeddings.weight.ds_numel, DP)
+                if kind.startswith("gpt")
+                else None,
             }
         )
     return out
@@ -306,6 +316,8 @@ def test_forward_and_grads_equal_whole_model(lifecycle):
 def test_each_parameter_gathered_twice_per_step(lifecycle):
     for rank_results in lifecycle:
         for res in rank_results:
+            if res["config"][4]:  # reuse: test_reuse_distance_gathers_once_what_it_keeps
+                continue
             padding = DP * res["chunks"] - res["partitioned_numel"]
             assert 0 <= padding < DP * res["n_partitioned"]
             for step in res["steps"]:
@@ -328,7 +340,10 @@ def test_only_shards_held_between_steps(lifecycle):
             want = (res["chunks"] + res["persistent_numel"]) * res["elt"]
             for step in res["steps"]:
                 assert step["empty_at_rest"] and step["live_at_rest"] == 0, res["config"]
-                assert step["freed_after_forward"] and step["freed"], res["config"]
+                assert step["freed"], res["config"]
+                # after the forward too, unless kept for reuse (from the second step on)
+                kept = res["config"][4] and not step["records"]
+                assert step["freed_after_forward"] != kept, res["config"]
                 assert step["held_bytes"] == want, res["config"]
             # ~ Psi * elt / N: the padding is under one element per rank per parameter.
             psi = res["partitioned_numel"]
@@ -338,7 +353,7 @@ def test_only_shards_held_between_steps(lifecycle):
 @LIFECYCLE
 def test_prefetch_follows_recorded_order_within_budgets(lifecycle):
     for res in lifecycle[0]:
-        kind, _, prefetch, max_live = res["config"]
+        kind, _, prefetch, max_live, _ = res["config"]
         for step in res["steps"]:
             if step["records"] or prefetch == 0:
                 assert step["prefetches"] == 0, res["config"]
@@ -347,8 +362,34 @@ def test_prefetch_follows_recorded_order_within_budgets(lifecycle):
         if max_live < int(1e9):
             assert res["peak_live"] <= max(max_live, res["largest_fetch"])
     # Gathering only the next module ahead holds fewer elements at once than the whole model.
-    peak = {res["config"][2]: res["peak_live"] for res in lifecycle[0] if res["config"][0] == "gpt"}
+    peak = {
+        res["config"][2]: res["peak_live"]
+        for res in lifecycle[0]
+        if res["config"][0] == "gpt" and res["config"][4] == 0
+    }
     assert 0 < peak[None] < peak[int(5e7)], peak
+
+
+@LIFECYCLE
+def test_reuse_distance_gathers_once_what_it_keeps(lifecycle):
+    seen = set()
+    for rank_results in lifecycle:
+        for res in rank_results:
+            reuse = res["config"][4]
+            if not reuse:
+                continue
+            seen.add(res["config"])
+            once = res["chunks"] * res["elt"]
+            first, *later = res["steps"]
+            assert first["ag_bytes"] == 2 * once, res["config"]  # the first step records
+            # 1e9: every parameter kept from its forward to its backward: gathered once per
+            # step, and the whole model gathered at the turn. 1: only the tied word embedding,
+            # whose next use (the output layer's backward) follows its forward at once.
+            want = once if reuse > 1 else 2 * once - res["word_chunk"] * res["elt"]
+            assert [s["ag_bytes"] for s in later] == [want] * len(later), res["config"]
+            if reuse > 1:
+                assert res["peak_live"] == res["partitioned_numel"], res["config"]
+    assert len(seen) == 3
 
 
 # --------------------------------------------------------------------------------------------

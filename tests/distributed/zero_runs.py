@@ -231,6 +231,10 @@ def _dp2_rank(rank: int, tmp: str) -> dict:
     for kind, stage, offload in [("mlp", 1, "none"), ("mlp", 2, "nvme"), ("mlp", 3, "cpu"),
                                  ("gpt", 3, "none")]:  # fmt: skip
         out[kind, "resume", stage, offload] = run_zero(kind, stage, tmp, offload, resume_after=1)
+    # Stage 3 keeping parameters gathered from forward to backward (DeepSpeed's default reuse
+    # distance), with shards at rest in memory and on NVMe: the same training.
+    for offload in ("none", "nvme"):
+        out["gpt", "reuse", 3, offload] = run_zero("gpt", 3, tmp, offload, max_reuse_distance=10**9)
     # DeepSpeed's averaging and wire options change nothing in fp32 (powers of two).
     out["mlp", "predivide"] = run_zero("mlp", 2, tmp, gradient_predivide_factor=2.0)
     out["mlp", "prescale"] = run_zero("mlp", 1, tmp, prescale_gradients=True)

@@ -522,6 +522,7 @@ DEEPSPEED_DEFAULTS: dict[str, dict[str, Any]] = {
         "reduce_bucket_size": 500_000_000,
         "sub_group_size": 1_000_000_000,
         "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
     },
 }
 """Schema fields whose default DeepSpeed sets differently from Megatron."""

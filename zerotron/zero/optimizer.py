@@ -215,6 +215,7 @@ class ZeroOptimizer(StepSequence):
             persistence_threshold=self.options.param_persistence_threshold,
             prefetch_bucket_size=self.options.prefetch_bucket_size,
             max_live_parameters=self.options.max_live_parameters,
+            max_reuse_distance=self.options.max_reuse_distance,
             param_store=store,
         )
 
@@ -438,6 +439,7 @@ class ZeroOptimizer(StepSequence):
         """Write the updated values (one flat tensor per sub-group) into the model: shards
         (stage 3) and, for whole parameters, all-gathers of the chunks."""
         if self.coordinator is not None:
+            self.coordinator.release_kept()  # gathered copies of the old values
             for info in self.infos:
                 if info.partitioned:
                     write_shard(

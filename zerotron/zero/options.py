@@ -5,8 +5,8 @@ the wire and accumulation dtypes, DeepSpeed's averaging switches, stage 3's part
 prefetch sizes) with the two offload sections nested as :class:`OffloadOptions`.
 :meth:`ZeroOptions.from_config` reads them from the config's ``zero`` section, which has
 already validated them; DeepSpeed keys that zerotron accepts but does not use
-(``contiguous_gradients``, ``round_robin_gradients``, ``stage3_max_reuse_distance``, the
-async-I/O tuning keys) stay in the config and never reach the optimizer.
+(``contiguous_gradients``, ``round_robin_gradients``, the async-I/O tuning keys) stay in the
+config and never reach the optimizer.
 """
 
 from __future__ import annotations
@@ -164,9 +164,10 @@ class ZeroOptions:
             without offload the wire dtype for one micro-batch and fp32 from the second on;
             fp32 keeps bf16 sums exact at 2 more bytes per element per rank).
         gradient_predivide_factor, prescale_gradients: DeepSpeed's averaging options.
-        param_persistence_threshold, prefetch_bucket_size, max_live_parameters: stage 3's
-            partitioning and prefetch sizes, used when the optimizer partitions the model
-            itself (see :func:`~zerotron.zero.stage3.partition_parameters`).
+        param_persistence_threshold, prefetch_bucket_size, max_live_parameters,
+            max_reuse_distance: stage 3's partitioning, prefetch and reuse sizes, used when
+            the optimizer partitions the model itself (see
+            :func:`~zerotron.zero.stage3.partition_parameters`).
         gather_16bit_weights_on_model_save: stage 3: the Engine also saves the whole 16-bit
             model (``stage3_gather_16bit_weights_on_model_save``).
         offload_optimizer, offload_param: where masters and states, and stage 3's shards, rest
@@ -186,6 +187,7 @@ class ZeroOptions:
     param_persistence_threshold: int = int(1e5)
     prefetch_bucket_size: int | None = None
     max_live_parameters: int = int(1e9)
+    max_reuse_distance: int = 0
     gather_16bit_weights_on_model_save: bool = False
     offload_optimizer: OffloadOptions | None = None
     offload_param: OffloadOptions | None = None
@@ -206,6 +208,7 @@ class ZeroOptions:
             param_persistence_threshold=zero.stage3_param_persistence_threshold,
             prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
             max_live_parameters=zero.stage3_max_live_parameters,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
             gather_16bit_weights_on_model_save=zero.stage3_gather_16bit_weights_on_model_save,
             offload_optimizer=_offload_from_config(zero, "optimizer"),
             offload_param=_offload_from_config(zero, "param"),

@@ -106,7 +106,11 @@ class ZeroConfig(Section):
         1_000_000_000, ge=0, description="Stage 3: gathered parameter elements kept at most."
     )
     stage3_max_reuse_distance: Int = Field(
-        1_000_000_000, ge=0, description="Stage 3: keep a parameter gathered if reused this soon."
+        0,
+        ge=0,
+        description="Stage 3: keep a parameter gathered from its forward use to its next use "
+        "when fewer parameter elements are fetched in between; 0: release after every use (a "
+        "DeepSpeed config's default is 1e9).",
     )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="Stage 3: save consolidated 16-bit weights with each checkpoint."

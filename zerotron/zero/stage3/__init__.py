@@ -28,7 +28,9 @@ The life of a parameter in one training step (hooks on every submodule):
    with :func:`register_external_parameter` are gathered: one ``all_gather`` of rank-major rows
    per fetch (all the module's parameters in one collective);
 2. after its forward they are released (``p.data`` back to an empty tensor) and its outputs pass
-   through a small autograd function whose backward gathers them again;
+   through a small autograd function whose backward gathers them again; with a
+   ``max_reuse_distance``, a parameter whose next use comes soon enough (fewer elements fetched
+   in between, along the recorded orders) is kept gathered until then instead;
 3. each parameter is released once its gradient has been accumulated (a post-accumulate-grad
    hook registered at partitioning, so it runs before the optimizer's: it only swaps ``p.data``,
    never touches ``p.grad``); whatever is still held when the backward ends is released then.
@@ -36,7 +38,7 @@ The life of a parameter in one training step (hooks on every submodule):
 Gathers are reference-counted, so nesting is free: a parent that holds a tied weight, activation
 recompute re-running a layer's forward inside backward (the recomputed layer keeps its parameters
 for its own backward, which follows at once: parameters are gathered exactly twice per step with
-or without recompute), :class:`GatheredParameters` blocks.
+or without recompute, without reuse), :class:`GatheredParameters` blocks, a reuse hold.
 
 Prefetch: the order in which modules fetch is recorded in the first forward and the first
 backward (separately); later passes that follow the same order start the gathers of the next

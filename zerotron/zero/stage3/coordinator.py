@@ -4,13 +4,16 @@
 parameters (:mod:`~zerotron.zero.stage3.shards`), then, on every submodule, gathers its
 parameters before its forward and releases them after, re-gathers them before its backward
 and releases each once its gradient is in (gathering itself: :mod:`~zerotron.zero.stage3.gather`).
-It records the order modules fetch in (a :class:`_Trace` per pass) to prefetch the next ones,
-and keeps autograd's saved views of gathered weights as references to the parameter so a
-release really frees memory. The life of a parameter is told in :mod:`zerotron.zero.stage3`.
+It records the order modules fetch in (a :class:`_Trace` per pass) to prefetch the next ones
+and, with a ``max_reuse_distance``, to keep a parameter gathered from one use to a next use that
+comes soon enough (:class:`_ReusePlan`); and it keeps autograd's saved views of gathered weights
+as references to the parameter so a release really frees memory. The life of a parameter is
+told in :mod:`zerotron.zero.stage3`.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
@@ -76,6 +79,11 @@ class _Trace:
         self.invalidate()
         return []
 
+    def done(self) -> int | None:
+        """How many fetches of the recorded order this pass has made (None: no order yet, or
+        the pass left it)."""
+        return None if self.order is None or self.broken else self.pos
+
     def invalidate(self) -> None:
         self.order, self.recording, self.broken = None, None, True
 
@@ -85,6 +93,41 @@ class _Trace:
         elif self.order is not None and not self.broken and self.pos != len(self.order):
             self.invalidate()  # the pass stopped early: the order is not what we recorded
         self.recording = None
+
+
+class _ReusePlan:
+    """Which parameters to keep gathered after a forward use (DeepSpeed's
+    ``stage3_max_reuse_distance``).
+
+    A step's fetches are the recorded forward order followed by the backward order. When a
+    module's forward ends (after its children's fetches), each of its parameters stays gathered
+    if its next use comes after fewer than ``max_distance`` parameter elements fetched in
+    between; otherwise it is released as usual and gathered again. Uses after the backward are
+    not planned: the optimizer step changes the shards, so everything is gathered afresh.
+    """
+
+    def __init__(self, fwd: list[nn.Module], bwd: list[nn.Module], fetch_list: Any):
+        self.fwd, self.bwd = fwd, bwd
+        self.ends = [0]  # ends[k]: elements fetched by the first k fetches of the step
+        self.uses: dict[int, list[int]] = {}  # id(param) -> the fetches that use it
+        for k, module in enumerate(fwd + bwd):
+            params = fetch_list(module)
+            self.ends.append(self.ends[-1] + sum(p.ds_numel for p in params))  # type: ignore[attr-defined]
+            for p in params:
+                self.uses.setdefault(id(p), []).append(k)
+
+    def matches(self, fwd: list[nn.Module] | None, bwd: list[nn.Module] | None) -> bool:
+        return fwd is self.fwd and bwd is self.bwd
+
+    def kept(self, params: list[Tensor], done: int, max_distance: int) -> set[int]:
+        """Ids of ``params`` to keep, released after the first ``done`` forward fetches."""
+        out = set()
+        for p in params:
+            at = self.uses.get(id(p), [])
+            j = bisect.bisect_left(at, done)  # the next use
+            if j < len(at) and self.ends[at[j]] - self.ends[done] < max_distance:
+                out.add(id(p))
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,7 +183,8 @@ class ParamCoordinator:
     Built by :func:`partition_parameters`; find it again with :func:`coordinator_of`.
     ``params`` lists the partitioned parameters (``named_parameters`` order), ``live_numel``
     counts the elements gathered or in flight right now (``peak_live_numel``: the most so far),
-    ``prefetches`` the module fetches started ahead of use.
+    ``prefetches`` the module fetches started ahead of use, ``reuses`` the forward releases
+    skipped because the parameter's next use was within ``max_reuse_distance``.
     """
 
     def __init__(
@@ -151,14 +195,21 @@ class ParamCoordinator:
         persistence_threshold: int = int(1e5),
         prefetch_bucket_size: int | None = None,
         max_live_parameters: int = int(1e9),
+        max_reuse_distance: int = 0,
         param_store: ShardStore | None = None,
     ):
-        sizes = (prefetch_bucket_size or 0, max_live_parameters, persistence_threshold)
+        sizes = (
+            prefetch_bucket_size or 0,
+            max_live_parameters,
+            persistence_threshold,
+            max_reuse_distance,
+        )
         if min(sizes) < 0:
             raise ConfigError(
                 f"stage-3 sizes must be >= 0 (prefetch_bucket_size={prefetch_bucket_size}, "
                 f"max_live_parameters={max_live_parameters}, "
-                f"param_persistence_threshold={persistence_threshold})",
+                f"param_persistence_threshold={persistence_threshold}, "
+                f"max_reuse_distance={max_reuse_distance})",
                 where="zero_optimization.stage3_*",
             )
         self.module = module
@@ -169,16 +220,24 @@ class ParamCoordinator:
         )
         """Elements gathered ahead of use at most; None: the next module only."""
         self.max_live_parameters = int(max_live_parameters)
+        self.max_reuse_distance = int(max_reuse_distance)
+        """Keep a parameter gathered after a forward use when fewer elements than this are
+        fetched before its next use; 0: release after every use."""
         self.param_store = param_store
         self.params: list[nn.Parameter] = []
         self.live_numel = 0
         self.peak_live_numel = 0  # the most elements gathered or in flight at once
         self.prefetches = 0  # modules whose gather started ahead of their use
+        self.reuses = 0  # forward releases skipped for a next use within the reuse distance
+        self._reuse_plan: _ReusePlan | None = None
         self._prefetched_numel = 0  # prefetched, not yet claimed by their module
         self._storage_owner: dict[int, Tensor] = {}  # gathered storage -> its parameter
         self._fwd_depth = 0
         self._saved_hooks: Any = None
-        self._traces = {"fwd": _Trace(), "bwd": _Trace()}
+        # Training forwards, no-grad forwards (evaluation, generation: a model may take other
+        # paths there) and backwards each have their own order.
+        self._traces = {"fwd": _Trace(), "eval": _Trace(), "bwd": _Trace()}
+        self._fwd_trace = self._traces["fwd"]  # the current forward's
         self._bwd_task: int | None = None
         self._handles: list[Any] = []
         self._partition()
@@ -291,7 +350,8 @@ class ParamCoordinator:
             self._pre_backward(module)
             return
         if self._fwd_depth == 0:
-            self._traces["fwd"].begin()
+            self._fwd_trace = self._traces["fwd" if torch.is_grad_enabled() else "eval"]
+            self._fwd_trace.begin()
             # Saved views of gathered weights refer to the parameter, not its memory.
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
@@ -300,9 +360,10 @@ class ParamCoordinator:
         # What this call holds, released as is after it (registrations may change meanwhile).
         module.__dict__.setdefault("_zero_fwd_held", []).append(params)
         if params:
-            upcoming = self._traces["fwd"].step(module)
+            upcoming = self._fwd_trace.step(module)
             for p in params:
                 take_ref(p)
+            self._claim_kept(params)
             make_available(params, lambda: self._prefetch(upcoming))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -312,8 +373,14 @@ class ParamCoordinator:
         if not held:  # the pre-hook failed before taking anything (the error propagates)
             return output
         params = held.pop()
+        keep = self._kept_after(params) if torch.is_grad_enabled() else set()
         for p in params:
-            drop_ref(p)
+            st = state_of(p)
+            if id(p) in keep and not st.reuse_hold:  # its ref stays, for the next use
+                st.reuse_hold = True
+                self.reuses += 1
+            else:
+                drop_ref(p)
         if torch.is_grad_enabled() and (params or self._fetch_list(module)):
             output = _wrap_outputs(output, _BackwardToken(self, module))
         self._fwd_depth -= 1
@@ -321,7 +388,7 @@ class ParamCoordinator:
             if self._saved_hooks is not None:
                 self._saved_hooks.__exit__(None, None, None)
                 self._saved_hooks = None
-            self._traces["fwd"].end()
+            self._fwd_trace.end()
             self._release_unclaimed()
         return output
 
@@ -340,6 +407,7 @@ class ParamCoordinator:
             if not st.bwd_hold:
                 st.bwd_hold = True
                 take_ref(p)
+        self._claim_kept(params)
         make_available(params, prefetch)
 
     def _ensure_backward_pass(self, task: int) -> None:
@@ -357,6 +425,7 @@ class ParamCoordinator:
             if st.bwd_hold:
                 st.bwd_hold = False
                 drop_ref(p)
+        self.release_kept()
         self._release_unclaimed()
 
     def _after_grad(self, p: Tensor) -> None:
@@ -364,6 +433,34 @@ class ParamCoordinator:
         if st.bwd_hold:
             st.bwd_hold = False
             drop_ref(p)
+
+    # -- reuse ------------------------------------------------------------------------------------
+
+    def _kept_after(self, params: list[Tensor]) -> set[int]:
+        """Ids of those of ``params`` (a forward use that ends now) to keep gathered."""
+        trace = self._traces["fwd"]
+        done = trace.done() if self._fwd_trace is trace else None
+        fwd, bwd = trace.order, self._traces["bwd"].order
+        if not params or self.max_reuse_distance == 0 or done is None or bwd is None:
+            return set()  # (the first step records the orders)
+        plan = self._reuse_plan
+        if plan is None or not plan.matches(fwd, bwd):
+            plan = self._reuse_plan = _ReusePlan(fwd, bwd, self._fetch_list)  # type: ignore[arg-type]
+        return plan.kept(params, done, self.max_reuse_distance)
+
+    @staticmethod
+    def _claim_kept(params: list[Tensor]) -> None:
+        """The next use has taken its own ref: the reuse hold on ``params`` is no longer needed."""
+        for p in params:
+            st = state_of(p)
+            if st.reuse_hold:
+                st.reuse_hold = False
+                drop_ref(p)
+
+    def release_kept(self) -> None:
+        """Release what forward uses kept gathered for a next use (the backward ended, or the
+        optimizer is about to change the shards, which would make the gathered copies stale)."""
+        self._claim_kept(self.params)
 
     # -- prefetch and accounting ---------------------------------------------------------------
 
@@ -409,7 +506,7 @@ class ParamCoordinator:
         """Free every gathered parameter and forget all holds (after an error, say)."""
         for p in self.params:
             st = state_of(p)
-            st.refs, st.bwd_hold = 0, False
+            st.refs, st.bwd_hold, st.reuse_hold = 0, False, False
             free(p)
 
     def gathered_numel(self) -> int:
@@ -465,6 +562,7 @@ def partition_parameters(
     persistence_threshold: int = int(1e5),
     prefetch_bucket_size: int | None = None,
     max_live_parameters: int = int(1e9),
+    max_reuse_distance: int = 0,
     param_store: ShardStore | None = None,
 ) -> ParamCoordinator:
     """Make ``module`` a stage-3 module over ``group`` (default: the data-parallel group).
@@ -488,6 +586,7 @@ def partition_parameters(
         persistence_threshold=persistence_threshold,
         prefetch_bucket_size=prefetch_bucket_size,
         max_live_parameters=max_live_parameters,
+        max_reuse_distance=max_reuse_distance,
         param_store=param_store,
     )
 

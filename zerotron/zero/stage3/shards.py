@@ -90,6 +90,7 @@ class ParamState:
         "group",
         "refs",
         "bwd_hold",
+        "reuse_hold",
         "fetch",
         "prefetched",
         "key",
@@ -101,6 +102,7 @@ class ParamState:
         self.group = group
         self.refs = 0  # holders: module forwards, GatheredParameters blocks, the backward
         self.bwd_hold = False  # the current backward holds one ref until the grad is in
+        self.reuse_hold = False  # kept gathered after a use, for its next use soon after
         self.fetch: Fetch | None = None  # the collective in flight, while INFLIGHT
         self.prefetched = False  # gathered ahead of its module, not yet claimed
         self.key = key
