@@ -47,6 +47,8 @@ LAYOUTS_2 = {
     "dp2 bf16 zero1": "--bf16 --zero-stage 1",
     "dp2 bf16 zero2": "--bf16 --zero-stage 2",
     "dp2 bf16 zero3": "--bf16 --zero-stage 3 --stage3-param-persistence-threshold 1000",
+    "dp2 bf16 zero3 reuse": "--bf16 --zero-stage 3 --stage3-param-persistence-threshold 1000 "
+    "--stage3-max-reuse-distance 1000000000",
     "tp2 sp fp32": "--tensor-model-parallel-size 2 --sequence-parallel "
     "--hidden-dropout 0 --attention-dropout 0",
     "pp2 bf16 1f1b": "--pipeline-model-parallel-size 2 --bf16 --attention-dropout 0",

@@ -155,6 +155,7 @@ class Layout:
     reduce_bucket_size: int | None = None  # ZeRO (None: zerotron's default for the stage)
     allgather_bucket_size: int = 500_000_000
     param_persistence_threshold: int = 100_000  # ZeRO-3: smaller parameters stay whole
+    max_reuse_distance: int = 0  # ZeRO-3: kept gathered from forward to backward within it
     reduce_in_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32
 
     @property
@@ -173,6 +174,7 @@ class Layout:
             reduce_bucket_size=z.reduce_bucket_size,
             allgather_bucket_size=z.allgather_bucket_size,
             param_persistence_threshold=z.stage3_param_persistence_threshold,
+            max_reuse_distance=z.stage3_max_reuse_distance,
             reduce_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
             tp=par.tensor_model_parallel_size,
             pp=par.pipeline_model_parallel_size,
@@ -250,6 +252,7 @@ def estimate(
         param_persistence_threshold=layout.param_persistence_threshold,
         reduce_in_fp32=layout.reduce_in_fp32,
         num_microbatches=layout.num_microbatches,
+        max_reuse_distance=layout.max_reuse_distance,
     )
     case = activation_case(shape, layout)
     kind = "interleaved" if layout.vpp > 1 else "1f1b"

@@ -21,8 +21,10 @@ dtype, Ψ: this rank's parameters, N: data-parallel size, S: optimizer bytes per
 - ZeRO-3: a partitioned parameter's shard *is* its fp32 master's chunk (no 16-bit copy) unless
   something is offloaded; parameters of at most ``param_persistence_threshold`` elements stay
   whole (``e`` each), and so do, while gathered, two modules at once (backward fetches the next
-  before it lets the last go) and the tied embedding for the whole pass; gradients, masters,
-  states as stage 2.
+  before it lets the last go) and the tied embedding for the whole pass; with a
+  ``max_reuse_distance``, also every module kept from its forward to its backward (its next
+  use: the modules after it twice, forward and backward, plus the tied embedding's backward
+  fetch, fewer elements than the distance); gradients, masters, states as stage 2.
 - ZeRO-1/2 buffers: each reduce bucket is packed rank-major in the wire dtype and its row comes
   back (``e(1 + 1/N)`` per element), and buckets launch while backward goes on, so at the end of
   backward all of them may be in flight (``eΨ(1 + 1/N)``); the all-gather of updated chunks
@@ -71,6 +73,7 @@ def model_state_bytes(
     reduce_in_fp32: bool = False,
     num_microbatches: int = 1,
     external: int = 0,
+    max_reuse_distance: int = 0,
 ) -> StateBytes:
     """Model-state bytes of a rank whose parameters are ``modules`` (per module, the element
     counts of its own parameters, as ZeRO-3 gathers them; ``external``: the elements of a module
@@ -121,7 +124,15 @@ def model_state_bytes(
     sizes = [sum(x for x in m if x > big) for m in modules]
     if external:
         sizes.remove(external if external > big else 0)
-    gathered = 2 * max(sizes, default=0) + (external if external > big else 0)
+    tied = external if external > big else 0
+    kept, released, after = 0, [], 0
+    for size in reversed(sizes):  # what follows a module is fetched between its two uses
+        if max_reuse_distance and 2 * after + tied < max_reuse_distance:
+            kept += size
+        else:
+            released.append(size)
+        after += size
+    gathered = kept + 2 * max(released, default=0) + tied
     params = e * (persistent + gathered)
     if offload_param == "cpu":
         host += e * shard_part
