@@ -45,6 +45,25 @@ from zerotron.zero.masters import STEP_PIECE
 from zerotron.zero.options import default_sizes
 
 
+def reuse_split(
+    sizes: list[int], tied: int, max_reuse_distance: int
+) -> tuple[list[int], list[int]]:
+    """ZeRO-3 modules (their gathered elements, in forward order) split into those kept gathered
+    from their forward to their backward under ``max_reuse_distance`` and those released: a
+    module's next use comes after the modules that follow it, fetched twice (forward and
+    backward), and the tied embedding's backward fetch."""
+    kept: list[int] = []
+    released: list[int] = []
+    after = 0
+    for size in reversed(sizes):
+        if max_reuse_distance and 2 * after + tied < max_reuse_distance:
+            kept.append(size)
+        else:
+            released.append(size)
+        after += size
+    return kept, released
+
+
 @dataclass(frozen=True)
 class StateBytes:
     """One rank's model states and their buffers, in bytes."""
@@ -125,14 +144,8 @@ def model_state_bytes(
     if external:
         sizes.remove(external if external > big else 0)
     tied = external if external > big else 0
-    kept, released, after = 0, [], 0
-    for size in reversed(sizes):  # what follows a module is fetched between its two uses
-        if max_reuse_distance and 2 * after + tied < max_reuse_distance:
-            kept += size
-        else:
-            released.append(size)
-        after += size
-    gathered = kept + 2 * max(released, default=0) + tied
+    kept, released = reuse_split(sizes, tied, max_reuse_distance)
+    gathered = sum(kept) + 2 * max(released, default=0) + tied
     params = e * (persistent + gathered)
     if offload_param == "cpu":
         host += e * shard_part
