@@ -10,8 +10,12 @@ stage's action list in order:
 - ``Backward(mb, c)``: autograd from the loss × ``grad_scale / num_microbatches`` (last virtual
   stage) or from the received gradient of the output; the input's gradient is kept to be sent.
 - A communication action posts its ops together (``comm.batch_isend_irecv``, ledger group
-  ``"pp"``) and waits for all of them, in the action's order, so peers match first-in
-  first-out as the schedule planned.
+  ``"pp"``), in the action's order, so peers match first-in first-out as the schedule planned,
+  and waits for its receives only: its sends drain while the stage computes (on gloo a large
+  send completes when the peer receives it). They are waited for at the start of the next
+  communication action, and at the end of the step, so nothing is in flight across steps; a
+  failed or timed-out send surfaces there. Every wait happens no earlier than the blocking
+  version's, so the schedule's deadlock freedom carries over.
 
 Chunk protocol: a chunk is called as ``chunk(hidden, batch)`` with ``hidden`` the received
 activation (None on virtual stage 0) and ``batch`` this stage's copy of the micro-batch (a
@@ -24,20 +28,31 @@ Data: every stage reads the step's ``num_microbatches`` micro-batches from its o
 tokens / position ids, the last stage labels / loss mask, every stage the attention mask if
 any. A stage whose chunks need neither (a middle stage) may pass None.
 
-Activation shapes are not fixed in advance: each activation is preceded by a shape header, a
+Activation shapes are not fixed in advance, but learned once: in a runtime's first training
+step (and, separately, its first eval step) each activation is preceded by a shape header, a
 small int64 tensor ``[dtype code, ndim, dims..., 0...]`` of :data:`HEADER_LEN` elements
 (:data:`HEADER_BYTES` bytes), exchanged in a first round of the same communication action
 (all headers of the action, then all payloads; both rounds keep the schedule's matching, so
-neither can deadlock). Gradients need no header: a gradient has the shape of the output it
-belongs to, which its receiver produced. Ledger per step, per boundary between consecutive
-virtual stages, each way: ``m`` activations of ``b·s·h·bytes`` plus ``m`` headers forward,
-``m`` gradients of ``b·s·h·bytes`` backward.
+neither can deadlock). Both ends keep each ``(micro-batch, chunk)``'s (shape, dtype), the
+sender what it announced, the receiver what it read, and later steps of that kind send no
+headers (Megatron-LM sends shapes only with ``variable_seq_lengths``). Per ``(micro-batch,
+chunk)`` rather than per chunk, so the only assumption is that every step repeats the first
+one's shapes, which the sender checks before each send: an output that differs from what it
+announced is a :class:`~zerotron.errors.DataError` naming stage, chunk, micro-batch and both
+shapes, raised before anything of that action is posted. ``variable_seq_lengths=True``
+(``--variable-seq-lengths``) sends headers at every step instead. Both ends decide from their
+own step count, so they agree without communicating (every stage runs the same steps).
+Gradients need no header: a gradient has the shape of the output it belongs to, which its
+receiver produced. Ledger per steady-state step, per boundary between consecutive virtual
+stages, each way: ``m`` activations of ``b·s·h·bytes`` forward, ``m`` gradients of
+``b·s·h·bytes`` backward; a header-sending step adds ``m`` headers forward.
 
 Memory: once an output has been sent, only its autograd graph is needed, not its values, so its
 storage is freed (resized to 0 bytes; shape and ``grad_fn`` stay), the idea of Megatron-LM's
-output deallocation. ``torch.autograd.backward(output, grad)`` then works on the shell. This
-needs the chunk's last operation not to save its own output for backward (true of a
-transformer layer's residual add); outputs that are views or leaves are never freed.
+output deallocation, once its send has completed (when the runtime waits for it).
+``torch.autograd.backward(output, grad)`` then works on the shell. This needs the chunk's last
+operation not to save its own output for backward (true of a transformer layer's residual add);
+outputs that are views or leaves are never freed.
 
 Timeline: while a recorder is active (:mod:`zerotron.distributed.trace`, ``--profile-steps``),
 each training step records a ``schedule`` span around its actions and one span per action
