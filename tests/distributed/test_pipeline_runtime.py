@@ -326,6 +326,27 @@ def test_shapes_are_sent_once_unless_variable_seq_lengths():
 # ---- one process: the runtime without communication, partitioning, errors -------------------
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_planner_closed_form_is_the_ledgers(layout):
+    """tuning.volume's pipeline terms (what comm_volume and the cost model use) equal the
+    closed form the runs above check against their ledgers: steady state, and a first step."""
+    from zerotron.tuning.estimate import Layout, ModelShape
+    from zerotron.tuning.volume import shape_header_terms, step_terms
+
+    pp, _, v, m, num_layers, _ = LAYOUTS[layout]
+    shape = ModelShape(num_layers, H, 4, S, ORIG_VOCAB)
+    lay = Layout(pp=pp, vpp=v, micro_batch_size=B, num_microbatches=m, precision="fp32")
+    for rank in range(pp):
+        steady = step_terms(shape, lay, rank)
+        for terms, headers in ((steady, False), (steady + shape_header_terms(lay, rank), True)):
+            got = {}
+            for t in terms:
+                if t.group == "pp":
+                    nbytes, calls = got.get((t.group, t.op), (0, 0))
+                    got[t.group, t.op] = (nbytes + t.nbytes, calls + t.calls)
+            assert got == _expected_p2p(rank, pp, v, m, headers=headers), (rank, headers)
+
+
 def test_single_stage_runtime_matches_model():
     m = 3
     stages = build_gpt_stages(make_gpt(2), 0, 1)

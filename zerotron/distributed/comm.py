@@ -31,7 +31,9 @@ fixed factor away: 2(n-1)/n × the recorded bytes for all-reduce, (n-1)/n for re
 (n-1) for all-gather (n = group size).
 
 Asynchronous variants (``*_async``) return a :class:`Pending` whose ``wait()`` gives the result;
-they let data-parallel gradient buckets overlap with backward.
+they let data-parallel gradient buckets overlap with backward. ``batch_isend_irecv(...,
+wait_sends=False)`` waits for its receives only and returns one :class:`Pending` per send,
+so a pipeline stage computes while its sends drain.
 
 On gloo (CPU tensors), all-gather and reduce-scatter are exchanges of point-to-point messages
 (:func:`_exchange`): an all-gather posts every send and receive at once, a reduce-scatter is
