@@ -12,10 +12,10 @@ stage's action list in order:
 - A communication action posts its ops together (``comm.batch_isend_irecv``, ledger group
   ``"pp"``), in the action's order, so peers match first-in first-out as the schedule planned,
   and waits for its receives only: its sends drain while the stage computes (on gloo a large
-  send completes when the peer receives it). They are waited for at the start of the next
-  communication action, and at the end of the step, so nothing is in flight across steps; a
-  failed or timed-out send surfaces there. Every wait happens no earlier than the blocking
-  version's, so the schedule's deadlock freedom carries over.
+  send completes when the peer receives it). They are waited for in the next communication
+  action, once its receives are in, and at the end of the step, so nothing is in flight across
+  steps; a failed or timed-out send surfaces there. Every wait happens no earlier than the
+  blocking version's, so the schedule's deadlock freedom carries over.
 
 Chunk protocol: a chunk is called as ``chunk(hidden, batch)`` with ``hidden`` the received
 activation (None on virtual stage 0) and ``batch`` this stage's copy of the micro-batch (a
@@ -203,7 +203,7 @@ class PipelineRuntime:
                 self._communicate(step, comm_ops(action))
             if span is not None:
                 recorder.end(span)
-        self._settle(step)  # nothing stays in flight across steps
+        self._settle(step.in_flight)  # nothing stays in flight across steps
         if window is not None:
             recorder.end(window)
         if not self.variable_seq_lengths:
@@ -265,11 +265,12 @@ class PipelineRuntime:
     def _communicate(self, step: _Step, ops: Sequence[P2POp]) -> None:
         """Post the action's messages; wait for its receives (its sends drain in the background).
 
-        Sends of earlier actions are waited for first (their outputs then freed), so at most one
-        action's sends are in flight while the stage computes. Headers, when this step sends
-        them, go in a first round of the same action.
+        Sends of the earlier action are waited for once this action's receives are in (the
+        peers have moved on by then, so they are usually done), and their outputs freed: at
+        most one action's sends are in flight while the stage computes. Headers, when this
+        step sends them, go in a first round of the same action.
         """
-        self._settle(step)
+        earlier, step.in_flight = step.in_flight, []
         if step.headers:
             self._exchange_headers(step, ops)
         payloads: list[tuple[str, torch.Tensor, int]] = []
@@ -294,6 +295,7 @@ class PipelineRuntime:
                 step.grads_in[key] = buf
                 payloads.append(("recv", buf, peer))
         sends = comm.batch_isend_irecv(payloads, wait_sends=False)
+        self._settle(earlier)
         step.in_flight += zip(sends, sent_outputs, strict=True)
 
         for op in ops:
@@ -338,13 +340,13 @@ class PipelineRuntime:
             "variable_seq_lengths=True (--variable-seq-lengths) to send shapes every step",
         )
 
-    def _settle(self, step: _Step) -> None:
-        """Wait for the sends in flight; free each sent output's storage once its send is done."""
-        for pending, output in step.in_flight:
+    def _settle(self, in_flight: list[tuple[comm.Pending, torch.Tensor | None]]) -> None:
+        """Wait for sends; free each sent output's storage once its send is done."""
+        for pending, output in in_flight:
             pending.wait()
             if output is not None:
                 self.freed_bytes += _free_storage(output)
-        step.in_flight.clear()
+        in_flight.clear()
 
     def _read(self, data_iterator: Iterator[Batch] | None) -> list[Batch]:
         m = self.num_microbatches
