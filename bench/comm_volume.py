@@ -1,10 +1,10 @@
 """Communication volume of one training step, per parallel layout: the comm ledger against theory.
 
-For each layout (tp2, tp2+sp, pp2, pp4, dp2 and their products) the benchmark runs one training
-step of a small GPT on gloo CPU ranks: ``m`` micro-batches forward and backward through
-:class:`~zerotron.pipeline.PipelineRuntime` (one stage when pp = 1), then the gradient
-reductions in the engine's order: the data-parallel average
-(:class:`~zerotron.parallel.data_parallel.DataParallel`, all buckets once per step), the
+For each layout (tp2, tp2+sp, pp2, pp4, dp2 and their products) the benchmark measures one
+steady-state training step (after a first one: see PP below) of a small GPT on gloo CPU ranks:
+``m`` micro-batches forward and backward through :class:`~zerotron.pipeline.PipelineRuntime`
+(one stage when pp = 1), then the gradient reductions in the engine's order: the data-parallel
+average (:class:`~zerotron.parallel.data_parallel.DataParallel`, all buckets once per step), the
 sequence-parallel sum over TP, the tied-embedding sum over the embedding group. Every byte goes
 through :mod:`zerotron.distributed.comm`, whose ledger each rank captures for the step. The
 parent process computes, from the model's dimensions alone, the closed-form bytes and calls of
@@ -23,9 +23,10 @@ m = micro-batches, V = padded vocabulary, P = positions, a = b·s·h·4 bytes. P
   all-reduce of the sequence-parallel parameters' gradients (per layer 2 LayerNorms and 2
   row-parallel biases = 6h, final LayerNorm 2h, position embeddings P·h).
 - PP: per boundary between consecutive virtual stages, each way: the activation (a, or a/tp
-  under SP) forward, its gradient backward (the issue's headline), plus the runtime's shape
-  header (8 int64 = 64 bytes) before each activation. Once per step: the tied word embedding's
-  gradient (V/tp·h) all-reduced over first and last stage.
+  under SP) forward, its gradient backward (the issue's headline). Once per step: the tied word
+  embedding's gradient (V/tp·h) all-reduced over first and last stage. The runtime's first step
+  also sends a shape header (8 int64 = 64 bytes) before each activation and later steps keep
+  those shapes, so the first step runs unmeasured and the second is the one compared.
 - DP: once per step, the rank's gradient bytes (every parameter it holds, the tied copy
   included), in one all-reduce per bucket (one bucket at the default 40M-element size).
 
@@ -170,6 +171,9 @@ def _rank(rank: int, lay: Layout, model: Model) -> dict:
     if st.dp_size > 1 and DataParallel is not None:
         dp = DataParallel(params, st.dp)
     batches = _batches(model, model.microbatches, seed=100 + st.dp_rank)
+    # The first step exchanges the activations' shape headers; the steady state is measured.
+    with dp.no_sync() if dp is not None else nullcontext():
+        runtime.train_step(iter(batches))
 
     with ledger.capture() as cap:
         # Reduce once per step, after the last micro-batch (the pipeline runs them all inside

@@ -79,6 +79,7 @@ def test_defaults_match_megatron():
         "pipeline_model_parallel_size": 1,
         "distributed_timeout_minutes": 10,
         "ddp_bucket_size": None,
+        "variable_seq_lengths": False,  # megatron.core ModelParallelConfig
         "recompute_granularity": None,
         "exit_interval": None,
         "save_interval": None,
@@ -332,6 +333,7 @@ def test_tensor_and_pipeline_shape_checks():
         cfg.replace(global_batch_size=12)
     cfg = parse("--sequence-parallel")
     assert cfg.parallel.sequence_parallel is False and "sequence_parallel" in cfg.warnings[0]
+    assert parse("--variable-seq-lengths").parallel.variable_seq_lengths is True
 
 
 # ---- model, precision, schedule checks

@@ -119,7 +119,18 @@ def _p2p():
             group_name="pp",
         )
         comm.batch_isend_irecv([])
-    return got, from_prev, from_next, blocking.entries, batched.entries
+    # Sends left in flight: the receive is done on return, each send waited for separately.
+    first, second = torch.empty(3, 5), torch.empty(3, 5)
+    sent = [x * 3, x * 4]
+    in_flight = comm.batch_isend_irecv(
+        [("send", sent[0], nxt), ("recv", first, prev), ("send", sent[1], nxt)],
+        wait_sends=False,
+    )
+    first = first.clone()  # received before any send was waited for
+    comm.batch_isend_irecv([("recv", second, prev)])  # the peer's second send, in order
+    waited = [p.wait() is t for p, t in zip(in_flight, sent, strict=True)]
+    lazy = (first, second, len(in_flight), waited)
+    return got, from_prev, from_next, blocking.entries, batched.entries, lazy
 
 
 def _comm_rank(rank):
@@ -236,7 +247,7 @@ def test_fallbacks_give_the_same_results_and_bytes(results):
 def test_point_to_point(results):
     nbytes = 3 * 5 * 4
     for rank in range(WORLD):
-        got, from_prev, from_next, blocking, batched = results[rank]["p2p"]
+        got, from_prev, from_next, blocking, batched, lazy = results[rank]["p2p"]
         prev, nxt = (rank - 1) % WORLD, (rank + 1) % WORLD
         assert torch.equal(got, data(prev, (3, 5)))
         assert torch.equal(from_prev, data(prev, (3, 5)))
@@ -244,6 +255,10 @@ def test_point_to_point(results):
         order = ["send", "recv"] if rank % 2 == 0 else ["recv", "send"]
         assert blocking == [("pp", op, nbytes) for op in order]
         assert batched == [("pp", op, nbytes) for op in ("send", "send", "recv", "recv")]
+        first, second, in_flight, waited = lazy
+        assert torch.equal(first, 3 * data(prev, (3, 5)))
+        assert torch.equal(second, 4 * data(prev, (3, 5)))
+        assert (in_flight, waited) == (2, [True, True])  # one Pending per send, in order
 
 
 # ------------------------------------------------------------------------------------------

@@ -401,6 +401,9 @@ def test_single_stage_runtime_rejects_bad_batches():
         runtime.train_step(iter([{"tokens": torch.zeros(1)}]))
     loss = runtime.train_step(iter([(torch.ones(2, H), torch.zeros(2, H))]))
     assert torch.equal(loss, F.mse_loss(module(torch.ones(2, H)), torch.zeros(2, H)).detach())
+    assert runtime.variable_seq_lengths is False
+    dynamic = PipelineModule(mlp_specs(), loss_fn=F.mse_loss, dynamic_shape=True)
+    assert PipelineModuleRuntime(dynamic, "1f1b", 1).variable_seq_lengths is True
 
 
 # ---- DeepSpeed's behaviours: own topology, initialize's training data, progress lines ---------

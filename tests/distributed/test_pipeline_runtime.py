@@ -6,9 +6,10 @@ parameters after the tied-embedding all-reduce. The test process trains the same
 seed, same micro-batches, loss averaged over micro-batches) in one process; losses, first-step
 gradients (by parameter name) and final weights must agree within 1e-5 relative. The p2p
 ledger of a step must equal the closed form: per boundary between consecutive virtual stages
-and micro-batch, b·s·h·4 bytes each way plus one activation header forward. tp2 × pp2 with
-sequence parallelism checks the same against the assembled TP shards (activations between
-stages are then [b, s/tp, h]).
+and micro-batch, b·s·h·4 bytes each way, plus one activation header forward in the first
+training (and first eval) step only. tp2 × pp2 with sequence parallelism checks the same
+against the assembled TP shards (activations between stages are then [b, s/tp, h]). Changing
+shapes: an error without ``variable_seq_lengths``, equal losses with it.
 """
 
 import itertools
@@ -57,16 +58,16 @@ def make_gpt(num_layers, **kw):
     return GPT(cfg)  # under TP: this rank's shards of the same full weights
 
 
-def microbatches(step, m):
+def microbatches(step, m, s=S):
     g = torch.Generator().manual_seed(100 + step)
     out = []
     for _ in range(m):
-        mask = (torch.rand(B, S, generator=g) > 0.2).float()
+        mask = (torch.rand(B, s, generator=g) > 0.2).float()
         out.append(
             {
-                "tokens": torch.randint(0, ORIG_VOCAB, (B, S), generator=g),
-                "labels": torch.randint(0, ORIG_VOCAB, (B, S), generator=g),
-                "position_ids": torch.arange(S).repeat(B, 1),
+                "tokens": torch.randint(0, ORIG_VOCAB, (B, s), generator=g),
+                "labels": torch.randint(0, ORIG_VOCAB, (B, s), generator=g),
+                "position_ids": torch.arange(s).repeat(B, 1),
                 "loss_mask": mask,
             }
         )
@@ -120,6 +121,8 @@ def _pipeline_rank(rank, pp, kind, v, m, num_layers, steps, tp=1):
             allreduce_tied_grads(stages)
         for stage in stages:
             allreduce_sequence_parallel_grads(stage)
+        if step == 1:
+            out["second_ledger"] = cap.summary()
         if step == 0:
             out["train_ledger"] = cap.summary()
             out["emb_ledger"] = emb.summary()
@@ -147,21 +150,23 @@ def _close(a, b, what, tol=1e-5):
     assert err <= tol, f"{what}: relative error {err:.3g}"
 
 
-def _expected_p2p(rank, pp, v, m, train=True, act_bytes=ACT_BYTES):
-    """Closed-form {(pp, send|recv): (bytes, calls)} of one step on pipeline rank ``rank``."""
+def _expected_p2p(rank, pp, v, m, train=True, act_bytes=ACT_BYTES, headers=True):
+    """Closed-form {(pp, send|recv): (bytes, calls)} of one step on pipeline rank ``rank``;
+    ``headers``: a step that sends shape headers (a runtime's first of its kind)."""
     last = pp * v - 1
+    hdr = (HEADER_BYTES, 1) if headers else (0, 0)
     send, recv = [0, 0], [0, 0]
     for chunk in range(v):
         vs = chunk * pp + rank
         if vs < last:  # activation (+ header) out; its gradient back in
-            send[0] += m * (act_bytes + HEADER_BYTES)
-            send[1] += 2 * m
+            send[0] += m * (act_bytes + hdr[0])
+            send[1] += m * (1 + hdr[1])
             if train:
                 recv[0] += m * act_bytes
                 recv[1] += m
         if vs > 0:  # activation (+ header) in; input gradient out
-            recv[0] += m * (act_bytes + HEADER_BYTES)
-            recv[1] += 2 * m
+            recv[0] += m * (act_bytes + hdr[0])
+            recv[1] += m * (1 + hdr[1])
             if train:
                 send[0] += m * act_bytes
                 send[1] += m
@@ -207,6 +212,9 @@ def test_pipeline_matches_single_process(layout):
     # Ledger: p2p per step in closed form; embedding all-reduce once on first and last stage.
     for rank, r in enumerate(results):
         assert r["train_ledger"] == _expected_p2p(rank, pp, v, m), f"rank {rank}"
+        if steps > 1:  # shapes were exchanged once: the second step sends no headers
+            second = _expected_p2p(rank, pp, v, m, headers=False)
+            assert r["second_ledger"] == second, f"rank {rank}"
         assert r["eval_ledger"] == _expected_p2p(rank, pp, v, m, train=False), f"rank {rank}"
         emb = {("embedding", "all_reduce"): (VOCAB * H * 4, 1)} if rank in (0, pp - 1) else {}
         assert r["emb_ledger"] == emb, f"rank {rank}"
@@ -247,10 +255,96 @@ def test_tensor_and_pipeline_parallel_match_single_process():
         pp_rank = rank // tp
         p2p = {k: v for k, v in r["train_ledger"].items() if k[0] == "pp"}
         assert p2p == _expected_p2p(pp_rank, pp, 1, m, act_bytes=sp_act), f"rank {rank}"
+        p2p = {k: v for k, v in r["second_ledger"].items() if k[0] == "pp"}
+        assert p2p == _expected_p2p(pp_rank, pp, 1, m, act_bytes=sp_act, headers=False)
         assert r["emb_ledger"] == {("embedding", "all_reduce"): (VOCAB // tp * H * 4, 1)}
 
 
+def _shapes_rank(rank, m):
+    """pp2 1F1B: fixed shapes (train S twice, eval S/2 twice, then a train step at S/2), then
+    ``variable_seq_lengths`` (train at S, then S/2); losses and p2p ledgers per call."""
+    initialize_model_parallel(1, 2)
+    stages = build_gpt_stages(make_gpt(2), rank, 2)
+    out = {"losses": [], "ledgers": []}
+
+    def call(step_fn, step, s):
+        with ledger.capture() as cap:
+            loss = step_fn(iter(microbatches(step, m, s)))
+        out["losses"].append(None if loss is None else loss.item())
+        out["ledgers"].append(cap.summary())
+
+    fixed = PipelineRuntime(stages, "1f1b", m)
+    for fn, step, s in CALLS[:4]:
+        call(getattr(fixed, fn), step, s)
+    out["error"] = None
+    if rank == 0:  # the sender finds out before posting anything; rank 1 sits this one out
+        try:
+            fixed.train_step(iter(microbatches(4, m, S // 2)))
+        except DataError as err:
+            out["error"] = str(err)
+    variable = PipelineRuntime(stages, "1f1b", m, variable_seq_lengths=True)
+    for fn, step, s in CALLS[4:]:
+        call(getattr(variable, fn), step, s)
+    return out
+
+
+# (method, data seed, sequence length) of each call; the first four on a fixed-shape runtime
+CALLS = [
+    ("train_step", 0, S),
+    ("train_step", 1, S),
+    ("eval_step", 2, S // 2),
+    ("eval_step", 3, S // 2),
+    ("train_step", 5, S),
+    ("train_step", 6, S // 2),
+]
+HEADERS = [True, False, True, False, True, True]  # which calls send shape headers
+
+
+def test_shapes_are_sent_once_unless_variable_seq_lengths():
+    m = 2
+    results = run_ranks(_shapes_rank, 2, m, timeout=90)
+    model = make_gpt(2)
+    with torch.no_grad():  # no optimizer step between calls: the same weights throughout
+        ref = [
+            torch.stack([mb_loss(model, b) for b in microbatches(step, m, s)]).mean().item()
+            for _, step, s in CALLS
+        ]
+    assert results[0]["losses"] == [None] * len(CALLS)
+    _close(results[1]["losses"], ref, "losses")
+    for rank, r in enumerate(results):
+        for i, ((fn, _, s), headers) in enumerate(zip(CALLS, HEADERS, strict=True)):
+            want = _expected_p2p(
+                rank, 2, 1, m, fn == "train_step", act_bytes=B * s * H * 4, headers=headers
+            )
+            assert r["ledgers"][i] == want, f"rank {rank}, call {i}"
+    err = results[0]["error"]
+    assert err is not None and "micro-batch 0, chunk 0 has shape [2, 8, 64]" in err, err
+    assert "announced [2, 16, 64] torch.float32" in err and "variable_seq_lengths=True" in err
+    assert "stage 0" in err
+
+
 # ---- one process: the runtime without communication, partitioning, errors -------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_planner_closed_form_is_the_ledgers(layout):
+    """tuning.volume's pipeline terms (what comm_volume and the cost model use) equal the
+    closed form the runs above check against their ledgers: steady state, and a first step."""
+    from zerotron.tuning.estimate import Layout, ModelShape
+    from zerotron.tuning.volume import shape_header_terms, step_terms
+
+    pp, _, v, m, num_layers, _ = LAYOUTS[layout]
+    shape = ModelShape(num_layers, H, 4, S, ORIG_VOCAB)
+    lay = Layout(pp=pp, vpp=v, micro_batch_size=B, num_microbatches=m, precision="fp32")
+    for rank in range(pp):
+        steady = step_terms(shape, lay, rank)
+        for terms, headers in ((steady, False), (steady + shape_header_terms(lay, rank), True)):
+            got = {}
+            for t in terms:
+                if t.group == "pp":
+                    nbytes, calls = got.get((t.group, t.op), (0, 0))
+                    got[t.group, t.op] = (nbytes + t.nbytes, calls + t.calls)
+            assert got == _expected_p2p(rank, pp, v, m, headers=headers), (rank, headers)
 
 
 def test_single_stage_runtime_matches_model():

@@ -31,7 +31,9 @@ fixed factor away: 2(n-1)/n × the recorded bytes for all-reduce, (n-1)/n for re
 (n-1) for all-gather (n = group size).
 
 Asynchronous variants (``*_async``) return a :class:`Pending` whose ``wait()`` gives the result;
-they let data-parallel gradient buckets overlap with backward.
+they let data-parallel gradient buckets overlap with backward. ``batch_isend_irecv(...,
+wait_sends=False)`` waits for its receives only and returns one :class:`Pending` per send,
+so a pipeline stage computes while its sends drain.
 
 On gloo (CPU tensors), all-gather and reduce-scatter are exchanges of point-to-point messages
 (:func:`_exchange`): an all-gather posts every send and receive at once, a reduce-scatter is
@@ -659,12 +661,23 @@ def recv(
 
 
 def batch_isend_irecv(
-    ops: Sequence[P2P | tuple[str, torch.Tensor, int]], group_name: str = "pp"
-) -> None:
-    """Post all sends and receives of ``ops`` together and wait for all of them.
+    ops: Sequence[P2P | tuple[str, torch.Tensor, int]],
+    group_name: str = "pp",
+    *,
+    wait_sends: bool = True,
+) -> list[Pending]:
+    """Post all sends and receives of ``ops`` together; wait for the receives (and the sends).
 
     Posting both directions at once is what makes a pipeline's exchange of activations and
     gradients deadlock-free: no rank waits in a send for a peer that is itself sending.
+
+    With ``wait_sends=False`` only the receives are waited for: the sends may still be in
+    flight (on gloo a large send completes when the peer receives it), and one
+    :class:`Pending` per send comes back, in ``ops``' order, whose ``wait()`` returns the sent
+    tensor. Wait for it before the tensor is changed or its storage freed, and before the
+    next collective that must see the transfer done; its errors surface there. A backend that
+    completes the batch as one unit (NCCL's coalesced batch) is waited for whole, and its
+    sends come back done. With ``wait_sends=True`` (the default) the list is empty.
     """
     p2p_ops, nbytes = [], 0
     for item in ops:
@@ -676,15 +689,32 @@ def batch_isend_irecv(
         nbytes += _nbytes(tensor)
         p2p_ops.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, peer))
     if not p2p_ops:
-        return
+        return []
     call = _p2p_call("batch_isend_irecv", sorted({item[2] for item in ops}), nbytes)
     waiting = watchdog.enter(call)
+    sends: list[Pending] = []
     try:
         with call.guard():
-            for work in dist.batch_isend_irecv(p2p_ops):
-                work.wait()
+            works = dist.batch_isend_irecv(p2p_ops)
+            if wait_sends or len(works) != len(p2p_ops):  # all, or one work for the batch
+                for work in works:
+                    work.wait()
+                works = [None] * len(p2p_ops)
+            for work, (op, tensor, peer) in zip(works, ops, strict=True):
+                if op == "recv" and work is not None:
+                    work.wait()
+                elif op == "send" and not wait_sends:
+                    sends.append(_sent(work, tensor, peer))
     finally:
         watchdog.leave(waiting)
+    return sends
+
+
+def _sent(work: Any, tensor: torch.Tensor, peer: int) -> Pending:
+    """A send of :func:`batch_isend_irecv` still in flight (``work``), or done (None)."""
+    if work is None:
+        return Pending.done(tensor)
+    return Pending(work, lambda: tensor, _p2p_call("send", [peer], _nbytes(tensor)))
 
 
 def _p2p_call(op: str, peers: list[int], nbytes: int = 0) -> Call:

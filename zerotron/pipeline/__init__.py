@@ -19,7 +19,8 @@
   write the Chrome trace, the measured timeline picture and the bubble.
 - :mod:`~zerotron.pipeline.partition`: which layers each (virtual) stage holds.
 - :mod:`~zerotron.pipeline.runtime`: :class:`PipelineRuntime`, which executes a
-  stage's actions on the pipeline group (batched p2p, shape headers, freed sent outputs).
+  stage's actions on the pipeline group (batched p2p whose sends drain in the background,
+  shape headers at the first step, freed sent outputs).
 
 The pipeline knows no model: a stage's model chunk is any module following the runtime's chunk
 protocol (see :mod:`~zerotron.pipeline.runtime`). DeepSpeed's ``PipelineModule`` API is

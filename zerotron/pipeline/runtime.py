@@ -10,8 +10,12 @@ stage's action list in order:
 - ``Backward(mb, c)``: autograd from the loss × ``grad_scale / num_microbatches`` (last virtual
   stage) or from the received gradient of the output; the input's gradient is kept to be sent.
 - A communication action posts its ops together (``comm.batch_isend_irecv``, ledger group
-  ``"pp"``) and waits for all of them, in the action's order, so peers match first-in
-  first-out as the schedule planned.
+  ``"pp"``), in the action's order, so peers match first-in first-out as the schedule planned,
+  and waits for its receives only: its sends drain while the stage computes (on gloo a large
+  send completes when the peer receives it). They are waited for in the next communication
+  action, once its receives are in, and at the end of the step, so nothing is in flight across
+  steps; a failed or timed-out send surfaces there. Every wait happens no earlier than the
+  blocking version's, so the schedule's deadlock freedom carries over.
 
 Chunk protocol: a chunk is called as ``chunk(hidden, batch)`` with ``hidden`` the received
 activation (None on virtual stage 0) and ``batch`` this stage's copy of the micro-batch (a
@@ -24,20 +28,31 @@ Data: every stage reads the step's ``num_microbatches`` micro-batches from its o
 tokens / position ids, the last stage labels / loss mask, every stage the attention mask if
 any. A stage whose chunks need neither (a middle stage) may pass None.
 
-Activation shapes are not fixed in advance: each activation is preceded by a shape header, a
+Activation shapes are not fixed in advance, but learned once: in a runtime's first training
+step (and, separately, its first eval step) each activation is preceded by a shape header, a
 small int64 tensor ``[dtype code, ndim, dims..., 0...]`` of :data:`HEADER_LEN` elements
 (:data:`HEADER_BYTES` bytes), exchanged in a first round of the same communication action
 (all headers of the action, then all payloads; both rounds keep the schedule's matching, so
-neither can deadlock). Gradients need no header: a gradient has the shape of the output it
-belongs to, which its receiver produced. Ledger per step, per boundary between consecutive
-virtual stages, each way: ``m`` activations of ``b·s·h·bytes`` plus ``m`` headers forward,
-``m`` gradients of ``b·s·h·bytes`` backward.
+neither can deadlock). Both ends keep each ``(micro-batch, chunk)``'s (shape, dtype), the
+sender what it announced, the receiver what it read, and later steps of that kind send no
+headers (Megatron-LM sends shapes only with ``variable_seq_lengths``). Per ``(micro-batch,
+chunk)`` rather than per chunk, so the only assumption is that every step repeats the first
+one's shapes, which the sender checks before each send: an output that differs from what it
+announced is a :class:`~zerotron.errors.DataError` naming stage, chunk, micro-batch and both
+shapes, raised before anything of that action is posted. ``variable_seq_lengths=True``
+(``--variable-seq-lengths``) sends headers at every step instead. Both ends decide from their
+own step count, so they agree without communicating (every stage runs the same steps).
+Gradients need no header: a gradient has the shape of the output it belongs to, which its
+receiver produced. Ledger per steady-state step, per boundary between consecutive virtual
+stages, each way: ``m`` activations of ``b·s·h·bytes`` forward, ``m`` gradients of
+``b·s·h·bytes`` backward; a header-sending step adds ``m`` headers forward.
 
 Memory: once an output has been sent, only its autograd graph is needed, not its values, so its
 storage is freed (resized to 0 bytes; shape and ``grad_fn`` stay), the idea of Megatron-LM's
-output deallocation. ``torch.autograd.backward(output, grad)`` then works on the shell. This
-needs the chunk's last operation not to save its own output for backward (true of a
-transformer layer's residual add); outputs that are views or leaves are never freed.
+output deallocation, once its send has completed (when the runtime waits for it).
+``torch.autograd.backward(output, grad)`` then works on the shell. This needs the chunk's last
+operation not to save its own output for backward (true of a transformer layer's residual add);
+outputs that are views or leaves are never freed.
 
 Timeline: while a recorder is active (:mod:`zerotron.distributed.trace`, ``--profile-steps``),
 each training step records a ``schedule`` span around its actions and one span per action
@@ -101,7 +116,10 @@ class PipelineRuntime:
 
     ``stage_modules``: this rank's model chunks, chunk 0 first (more than one only with the
     ``"interleaved"`` schedule). ``schedule_kind``: ``"gpipe"``, ``"1f1b"`` or
-    ``"interleaved"``. The pipeline group is ``state().pp``.
+    ``"interleaved"``. The pipeline group is ``state().pp``. ``variable_seq_lengths``
+    (Megatron's name): send every activation's shape header at every step, for micro-batches
+    whose shapes change between steps; otherwise only a runtime's first training step and first
+    eval step do, and later activations must keep the shapes those announced.
     """
 
     def __init__(
@@ -110,6 +128,7 @@ class PipelineRuntime:
         schedule_kind: str,
         num_microbatches: int,
         loss_fn: LossFn = masked_mean_loss,
+        variable_seq_lengths: bool = False,
     ):
         st = state()
         self.modules = list(stage_modules)
@@ -135,6 +154,10 @@ class PipelineRuntime:
         self.actions: list[Action] = schedule[self.stage]
         self._eval_actions = _forward_only(self.actions)
         self.freed_bytes = 0  # output storage released after sends, over the runtime's life
+        self.variable_seq_lengths = variable_seq_lengths
+        # Activation shapes of the first step of each kind (True: training, False: eval), as
+        # announced and as received; later steps of that kind send no headers.
+        self._shapes: dict[bool, _Shapes] = {}
 
     # ---- public steps ----------------------------------------------------------------------
 
@@ -166,7 +189,8 @@ class PipelineRuntime:
     def _run(
         self, actions: list[Action], batches: list[Batch], training: bool, grad_scale: float
     ) -> torch.Tensor | None:
-        step = _Step(batches, training, grad_scale / self.num_microbatches)
+        learned = None if self.variable_seq_lengths else self._shapes.get(training)
+        step = _Step(batches, training, grad_scale / self.num_microbatches, learned)
         recorder = trace.active() if training else None  # None: not recording (the usual)
         window = None if recorder is None else recorder.begin(WINDOW, "compute", **self._shape())
         for action in actions:
@@ -179,8 +203,11 @@ class PipelineRuntime:
                 self._communicate(step, comm_ops(action))
             if span is not None:
                 recorder.end(span)
+        self._settle(step.in_flight)  # nothing stays in flight across steps
         if window is not None:
             recorder.end(window)
+        if not self.variable_seq_lengths:
+            self._shapes.setdefault(training, step.shapes)
         if step.outputs or step.inputs or step.grads_in or step.grads_out:
             left = sorted({*step.outputs, *step.inputs, *step.grads_in, *step.grads_out})
             raise DistributedError(
@@ -236,28 +263,30 @@ class PipelineRuntime:
             step.grads_out[key] = grad.contiguous()
 
     def _communicate(self, step: _Step, ops: Sequence[P2POp]) -> None:
-        """Headers of the activations first, then every payload, each round in one batch."""
-        headers: list[tuple[str, torch.Tensor, int]] = []
-        for op in ops:
-            if isinstance(op, SendActivation):
-                out = step.outputs[op.mb, op.chunk]
-                headers.append(("send", _header(out), self._peers[op.peer]))
-            elif isinstance(op, RecvActivation):
-                buf = torch.empty(HEADER_LEN, dtype=torch.int64)
-                headers.append(("recv", buf, self._peers[op.peer]))
-        comm.batch_isend_irecv(headers)
-        received = iter(h[1] for h in headers if h[0] == "recv")
+        """Post the action's messages; wait for its receives (its sends drain in the background).
 
+        Sends of the earlier action are waited for once this action's receives are in (the
+        peers have moved on by then, so they are usually done), and their outputs freed: at
+        most one action's sends are in flight while the stage computes. Headers, when this
+        step sends them, go in a first round of the same action.
+        """
+        earlier, step.in_flight = step.in_flight, []
+        if step.headers:
+            self._exchange_headers(step, ops)
         payloads: list[tuple[str, torch.Tensor, int]] = []
+        sent_outputs: list[torch.Tensor | None] = []  # per send: the output to free after it
         for op in ops:
             key, peer = (op.mb, op.chunk), self._peers[op.peer]
             if isinstance(op, SendActivation):
                 out = step.outputs[key]
+                self._check_shape(step, key, out)
                 payloads.append(("send", out if out.is_contiguous() else out.contiguous(), peer))
+                sent_outputs.append(out if step.training else None)
             elif isinstance(op, SendGrad):
                 payloads.append(("send", step.grads_out.pop(key), peer))
+                sent_outputs.append(None)
             elif isinstance(op, RecvActivation):
-                shape, dtype = _parse_header(next(received), self.stage)
+                shape, dtype = step.shapes.received[key]
                 buf = torch.empty(shape, dtype=dtype)
                 step.inputs[key] = buf
                 payloads.append(("recv", buf, peer))
@@ -265,17 +294,59 @@ class PipelineRuntime:
                 buf = torch.empty(step.outputs[key].shape, dtype=step.outputs[key].dtype)
                 step.grads_in[key] = buf
                 payloads.append(("recv", buf, peer))
-        comm.batch_isend_irecv(payloads)
+        sends = comm.batch_isend_irecv(payloads, wait_sends=False)
+        self._settle(earlier)
+        step.in_flight += zip(sends, sent_outputs, strict=True)
 
         for op in ops:
             key = (op.mb, op.chunk)
             if isinstance(op, RecvActivation) and step.training:
                 step.inputs[key].requires_grad_(True)
-            elif isinstance(op, SendActivation):
-                if step.training:
-                    self.freed_bytes += _free_storage(step.outputs[key])
-                else:
-                    del step.outputs[key]
+            elif isinstance(op, SendActivation) and not step.training:
+                del step.outputs[key]  # the send holds what it still needs
+
+    def _exchange_headers(self, step: _Step, ops: Sequence[P2POp]) -> None:
+        """First round: announce each sent activation's shape, learn each received one's."""
+        headers: list[tuple[str, torch.Tensor, int]] = []
+        receiving: list[tuple[Key, torch.Tensor]] = []
+        for op in ops:
+            key, peer = (op.mb, op.chunk), self._peers[op.peer]
+            if isinstance(op, SendActivation):
+                out = step.outputs[key]
+                step.shapes.sent[key] = (tuple(out.shape), out.dtype)
+                headers.append(("send", _header(out), peer))
+            elif isinstance(op, RecvActivation):
+                buf = torch.empty(HEADER_LEN, dtype=torch.int64)
+                headers.append(("recv", buf, peer))
+                receiving.append((key, buf))
+        sends = comm.batch_isend_irecv(headers, wait_sends=False)
+        step.in_flight += ((p, None) for p in sends)
+        for key, buf in receiving:
+            step.shapes.received[key] = _parse_header(buf, self.stage)
+
+    def _check_shape(self, step: _Step, key: Key, out: torch.Tensor) -> None:
+        """The receiver allocates what was announced: an output must still match it."""
+        announced = step.shapes.sent.get(key)
+        if announced == (tuple(out.shape), out.dtype):
+            return
+        mb, chunk = key
+        was = "nothing" if announced is None else f"{list(announced[0])} {announced[1]}"
+        raise DataError(
+            f"the activation of micro-batch {mb}, chunk {chunk} has shape {list(out.shape)} "
+            f"{out.dtype}, but the first step announced {was} to the next stage, which "
+            "receives into a buffer of that shape",
+            where=f"PipelineRuntime stage {self.stage} (virtual stage {self._vstage(chunk)})",
+            fix="keep micro-batch shapes fixed across steps (pad to --seq-length), or pass "
+            "variable_seq_lengths=True (--variable-seq-lengths) to send shapes every step",
+        )
+
+    def _settle(self, in_flight: list[tuple[comm.Pending, torch.Tensor | None]]) -> None:
+        """Wait for sends; free each sent output's storage once its send is done."""
+        for pending, output in in_flight:
+            pending.wait()
+            if output is not None:
+                self.freed_bytes += _free_storage(output)
+        in_flight.clear()
 
     def _read(self, data_iterator: Iterator[Batch] | None) -> list[Batch]:
         m = self.num_microbatches
@@ -302,10 +373,27 @@ class PipelineRuntime:
         return batches
 
 
-class _Step:
-    """What one step holds between actions, keyed by (micro-batch, chunk)."""
+class _Shapes:
+    """Activation (shape, dtype) per (micro-batch, local chunk): announced, and received."""
 
-    def __init__(self, batches: list[Batch], training: bool, loss_factor: float):
+    def __init__(self) -> None:
+        self.sent: dict[Key, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.received: dict[Key, tuple[tuple[int, ...], torch.dtype]] = {}
+
+
+class _Step:
+    """What one step holds between actions, keyed by (micro-batch, chunk).
+
+    ``learned``: the shapes of an earlier step of the same kind, which this step keeps (no
+    headers); None: this step sends headers and records the shapes in ``shapes``.
+    """
+
+    def __init__(
+        self, batches: list[Batch], training: bool, loss_factor: float, learned: _Shapes | None
+    ):
+        self.headers = learned is None
+        self.shapes = learned if learned is not None else _Shapes()
+        self.in_flight: list[tuple[comm.Pending, torch.Tensor | None]] = []  # sends, to free
         self.batches = batches
         self.training = training
         self.loss_factor = loss_factor

@@ -169,7 +169,12 @@ def _pipeline(cfg: Config, model: GPT, ps: ParallelState) -> tuple[StageModel, P
     if tied is not None:
         # The first stage owns the tied embedding: the gradient norm counts it there only.
         tied.weight.shared = True
-    runtime = PipelineRuntime(chunks, par.pipeline_schedule, cfg.training.num_micro_batches)
+    runtime = PipelineRuntime(
+        chunks,
+        par.pipeline_schedule,
+        cfg.training.num_micro_batches,
+        variable_seq_lengths=par.variable_seq_lengths,
+    )
     return stage_model, runtime
 
 

@@ -16,8 +16,11 @@ Per micro-batch, with ``a = b·s·h`` activation elements (b micro-batch, s sequ
   once per step the sequence-parallel parameters' gradients (LayerNorms, row-parallel biases,
   position table) are all-reduced over TP.
 - PP: per boundary between consecutive virtual stages, the activation forward and its gradient
-  backward (a, or a/tp under SP) plus the runtime's shape header before each activation; once
-  per step the tied word embedding's gradient all-reduced over the first and last stage.
+  backward (a, or a/tp under SP); once per step the tied word embedding's gradient all-reduced
+  over the first and last stage. These are steady-state steps: a runtime's first training step
+  (and every step with ``variable_seq_lengths``) also sends a shape header of
+  :data:`~zerotron.pipeline.HEADER_BYTES` before each activation, m per boundary, which
+  :func:`shape_header_terms` gives.
 - DP, once per step: the rank's gradients all-reduced (ZeRO 0); reduce-scattered and the
   updated parameters all-gathered (ZeRO 1, and ZeRO 2 whose reduce-scatter runs every
   micro-batch); ZeRO 3 gathers the parameters before forward and again before backward (and
@@ -85,8 +88,9 @@ def rank_parameters(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
 
 
 def step_terms(shape: ModelShape, layout: Layout, pp_rank: int) -> list[Term]:
-    """Every ``(group, op)`` term of one step on a rank at ``pp_rank`` (every TP and DP rank of
-    a stage moves the same bytes). Activations travel in ``layout.precision``; gradients too
+    """Every ``(group, op)`` term of one steady-state step on a rank at ``pp_rank`` (every TP
+    and DP rank of a stage moves the same bytes; a pipeline's first step adds
+    :func:`shape_header_terms`). Activations travel in ``layout.precision``; gradients too
     (zerotron casts its fp32 buckets to the parameters' 16-bit dtype for the wire)."""
     el = ELEMENT_BYTES[layout.precision]
     b, s, h = layout.micro_batch_size, shape.seq_length, shape.hidden_size
@@ -139,23 +143,36 @@ def step_terms(shape: ModelShape, layout: Layout, pp_rank: int) -> list[Term]:
         last = layout.pp * layout.vpp - 1
         for chunk in range(layout.vpp):
             vs = chunk * layout.pp + pp_rank
-            if vs < last:  # activation out (+ header), its gradient in
+            if vs < last:  # activation out, its gradient in
                 terms.append(Term("pp", "send", m * act, m, "activation", True, "forward"))
-                terms.append(
-                    Term("pp", "send", m * HEADER_BYTES, m, "shape header", False, "forward")
-                )
                 terms.append(Term("pp", "recv", m * act, m, "gradient", True, "backward"))
-            if vs > 0:  # activation in (+ header), input gradient out
+            if vs > 0:  # activation in, input gradient out
                 terms.append(Term("pp", "recv", m * act, m, "activation", True, "forward"))
-                terms.append(
-                    Term("pp", "recv", m * HEADER_BYTES, m, "shape header", False, "forward")
-                )
                 terms.append(Term("pp", "send", m * act, m, "gradient", True, "backward"))
         if shape.tied_embeddings and pp_rank in (0, layout.pp - 1):
             words = shape.padded_vocab(tp) // tp * h * el
             terms.append(Term("embedding", "all_reduce", words, 1, "tied embedding grad"))
     if layout.dp > 1:
         terms += _dp_terms(rank_parameters(shape, layout, pp_rank), layout, el)
+    return terms
+
+
+def shape_header_terms(layout: Layout, pp_rank: int) -> list[Term]:
+    """What a header-sending pipeline step adds to :func:`step_terms` on ``pp_rank``: one
+    :data:`~zerotron.pipeline.HEADER_BYTES` shape header ahead of each activation, per boundary
+    between consecutive virtual stages. The runtime sends them at its first training step (and
+    first eval step), and at every step with ``variable_seq_lengths``; later steps keep the
+    shapes they learned."""
+    m, last = layout.num_microbatches, layout.pp * layout.vpp - 1
+    terms: list[Term] = []
+    if layout.pp == 1:
+        return terms
+    for chunk in range(layout.vpp):
+        vs = chunk * layout.pp + pp_rank
+        if vs < last:
+            terms.append(Term("pp", "send", m * HEADER_BYTES, m, "shape header", False, "forward"))
+        if vs > 0:
+            terms.append(Term("pp", "recv", m * HEADER_BYTES, m, "shape header", False, "forward"))
     return terms
 
 

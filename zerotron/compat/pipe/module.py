@@ -135,6 +135,8 @@ class PipelineModule(nn.Module):
     ``seed_layers``: seed torch (and ``random``, numpy) with ``base_seed + layer index`` before
     building each layer, and with ``base_seed * micro_offset + layer index`` before running it
     (DeepSpeed's behaviour), so a layer's weights do not depend on which stage builds it.
+    ``dynamic_shape``: activations between stages may change shape from step to step (their
+    shapes are sent every step; otherwise only at the first).
     """
 
     def __init__(
@@ -150,6 +152,7 @@ class PipelineModule(nn.Module):
         activation_checkpoint_interval: int = 0,
         activation_checkpoint_func: Callable[..., Any] = checkpoint,
         checkpointable_layers: Sequence[str] | None = None,
+        dynamic_shape: bool = False,
     ):
         super().__init__()
         ps = _state_for(num_stages, topology)
@@ -167,6 +170,7 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
+        self.dynamic_shape = dynamic_shape  # the runtime's variable_seq_lengths
         self._layer_specs = list(layers)
         for i, layer in enumerate(self._layer_specs):
             if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):

@@ -13,7 +13,8 @@ chunk protocol (``chunk(hidden, batch)``, see :mod:`zerotron.pipeline.runtime`):
   module has no ``loss_fn`` (DeepSpeed's rule).
 
 Activations between stages are single tensors (the runtime sends one tensor per micro-batch
-and boundary, with a shape header); a stage returning a tuple is an error that says so.
+and boundary, with a shape header at the first step); a stage returning a tuple is an error
+that says so.
 
 Tied layers (``TiedLayerSpec``): :meth:`PipeStage.tied_weights` declares their weights with
 the group of the stages sharing each (:mod:`zerotron.parallel.declarations`), and the Engine
@@ -98,7 +99,13 @@ class PipelineModuleRuntime(PipelineRuntime):
     def __init__(self, module: PipelineModule, schedule_kind: str, num_microbatches: int):
         self.pipe_module = module
         self.chunk = PipeStage(module)  # (self.stage is the runtime's stage index)
-        super().__init__([self.chunk], schedule_kind, num_microbatches, loss_fn=self.chunk.loss)
+        super().__init__(
+            [self.chunk],
+            schedule_kind,
+            num_microbatches,
+            loss_fn=self.chunk.loss,
+            variable_seq_lengths=module.dynamic_shape,
+        )
 
 
 def _inputs(batch: Any) -> Any:

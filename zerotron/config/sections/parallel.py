@@ -32,6 +32,11 @@ class ParallelConfig(Section):
         description="Pipeline schedule (zerotron's flag; Megatron has none): 1f1b by default, "
         "interleaved with virtual stages, gpipe (all forwards, then all backwards) on request.",
     )
+    variable_seq_lengths: bool = Field(
+        False,
+        description="Send each pipeline activation's shape at every step, for micro-batches "
+        "whose shapes change (Megatron's flag); by default shapes go once, at the first step.",
+    )
     distributed_timeout_minutes: Int = Field(
         10, gt=0, description="Timeout of collectives; a hung rank fails the job after it."
     )
