@@ -102,14 +102,26 @@ def test_hand_computed_step_tensor_parallel():
     assert got.step_time == pytest.approx(4 * per_mb, rel=1e-12)
 
 
-@pytest.mark.parametrize("stage,factor", [(0, 2 * 2), (1, 2 + 2), (2, 2 + 2), (3, 2 * 2 + 2)])
-def test_zero_wire_bytes_are_the_zero_papers(stage, factor):
+@pytest.mark.parametrize(
+    "stage,factor,extra",
+    [
+        (0, 2 * 2, {}),
+        (1, 2 + 2, {}),
+        (2, 2 + 2, {}),
+        (3, 2 * 2 + 2, {}),
+        (3, 2 * 2 + 2, {"recompute": "full"}),
+        (3, 2 + 2, {"max_reuse_distance": 10**9}),
+    ],
+)
+def test_zero_wire_bytes_are_the_zero_papers(stage, factor, extra):
     # one micro-batch, bf16 (p = g = 2 bytes): ZeRO 0 all-reduces 2(n-1)/n·Ψ·g; 1 and 2
     # reduce-scatter gradients and all-gather parameters, (n-1)/n·Ψ·(g + p); 3 gathers twice,
-    # (n-1)/n·Ψ·(2p + g)
+    # (n-1)/n·Ψ·(2p + g), with or without recompute (the recomputed forward's gather serves
+    # the backward); with DeepSpeed's reuse distance the parameters stay gathered from the
+    # forward to the backward of a model this small: once, (n-1)/n·Ψ·(p + g), as stage 2
     from zerotron.tuning.volume import rank_parameters, step_terms, wire_bytes
 
-    lay = Layout(dp=4, zero_stage=stage)
+    lay = Layout(dp=4, zero_stage=stage, **extra)
     psi = rank_parameters(TINY, lay, 0)
     got = sum(wire_bytes(t.op, t.nbytes, 4) for t in step_terms(TINY, lay, 0) if t.group == "dp")
     assert psi % 4 == 0

@@ -23,8 +23,10 @@ Per micro-batch, with ``a = b·s·h`` activation elements (b micro-batch, s sequ
   :func:`shape_header_terms` gives.
 - DP, once per step: the rank's gradients all-reduced (ZeRO 0); reduce-scattered and the
   updated parameters all-gathered (ZeRO 1, and ZeRO 2 whose reduce-scatter runs every
-  micro-batch); ZeRO 3 gathers the parameters before forward and again before backward (and
-  before the recompute forward) and reduce-scatters the gradients, every micro-batch.
+  micro-batch); ZeRO 3 gathers the parameters before forward and again before backward (the
+  recomputed forward's gather serves its backward; with ``max_reuse_distance``, what stays
+  gathered from the forward is not gathered again) and reduce-scatters the gradients, every
+  micro-batch (from the second step on: the first records the orders the reuse plan needs).
 
 Not counted: the optimizer step's grad-norm scalars and the loss average (a few bytes), and
 ZeRO-3's persistent small parameters (gathered once, a rounding error at planning scale).
@@ -35,7 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerotron.pipeline import HEADER_BYTES
-from zerotron.tuning.estimate import Layout, ModelShape
+from zerotron.tuning.estimate import Layout, ModelShape, stage_modules
+from zerotron.tuning.model_states import reuse_split
 
 FP32 = 4
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -153,8 +156,23 @@ def step_terms(shape: ModelShape, layout: Layout, pp_rank: int) -> list[Term]:
             words = shape.padded_vocab(tp) // tp * h * el
             terms.append(Term("embedding", "all_reduce", words, 1, "tied embedding grad"))
     if layout.dp > 1:
-        terms += _dp_terms(rank_parameters(shape, layout, pp_rank), layout, el)
+        kept = 0
+        if layout.zero_stage == 3 and layout.max_reuse_distance:
+            kept = _kept_from_forward(shape, layout, pp_rank)
+        terms += _dp_terms(rank_parameters(shape, layout, pp_rank), layout, el, kept)
     return terms
+
+
+def _kept_from_forward(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
+    """ZeRO-3 parameter elements the reuse distance keeps gathered from forward to backward
+    (every parameter counted as gathered, as the terms below count them)."""
+    sizes = [sum(m) for m in stage_modules(shape, layout.tp, layout.pp, pp_rank)]
+    word = shape.padded_vocab(layout.tp) // layout.tp * shape.hidden_size
+    tied = word if layout.pp == 1 else 0
+    if tied:  # the output layer reads it for the whole pass (model_states does the same)
+        sizes.remove(tied)
+    kept, _ = reuse_split(sizes, tied, layout.max_reuse_distance)
+    return sum(kept) + tied
 
 
 def shape_header_terms(layout: Layout, pp_rank: int) -> list[Term]:
@@ -176,8 +194,9 @@ def shape_header_terms(layout: Layout, pp_rank: int) -> list[Term]:
     return terms
 
 
-def _dp_terms(psi: int, layout: Layout, el: int) -> list[Term]:
-    """Data-parallel traffic of ``psi`` parameters under ``layout.zero_stage``."""
+def _dp_terms(psi: int, layout: Layout, el: int, kept: int = 0) -> list[Term]:
+    """Data-parallel traffic of ``psi`` parameters under ``layout.zero_stage`` (``kept``: ZeRO-3
+    elements kept gathered from forward to backward, not gathered again)."""
     n, m, stage = layout.dp, layout.num_microbatches, layout.zero_stage
     grads, shard = psi * el, -(-psi // n) * el
     if stage == 0:
@@ -189,15 +208,17 @@ def _dp_terms(psi: int, layout: Layout, el: int) -> list[Term]:
             Term("dp", "reduce_scatter", rs_calls * grads, rs_calls, "gradients", True, phase),
             Term("dp", "all_gather", shard, 1, "updated parameters"),
         ]
-    gathers = 3 if layout.recompute == "full" else 2
+    # Recompute does not add a gather: the recomputed forward holds the parameters for the
+    # backward that follows at once (tests/distributed/test_zero3_params.py).
+    again = -(-(psi - kept) // n) * el
     return [
         Term("dp", "all_gather", m * shard, m, "ZeRO-3 parameters before forward", True, "forward"),
         Term(
             "dp",
             "all_gather",
-            (gathers - 1) * m * shard,
-            (gathers - 1) * m,
-            "ZeRO-3 parameters before backward" + (" and recompute" if gathers == 3 else ""),
+            m * again,
+            m if again else 0,
+            "ZeRO-3 parameters before backward (those not kept from the forward)",
             True,
             "backward",
         ),
