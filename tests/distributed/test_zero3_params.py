@@ -231,8 +231,8 @@ def _lifecycle(rank: int) -> list[dict]:
                     "prefetches": coord.prefetches - prefetches,
                     "used_chunks": used_chunks,
                     # The first pass records the order. A pass that departs from it drops it
-                    # (after prefetching along it up to there) and the next pass records anew
-                    # (here the no-grad forward of the check: the step after has both kinds).
+                    # (after prefetching along it up to there) and the next pass of its kind
+                    # records anew (no-grad forwards, as the check's, keep their own order).
                     "records": step == 0,
                     "after_change": step > 1 and paths[step - 1] != paths[step - 2],
                     "path_changed": step > 0 and path != paths[step - 1],

@@ -41,8 +41,9 @@ for its own backward, which follows at once: parameters are gathered exactly twi
 or without recompute, without reuse), :class:`GatheredParameters` blocks, a reuse hold.
 
 Prefetch: the order in which modules fetch is recorded in the first forward and the first
-backward (separately); later passes that follow the same order start the gathers of the next
-modules asynchronously, up to ``prefetch_bucket_size`` elements in flight and
+backward (separately; no-grad forwards, which a model may run along another path, keep a
+third); later passes that follow the same order start the gathers of the next modules
+asynchronously, up to ``prefetch_bucket_size`` elements in flight and
 ``max_live_parameters`` gathered in all. Without a ``prefetch_bucket_size`` (zerotron's default;
 a DeepSpeed config's default is 5e7) only the next module is gathered ahead, as FSDP2 does: in
 backward a deeper prefetch holds parameters while the activations are at their peak. A pass
