@@ -434,7 +434,7 @@ class ParamCoordinator:
             st.bwd_hold = False
             drop_ref(p)
 
-    # -- reuse -----------------------------------------------------------------------------------
+    # -- reuse ---------------------------------------------------------------------------------
 
     def _kept_after(self, params: list[Tensor]) -> set[int]:
         """Ids of those of ``params`` (a forward use that ends now) to keep gathered."""
