@@ -240,8 +240,12 @@ def test_log_lines_and_progress_bar(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- interruption
 
+# A shell's Ctrl-C reaches a command whose SIGINT is at Python's default. A child inherits an
+# ignored SIGINT (and Python then keeps ignoring it, as it should for `cmd &`), so the run
+# restores the default rather than depend on what the test worker's earlier tests left.
 SLOW_RUN = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import zerotron.data.preprocess as pp
 from zerotron.cli import main
 pp.CHUNK_BYTES = 1  # one line per chunk
