@@ -236,10 +236,9 @@ def estimate(
             where="estimate(pipeline_rank=)",
         )
     first, last = pipeline_rank == 0, pipeline_rank == layout.pp - 1
-    word = shape.padded_vocab(layout.tp) // layout.tp * shape.hidden_size
     states = model_state_bytes(
         stage_modules(shape, layout.tp, layout.pp, pipeline_rank),
-        external=word if layout.pp == 1 else 0,  # the tied head reads the embedding's weight
+        external=tied_external(shape, layout),
         precision=layout.precision,
         zero_stage=layout.zero_stage,
         dp=layout.dp,
@@ -300,6 +299,13 @@ def activation_case(shape: ModelShape, layout: Layout) -> act.ActivationCase:
         hidden_dropout=shape.hidden_dropout,
         attention_dropout=shape.attention_dropout,
     )
+
+
+def tied_external(shape: ModelShape, layout: Layout) -> int:
+    """Elements of the tied word embedding the output layer reads outside the embedding module
+    (ZeRO-3 gathers it for the whole pass); 0 under a pipeline, where the last stage holds its
+    own copy."""
+    return shape.padded_vocab(layout.tp) // layout.tp * shape.hidden_size if layout.pp == 1 else 0
 
 
 def stage_modules(shape: ModelShape, tp: int, pp: int, stage: int) -> list[list[int]]:

@@ -46,12 +46,18 @@ from zerotron.zero.options import default_sizes
 
 
 def reuse_split(
-    sizes: list[int], tied: int, max_reuse_distance: int
-) -> tuple[list[int], list[int]]:
-    """ZeRO-3 modules (their gathered elements, in forward order) split into those kept gathered
-    from their forward to their backward under ``max_reuse_distance`` and those released: a
-    module's next use comes after the modules that follow it, fetched twice (forward and
-    backward), and the tied embedding's backward fetch."""
+    modules: list[list[int]], external: int, threshold: int, max_reuse_distance: int
+) -> tuple[list[int], list[int], int]:
+    """ZeRO-3's gathered elements per module (those of more than ``threshold`` elements; in
+    forward order) split into ``(kept, released, tied)``: the modules kept gathered from their
+    forward to their backward under ``max_reuse_distance``, the modules released after each
+    use, and the tied weight read outside its module (``external``), gathered for the whole
+    pass. A module's next use comes after the modules that follow it, fetched twice (forward
+    and backward), and the tied weight's backward fetch."""
+    sizes = [sum(x for x in m if x > threshold) for m in modules]
+    tied = external if external > threshold else 0
+    if external:
+        sizes.remove(tied)
     kept: list[int] = []
     released: list[int] = []
     after = 0
@@ -61,7 +67,7 @@ def reuse_split(
         else:
             released.append(size)
         after += size
-    return kept, released
+    return kept, released, tied
 
 
 @dataclass(frozen=True)
@@ -140,11 +146,7 @@ def model_state_bytes(
     # Gathered whole: a module's parameters around its forward and backward, and the next
     # module's before the last is released (two at once); a tied weight the model reads
     # outside its module (``external``) for the whole pass.
-    sizes = [sum(x for x in m if x > big) for m in modules]
-    if external:
-        sizes.remove(external if external > big else 0)
-    tied = external if external > big else 0
-    kept, released = reuse_split(sizes, tied, max_reuse_distance)
+    kept, released, tied = reuse_split(modules, external, big, max_reuse_distance)
     gathered = sum(kept) + 2 * max(released, default=0) + tied
     params = e * (persistent + gathered)
     if offload_param == "cpu":

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerotron.pipeline import HEADER_BYTES
-from zerotron.tuning.estimate import Layout, ModelShape, stage_modules
+from zerotron.tuning.estimate import Layout, ModelShape, stage_modules, tied_external
 from zerotron.tuning.model_states import reuse_split
 
 FP32 = 4
@@ -166,12 +166,8 @@ def step_terms(shape: ModelShape, layout: Layout, pp_rank: int) -> list[Term]:
 def _kept_from_forward(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
     """ZeRO-3 parameter elements the reuse distance keeps gathered from forward to backward
     (every parameter counted as gathered, as the terms below count them)."""
-    sizes = [sum(m) for m in stage_modules(shape, layout.tp, layout.pp, pp_rank)]
-    word = shape.padded_vocab(layout.tp) // layout.tp * shape.hidden_size
-    tied = word if layout.pp == 1 else 0
-    if tied:  # the output layer reads it for the whole pass (model_states does the same)
-        sizes.remove(tied)
-    kept, _ = reuse_split(sizes, tied, layout.max_reuse_distance)
+    modules = stage_modules(shape, layout.tp, layout.pp, pp_rank)
+    kept, _, tied = reuse_split(modules, tied_external(shape, layout), 0, layout.max_reuse_distance)
     return sum(kept) + tied
 
 

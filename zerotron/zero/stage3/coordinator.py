@@ -183,8 +183,7 @@ class ParamCoordinator:
     Built by :func:`partition_parameters`; find it again with :func:`coordinator_of`.
     ``params`` lists the partitioned parameters (``named_parameters`` order), ``live_numel``
     counts the elements gathered or in flight right now (``peak_live_numel``: the most so far),
-    ``prefetches`` the module fetches started ahead of use, ``reuses`` the forward releases
-    skipped because the parameter's next use was within ``max_reuse_distance``.
+    ``prefetches`` the module fetches started ahead of use.
     """
 
     def __init__(
@@ -228,7 +227,6 @@ class ParamCoordinator:
         self.live_numel = 0
         self.peak_live_numel = 0  # the most elements gathered or in flight at once
         self.prefetches = 0  # modules whose gather started ahead of their use
-        self.reuses = 0  # forward releases skipped for a next use within the reuse distance
         self._reuse_plan: _ReusePlan | None = None
         self._prefetched_numel = 0  # prefetched, not yet claimed by their module
         self._storage_owner: dict[int, Tensor] = {}  # gathered storage -> its parameter
@@ -378,7 +376,6 @@ class ParamCoordinator:
             st = state_of(p)
             if id(p) in keep and not st.reuse_hold:  # its ref stays, for the next use
                 st.reuse_hold = True
-                self.reuses += 1
             else:
                 drop_ref(p)
         if torch.is_grad_enabled() and (params or self._fetch_list(module)):
