@@ -49,9 +49,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.tp import _cpu_model, _last_line, _mb, _paired_ratio  # noqa: E402
+from bench.common import job_kernels, machine, measure_kernels  # noqa: E402
+from bench.tp import _last_line, _mb, _paired_ratio  # noqa: E402
 from bench.zero import HeapPeak  # noqa: E402
 from tests.distributed.spawn import RankError, run_ranks  # noqa: E402
+from zerotron.kernels import KernelShape  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,12 @@ class Setup:
     virtual: int = 2
     steps: int = 6
     warmup: int = 1
+
+    def kernel_shape(self) -> KernelShape:
+        """What the kernel chooser measures: one micro-batch, one thread, fp32."""
+        return KernelShape(
+            self.hidden, self.heads, self.seq, self.micro_batch, self.vocab, "fp32", threads=1
+        )
 
 
 def _batch(setup: Setup, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +175,7 @@ def _timing_rank(rank: int, kind: str, setup: Setup) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    job_kernels(setup.kernel_shape())
     chunks, st = _chunks(setup, kind)
     systems = [f"zerotron-{kind}", f"torch-{kind}"]
     steps = {s: _build(s, setup, chunks, st) for s in systems}
@@ -192,6 +201,7 @@ def _memory_rank(rank: int, system: str, setup: Setup) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    job_kernels(setup.kernel_shape())
     heap = HeapPeak()
     chunks, st = _chunks(setup, system.split("-", 1)[1])
     step = _build(system, setup, chunks, st)
@@ -247,7 +257,7 @@ def run_config(kind: str, pp: int, setup: Setup, timeout: float) -> dict[str, di
 
 
 def print_report(configs: list[dict[str, dict]], setup: Setup) -> None:
-    print(f"\nCPU: {_cpu_model()}; load average {os.getloadavg()[0]:.1f}; setup {asdict(setup)}")
+    print(f"\n{machine()}; setup {asdict(setup)}")
     print(
         f"{'system':<26}{'tokens/s':>10}{'best':>8}{'step ms':>9}{'peak RSS MB':>13}"
         f"{'heap MB':>9}{'step heap MB':>14}"
@@ -310,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.quick:
         setup = Setup(8, 64, 4, 32, 512, 1, 4, 2, 1, 1)
+    print(f"zerotron {measure_kernels(setup.kernel_shape())}", flush=True)
     configs = []
     for pp in args.pp.split(","):
         for kind in args.kinds.split(","):

@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import cpu_model  # noqa: E402
 from tests.distributed.spawn import run_ranks  # noqa: E402
 from zerotron.config import parse_megatron_args  # noqa: E402
 from zerotron.tuning.cost import Cluster, predict  # noqa: E402
@@ -159,14 +160,6 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def _dataset(root: Path) -> str:
     from zerotron.data.preprocess import main as preprocess
 
@@ -196,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = _dataset(Path(tmp))
         c = calibrate_cpu(shape, data)
-        print(f"CPU: {_cpu_model()}, {os.cpu_count()} cores; 2 gloo ranks, 1 thread each")
+        print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; 2 gloo ranks, 1 thread each")
         print(
             f"calibrated: matmul {c.peak_flops / 1e9:.1f} GFLOP/s per rank (fp32), memory "
             f"{c.hbm_bandwidth / 1e9:.1f} GB/s, gloo all-reduce {c.intra_node_bandwidth / 1e9:.2f}"

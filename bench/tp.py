@@ -52,8 +52,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import job_kernels, machine, measure_kernels  # noqa: E402
 from bench.zero import HeapPeak  # noqa: E402
 from tests.distributed.spawn import RankError, run_ranks  # noqa: E402
+from zerotron.kernels import KernelShape  # noqa: E402
 
 SYSTEMS = ("zerotron", "zerotron-nooverlap", "dtensor", "megatron")
 LR = 1e-3
@@ -73,6 +75,13 @@ class Setup:
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+
+    def kernel_shape(self) -> KernelShape:
+        """What the kernel chooser measures: the layers' micro-batch, one thread (no output
+        layer: ``main`` turns the fused loss off, so there is no ``loss_chunk`` to choose)."""
+        return KernelShape(
+            self.hidden, self.heads, self.seq, self.micro_batch, 1, self.dtype, threads=1
+        )
 
 
 def _batches(setup: Setup, count: int) -> list[torch.Tensor]:
@@ -339,6 +348,7 @@ def _timing_rank(rank: int, systems: list[str], sp: bool, setup: Setup, profile:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    job_kernels(setup.kernel_shape())
     steps = {system: _build(system, setup, sp) for system in systems}
     waits = _time_comm_waits() if profile else None
     batches = _batches(setup, setup.warmup + setup.steps)
@@ -366,6 +376,7 @@ def _memory_rank(rank: int, system: str, sp: bool, setup: Setup) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    job_kernels(setup.kernel_shape())
     heap = HeapPeak()
     step = _build(system, setup, sp)
     for x in _batches(setup, 3):
@@ -446,7 +457,7 @@ def _mb(x: float | None) -> str:
 
 
 def print_report(configs: list[dict[str, dict]], setup: Setup) -> None:
-    print(f"\nCPU: {_cpu_model()}; load average {os.getloadavg()[0]:.1f}; setup {asdict(setup)}")
+    print(f"\n{machine()}; setup {asdict(setup)}")
     print(
         f"{'system':<28}{'tokens/s':>10}{'best':>8}{'step ms':>9}{'peak RSS MB':>13}"
         f"{'heap MB':>9}{'comm wait':>11}"
@@ -485,17 +496,6 @@ def print_report(configs: list[dict[str, dict]], setup: Setup) -> None:
                 f"  {ours['name']:<16} / {other['name']:<26} tokens/s {speed:5.2f}x "
                 f"(best steps {best:4.2f}x)   peak RSS {rss:5.2f}x   heap {heap:5.2f}x{goal}"
             )
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores visible)"
-    except OSError:
-        pass
-    return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -538,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - any import failure: no megatron rows
             print(f"megatron-core not importable ({type(e).__name__}: {e}); its rows are skipped")
             systems.remove("megatron")
+    os.environ["ZEROTRON_FUSED_LOSS"] = "0"  # no output layer here (the ranks inherit it)
+    print(f"zerotron {measure_kernels(setup.kernel_shape())}", flush=True)
     configs = []
     for tp in args.tp.split(","):
         for sp in args.sp.split(","):

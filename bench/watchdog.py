@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench.common import cpu_model  # noqa: E402
 from zerotron.distributed import comm, init_distributed, watchdog  # noqa: E402
 
 
@@ -54,20 +55,12 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
         call = comm.Call(group, "all_reduce", 1, None, 16)
         n = 20000 if args.quick else 200000
         pair = timeit.timeit(lambda: watchdog.leave(watchdog.enter(call)), number=n) / n
-        print(f"CPU: {_cpu()}; all_reduce of {args.numel} fp32 on 2 gloo ranks, "
+        print(f"CPU: {cpu_model()}; all_reduce of {args.numel} fp32 on 2 gloo ranks, "
               f"{args.calls} calls x {args.rounds} rounds")  # fmt: skip
         print(f"  watchdog marks on : {on * 1e6:8.2f} us per call")
         print(f"  watchdog marks off: {off_ * 1e6:8.2f} us per call")
         print(f"  difference        : {(on - off_) * 1e6:8.2f} us ({(on / off_ - 1) * 100:+.1f}%)")
         print(f"  enter+leave alone : {pair * 1e6:8.3f} us")
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def main() -> None:

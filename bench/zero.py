@@ -82,7 +82,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import job_kernels, machine, measure_kernels  # noqa: E402
 from tests.distributed.spawn import RankError, run_ranks  # noqa: E402
+from zerotron.kernels import KernelShape  # noqa: E402
 from zerotron.models.gpt import GPT, GPTConfig  # noqa: E402
 from zerotron.training.build import lm_loss  # noqa: E402
 
@@ -145,6 +147,12 @@ class Setup:
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+
+    def kernel_shape(self) -> KernelShape:
+        """What the kernel chooser measures: one rank's micro-batch, one thread."""
+        return KernelShape(
+            self.hidden, self.heads, self.seq, self.micro_batch, self.vocab, self.dtype, threads=1
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -466,6 +474,7 @@ def _rank(rank: int, system: str, setup: Setup) -> dict:
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated names peers call
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(1)
+    job_kernels(setup.kernel_shape())  # every system trains zerotron's GPT: the same kernels
     start_rss = _rss()
     heap = HeapPeak()
     counter = TorchCounter()
@@ -706,27 +715,6 @@ def print_report(results: list[dict], setup: Setup) -> None:
         )
 
 
-def machine() -> str:
-    """The CPU model, its core count and vector flags, and the load: numbers need them."""
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-    except OSError:
-        pass
-    vector = sorted(f for f in flags if f.startswith(("avx2", "avx512", "amx")))
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (
-        f"CPU: {model}, {os.cpu_count()} logical cores, {' '.join(vector) or 'no AVX2'}; "
-        f"load average {load}"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated")
@@ -804,6 +792,7 @@ def main(argv: list[str] | None = None) -> int:
             systems = [s for s in systems if not s.startswith("deepspeed")]
         world_sizes = [int(n) for n in args.ranks.split(",") if n.strip()]
         print(machine())
+        print(f"zerotron {measure_kernels(setup.kernel_shape())}", flush=True)
         reports = []
         for n in world_sizes:
             setup = replace(setup, ranks=n)

@@ -481,6 +481,27 @@ def broadcast(t: torch.Tensor, group: Group, src_rank_in_group: int = 0) -> torc
     return broadcast_async(t, group, src_rank_in_group).wait()
 
 
+def broadcast_text(
+    text: str | None, group: Group, device: torch.device | str = "cpu"
+) -> str | None:
+    """The group's first member's ``text`` on every member (None stays None): its UTF-8 length,
+    then its bytes, broadcast as tensors on ``device`` (the group's backend's device). Other
+    members' ``text`` is ignored. At size 1, ``text`` itself."""
+    if group.size == 1:
+        return text
+    data = b"" if text is None else text.encode("utf-8")
+    length = torch.tensor([-1 if text is None else len(data)], device=device)
+    broadcast(length, group)
+    n = int(length)
+    if n <= 0:
+        return None if n < 0 else ""
+    source = group.rank == 0
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if source else None
+    buf = (buf if buf is not None else torch.empty(n, dtype=torch.uint8)).to(device)
+    broadcast(buf, group)
+    return bytes(buf.cpu().tolist()).decode("utf-8")
+
+
 def all_to_all_async(
     t: torch.Tensor,
     group: Group,

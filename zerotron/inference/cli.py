@@ -104,22 +104,6 @@ def _init_parallel(args) -> tuple[torch.device, bool]:
     return torch.device("cuda", local_rank()) if cuda else torch.device("cpu"), created
 
 
-def _share(text: str | None, device: torch.device) -> str | None:
-    """Rank 0's ``text`` on every rank (None stays None), for interactive prompts."""
-    group = comm.world_group()
-    if group.size == 1:
-        return text
-    data = b"" if text is None else text.encode("utf-8")
-    length = torch.tensor([len(data) if text is not None else -1], device=device)
-    comm.broadcast(length, group)
-    if int(length) <= 0:
-        return None if int(length) < 0 else ""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if get_rank() == 0 else None
-    buf = (buf if buf is not None else torch.empty(int(length), dtype=torch.uint8)).to(device)
-    comm.broadcast(buf, group)
-    return bytes(buf.cpu().tolist()).decode("utf-8")
-
-
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     device, created = _init_parallel(args)
@@ -183,7 +167,7 @@ def _generate(args, device: torch.device) -> int:
         print("interactive generation: type a prompt; an empty line or `stop` quits", flush=True)
     for i in itertools.count():
         prompt = _read_prompt() if is_printer else None
-        prompt = _share(prompt, device)
+        prompt = comm.broadcast_text(prompt, comm.world_group(), device)
         if prompt is None:
             break
         text = prompt + run(prompt, args.seed + i)

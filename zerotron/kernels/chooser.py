@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from zerotron.distributed import comm
 from zerotron.errors import ConfigError
 from zerotron.fileio import atomic_write_text
 from zerotron.kernels.policy import ENV_SWITCHES, KernelChoices, set_choices
@@ -100,8 +101,8 @@ class KernelShape:
 @dataclass
 class Chosen:
     """What :func:`choose_kernels` chose and how: ``how[name]`` is ``measured``, ``cached``,
-    ``forced``, ``default`` (not measured: several processes) or ``n/a`` (the path does not run
-    for this dtype or device)."""
+    ``forced``, ``default`` (not cached, and measuring was not allowed) or ``n/a`` (the path does
+    not run for this dtype or device)."""
 
     choices: KernelChoices
     how: dict[str, str]
@@ -122,6 +123,30 @@ class Chosen:
         elif "cached" in self.how.values():
             tail = f"; from {self.cache}"
         return "kernels: " + ", ".join(parts) + tail
+
+    def to_text(self) -> str:
+        """JSON of everything here (what one rank sends the others)."""
+        data = {
+            "choices": dataclasses.asdict(self.choices),
+            "how": self.how,
+            "seconds": self.seconds,
+            "timings_ms": self.timings_ms,
+            "cache": None if self.cache is None else str(self.cache),
+        }
+        return json.dumps(data)
+
+    @classmethod
+    def from_text(cls, text: str) -> Chosen:
+        """The :class:`Chosen` that :meth:`to_text` wrote."""
+        data = json.loads(text)
+        cache = data["cache"]
+        return cls(
+            KernelChoices(**data["choices"]),
+            data["how"],
+            data["seconds"],
+            data["timings_ms"],
+            None if cache is None else Path(cache),
+        )
 
 
 # ---- the machine and the cache ---------------------------------------------------------------
@@ -297,6 +322,7 @@ def choose_kernels(
     forced: str | None = None,
     *,
     measure: bool = True,
+    group: comm.Group | None = None,
     path: Path | None = None,
     runners: Callable[[str, KernelShape], Mapping[Any, Runner]] = runners_for,
     clock: Callable[[], float] = time.perf_counter,
@@ -305,12 +331,33 @@ def choose_kernels(
     """This process's kernel choices for ``shape`` on ``device``, made active (``apply``).
 
     ``forced``: a ``--kernels`` spec (else ``$ZEROTRON_KERNELS``). Choices not forced come from
-    the cache, else are measured (``measure``; False with several processes, which would time
-    each other and could choose differently: the defaults then) and cached. ``runners`` and
+    the cache, else are measured (unless ``measure`` is False: the defaults then) and cached.
+    ``group``: the job's processes. With more than one on the CPU, its first member decides,
+    from its cache or by measuring while the others wait in a barrier, and every member takes
+    those choices: ranks neither time each other nor run different kernels. ``runners`` and
     ``clock`` are the measurement's (tests give fakes).
     """
+    pinned = _forced(forced)  # every rank checks the spec: a bad one stops all of them alike
+    if group is not None and group.size > 1 and torch.device(device).type == "cpu":
+        comm.barrier(group)  # nobody computes while the first member times the candidates
+        text = None
+        if group.rank == 0:
+            mine = choose_kernels(
+                shape,
+                device,
+                forced,
+                measure=measure,
+                path=path,
+                runners=runners,
+                clock=clock,
+                apply=False,
+            )
+            text = mine.to_text()
+        chosen = Chosen.from_text(comm.broadcast_text(text, group) or "")
+        if apply:
+            set_choices(chosen.choices)
+        return chosen
     path = path or cache_path()
-    pinned = _forced(forced)
     values = {f.name: f.default for f in dataclasses.fields(KernelChoices)}
     values.update(pinned)
     how = {name: "forced" for name in pinned}

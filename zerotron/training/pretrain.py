@@ -141,9 +141,9 @@ def _print_num_parameters(run: Run, ps: ParallelState) -> None:
         )
 
 
-def _choose_kernels(run: Run, ps: ParallelState) -> None:
+def _choose_kernels(run: Run) -> None:
     """The CPU kernel choices for this model (:mod:`zerotron.kernels.chooser`), printed once:
-    measured by a one-process run at its first use on a machine, else cached or defaults."""
+    rank 0's cached ones, else measured by rank 0 while the other ranks wait, and taken by all."""
     m = run.cfg.model
     shape = KernelShape(
         hidden=m.hidden_size,
@@ -153,7 +153,7 @@ def _choose_kernels(run: Run, ps: ParallelState) -> None:
         vocab=run.tokenizer.vocab_size,
         dtype=run.cfg.precision.params_dtype,
     )
-    chosen = choose_kernels(shape, run.engine.device, m.kernels, measure=ps.world_size == 1)
+    chosen = choose_kernels(shape, run.engine.device, m.kernels, group=comm.world_group())
     print_rank_0(f" {chosen.line()}")
 
 
@@ -267,7 +267,7 @@ def pretrain(cfg: Config) -> TrainSummary:
     parse_forced(cfg.model.kernels, "--kernels")  # a typo stops the run before anything is built
     run = build_run(cfg, timers=timers)
     _print_num_parameters(run, ps)
-    _choose_kernels(run, ps)
+    _choose_kernels(run)
     state = TrainState()
     if cfg.training.train_iters == 0:
         print_rank_0(cfg.describe())

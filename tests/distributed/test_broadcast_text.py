@@ -1,17 +1,18 @@
-"""Interactive ``zerotron generate`` under the launcher: rank 0's prompts reach every rank."""
+"""comm.broadcast_text: rank 0's text (the interactive generate prompts) reaches every rank:
+UTF-8, empty, and None (the end of input)."""
 
 from __future__ import annotations
 
-import torch
-
-from zerotron.inference.cli import _share
+from zerotron.distributed import comm
 
 from .spawn import run_ranks
 
 
 def _rank(rank: int) -> list:
     said = ["Elizabeth said: « très bien »", "", None]  # text (UTF-8), empty, end of input
-    return [_share(text if rank == 0 else "ignored", torch.device("cpu")) for text in said]
+    return [
+        comm.broadcast_text(text if rank == 0 else "ignored", comm.world_group()) for text in said
+    ]
 
 
 def test_rank_zero_prompts_are_shared():
