@@ -32,8 +32,10 @@ vocabulary (zerotron's padding rows are never multiplied: they are sliced off be
 head) — one number for both sides. The peak is measured in this run, per dtype, as the best
 matmul rate this torch reaches: the best of ``torch.mm`` and, on CPU, oneDNN's GEMM
 (``torch.ops.mkldnn._linear_pointwise``, which zerotron's fp32 linear layers and fused loss use:
-on AMD CPUs torch.mm's fp32 GEMM is MKL running its AVX2 code, oneDNN's about twice as fast) over
-the model's own matmul shapes (both operand layouts) and a square 2048³.
+on AMD CPUs torch.mm's fp32 GEMM is MKL running its AVX2 code, oneDNN's about twice as fast) and,
+in 16 bits on CPU, the fp32 GEMM on upcast copies (``zerotron.kernels.upcast``: the same
+products, the fastest way to them where 16-bit GEMMs are emulated), over the model's own matmul
+shapes (both operand layouts) and a square 2048³.
 
 Timing. Warmup steps (which include compilation) for both sides, then ``--repeat`` rounds of
 ``--steps`` steps per side. Within a round the steps alternate between the sides (and which side
@@ -82,7 +84,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from zerotron.checkpoint.hf import from_hf_state_dict  # noqa: E402
 from zerotron.engine import Engine  # noqa: E402
 from zerotron.fileio import atomic_write_text  # noqa: E402
-from zerotron.kernels import KernelShape, choose_kernels  # noqa: E402
+from zerotron.kernels import KernelShape, choose_kernels, upcast  # noqa: E402
 from zerotron.kernels.onednn import ONEDNN_AVAILABLE, onednn_mm_t  # noqa: E402
 from zerotron.models.gpt import GPT  # noqa: E402
 from zerotron.optim import build_optimizer, get_param_groups  # noqa: E402
@@ -337,9 +339,14 @@ def onednn_available(device: torch.device) -> bool:
 def best_matmul_peak(
     shape: Shape, dtype: torch.dtype, device: torch.device, clock: Callable[[], float]
 ) -> tuple[float, str]:
-    """The best matmul rate this torch reaches on ``dtype``: torch.mm's and, on CPU, oneDNN's."""
+    """The best matmul rate this torch reaches on ``dtype``: torch.mm's and, on CPU, oneDNN's
+    and, for 16 bits, the fp32 GEMM on upcast copies rounded back (zerotron.kernels.upcast: the
+    same products, and where 16-bit GEMMs are emulated the fastest way to them)."""
     rate, where = matmul_peak(shape, dtype, device, clock=clock)
     best = (rate, f"torch.mm on {where}")
+    if device.type == "cpu" and dtype != torch.float32:
+        rate, where = matmul_peak(shape, dtype, device, clock=clock, mm=_upcast_mm)
+        best = max(best, (rate, f"upcast fp32 GEMM on {where}"))
     if onednn_available(device):
         try:
             rate, where = matmul_peak(shape, dtype, device, clock=clock, mm=_onednn_mm)
@@ -348,6 +355,10 @@ def best_matmul_peak(
         else:
             best = max(best, (rate, f"oneDNN on {where}"))
     return best
+
+
+def _upcast_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return upcast.mm(a, b).to(a.dtype)
 
 
 def matmul_peak(

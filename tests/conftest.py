@@ -7,7 +7,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite runs the CPU kernels' default candidates, forced (zerotron.kernels.chooser): nothing
 # measured, so results do not depend on the machine or its load, and nothing is written to
 # ~/.cache. tests/test_kernel_chooser.py clears it to test the chooser itself.
-os.environ.setdefault("ZEROTRON_KERNELS", "linear=onednn,attention=math16,loss_chunk=2048")
+os.environ.setdefault(
+    "ZEROTRON_KERNELS", "linear=onednn,matmul16=native,attention=math16,loss_chunk=2048"
+)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

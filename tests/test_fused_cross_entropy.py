@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.kernels import fused_cross_entropy as fce
-from zerotron.kernels import fused_linear_cross_entropy, policy
+from zerotron.kernels import fused_linear_cross_entropy, policy, upcast
 from zerotron.kernels.fused_cross_entropy import ChunkWorkspace, default_chunk_size
 from zerotron.kernels.policy import KernelChoices
 from zerotron.models import GPT, GPTConfig
@@ -23,8 +23,8 @@ def inputs(dtype, tokens=(3, 13), seed=0):
     return x, w, target
 
 
-def unfused(x, w, target):
-    logits = F.linear(x, w[:V]).float()
+def unfused(x, w, target, linear=F.linear):
+    logits = linear(x, w[:V], None).float()
     loss = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), reduction="none")
     return loss.view(target.shape)
 
@@ -74,7 +74,14 @@ def test_fp32_equals_unfused(monkeypatch, chunk, linear):
         assert torch.all(gw[V:] == 0), "padding rows get no gradient"
 
 
-def test_bf16_within_rounding_of_unfused():
+# The chooser's two 16-bit matmuls: torch's own, and the fp32 GEMM on upcast copies (whose
+# unfused twin is the layers' upcast linear)
+MATMUL16 = {"native": F.linear, "fp32": upcast.linear}
+
+
+@pytest.mark.parametrize("matmul16", MATMUL16)
+def test_bf16_within_rounding_of_unfused(monkeypatch, matmul16):
+    monkeypatch.setattr(policy, "_choices", KernelChoices(matmul16=matmul16))
     x, w, target = inputs(torch.bfloat16, tokens=(4, 32))
     exact = [t.detach().double().requires_grad_() for t in (x, w)]
     for name, up in upstreams(target.shape).items():
@@ -82,8 +89,11 @@ def test_bf16_within_rounding_of_unfused():
         def fused(x, w, t):
             return fused_linear_cross_entropy(x, w, t, vocab_size=V, chunk_size=48)
 
+        def plain(x, w, t):
+            return unfused(x, w, t, MATMUL16[matmul16])
+
         loss, gx, gw = loss_and_grads(fused, x, w, target, up)
-        ref_loss, ref_gx, ref_gw = loss_and_grads(unfused, x, w, target, up)
+        ref_loss, ref_gx, ref_gw = loss_and_grads(plain, x, w, target, up)
         true_loss, true_gx, true_gw = loss_and_grads(unfused, *exact, target, up.double())
         assert loss.dtype == torch.float32 and gx.dtype == gw.dtype == torch.bfloat16
         # The forward is the unfused one, op for op: the same bf16 logits, the same fp32 loss.
@@ -139,11 +149,16 @@ def test_second_backward_is_refused():
 
 
 @pytest.mark.parametrize(
-    "dtype,buffers",
-    [(torch.bfloat16, ["16bit", "fp32", "grad_w_t"]), (torch.float32, ["fp32", "grad_slice"])],
+    "dtype,matmul16,buffers",
+    [
+        (torch.bfloat16, "native", ["16bit", "fp32", "grad_w_t"]),
+        (torch.bfloat16, "fp32", ["16bit", "fp32", "grad_w_fp32", "weight_fp32"]),
+        (torch.float32, "native", ["fp32", "grad_slice"]),
+    ],
 )
-def test_workspace_is_reused_and_changes_nothing(monkeypatch, dtype, buffers):
-    monkeypatch.setattr(policy, "_choices", KernelChoices(loss_chunk=9))  # fp32: 9 per slice
+def test_workspace_is_reused_and_changes_nothing(monkeypatch, dtype, matmul16, buffers):
+    choices = KernelChoices(matmul16=matmul16, loss_chunk=9)  # fp32: 9 columns per slice
+    monkeypatch.setattr(policy, "_choices", choices)
     x, w, target = inputs(dtype)
     up = upstreams(target.shape)["arbitrary"]  # backward recomputes through the workspace too
     workspace = ChunkWorkspace()

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 import zerotron.cli
 from tests.test_kernel_policy import config, loss_and_grads
 from zerotron.errors import ConfigError
-from zerotron.kernels import chooser, measure, onednn
+from zerotron.kernels import chooser, measure, onednn, upcast
 from zerotron.kernels.attention_cpu import sdpa_math_16bit
 from zerotron.kernels.chooser import KernelShape, choose_kernels, time_candidates
 from zerotron.kernels.fused_cross_entropy import fused_linear_cross_entropy
-from zerotron.kernels.policy import KernelChoices, current_choices, set_choices
+from zerotron.kernels.policy import KernelChoices, current_choices, kernel_policy, set_choices
 from zerotron.models import GPT
 from zerotron.models.gpt import _core_attention
 
@@ -23,6 +23,7 @@ FP32 = KernelShape(hidden=64, heads=4, seq=32, micro_batch=2, vocab=100, dtype="
 BF16 = KernelShape(hidden=64, heads=4, seq=32, micro_batch=2, vocab=100, dtype="bf16", threads=1)
 # seconds each candidate takes on the fake clock: torch and 4096 columns are the fastest
 COSTS = {"onednn": 3, "torch": 2, "math16": 1, "sdpa": 4, 1024: 5, 2048: 4, 4096: 1, 8192: 2}
+COSTS |= {"native": 6, "fp32": 1}  # matmul16: the fp32 GEMM on upcast copies wins
 
 
 class FakeMachine:
@@ -73,7 +74,12 @@ def test_a_tie_keeps_the_first_candidate():
 
 def test_first_use_measures_applies_and_writes_the_cache(tmp_path):
     chosen = FakeMachine().choose()
-    assert chosen.how == {"linear": "measured", "attention": "n/a", "loss_chunk": "n/a"}
+    assert chosen.how == {
+        "linear": "measured",
+        "matmul16": "n/a",
+        "attention": "n/a",
+        "loss_chunk": "n/a",
+    }
     assert current_choices().linear == "torch"  # loss_chunk only runs with oneDNN linears
     data = json.loads((tmp_path / "kernels.json").read_text())
     (entry,) = data["entries"].values()
@@ -140,7 +146,12 @@ def test_forced_by_the_environment_measures_nothing(monkeypatch):
     chosen = fake.choose()
     assert fake.calls == 0
     assert chosen.choices == KernelChoices(linear="onednn", loss_chunk=8192)
-    assert chosen.how == {"linear": "forced", "loss_chunk": "forced", "attention": "n/a"}
+    assert chosen.how == {
+        "linear": "forced",
+        "loss_chunk": "forced",
+        "matmul16": "n/a",
+        "attention": "n/a",
+    }
     assert current_choices() == chosen.choices
 
 
@@ -152,8 +163,23 @@ def test_the_flag_wins_over_the_environment(monkeypatch):
 
 def test_an_off_switch_forces_the_plain_twin(monkeypatch):
     monkeypatch.setenv("ZEROTRON_MATH_ATTENTION", "0")
+    monkeypatch.setenv("ZEROTRON_UPCAST_16BIT", "0")
     fake = FakeMachine()
-    assert fake.choose(BF16).choices.attention == "sdpa" and fake.calls == 0
+    chosen = fake.choose(BF16)
+    assert chosen.choices.attention == "sdpa" and chosen.choices.matmul16 == "native"
+    assert fake.calls == 0
+
+
+def test_16bit_measures_its_matmuls_and_attention():
+    chosen = FakeMachine().choose(BF16)
+    assert chosen.how == {
+        "linear": "n/a",
+        "matmul16": "measured",
+        "attention": "measured",
+        "loss_chunk": "n/a",
+    }
+    assert chosen.choices.matmul16 == "fp32" and chosen.choices.attention == "math16"
+    assert kernel_policy("cpu").upcast_16bit
 
 
 @pytest.mark.parametrize("spec", ["linear", "linear=mkl", "loss_chunk=wide", "speed=max"])
@@ -162,7 +188,7 @@ def test_a_bad_spec_says_what_is_allowed(spec):
         chooser.parse_forced(spec, "--kernels")
 
 
-def test_several_processes_take_the_defaults_unmeasured(tmp_path):
+def test_without_measuring_the_defaults_hold_unmeasured(tmp_path):
     fake = FakeMachine()
     chosen = fake.choose(measure=False)
     assert chosen.how["linear"] == "default" and fake.calls == 0
@@ -177,7 +203,8 @@ def test_cuda_has_nothing_to_choose():
 
 
 def test_the_real_candidates_run_on_the_models_shapes():
-    for name, shape in (("linear", FP32), ("attention", BF16), ("loss_chunk", FP32)):
+    cases = (("linear", FP32), ("matmul16", BF16), ("attention", BF16), ("loss_chunk", FP32))
+    for name, shape in cases:
         runners = measure.RUNNERS[name](shape)
         assert list(runners) == list(chooser.CANDIDATES[name])
         for call in runners.values():
@@ -194,6 +221,16 @@ def test_forced_linear_torch_is_f_linear_and_onednn_is_onednn():
     assert torch.equal(onednn.linear(x, w, b), F.linear(x, w, b))
     set_choices(KernelChoices(linear="onednn"))
     assert torch.equal(onednn.linear(x, w, b), onednn._OneDNNLinear.apply(x, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forced_matmul16_runs_that_matmul(dtype):
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 24), (40, 24), (40,)))
+    choose_kernels(BF16, forced="matmul16=native")
+    assert torch.equal(onednn.linear(x, w, b), F.linear(x, w, b))
+    choose_kernels(BF16, forced="matmul16=fp32")
+    assert torch.equal(onednn.linear(x, w, b), upcast.linear_product(x, w, b))
 
 
 def test_forced_linear_torch_trains_as_the_plain_path(monkeypatch):
@@ -266,7 +303,9 @@ def test_precision_on_cuda_is_bf16_unmeasured():
 
 def test_kernels_command_prints_the_choices(capsys):
     argv = ["kernels", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16"]
-    assert zerotron.cli.main([*argv, "--bf16", "--kernels", "attention=sdpa"]) == 0
+    forced = "matmul16=native,attention=sdpa"
+    assert zerotron.cli.main([*argv, "--bf16", "--kernels", forced]) == 0
     assert capsys.readouterr().out == (
-        "kernels: linear=- (n/a), attention=sdpa (forced), loss_chunk=- (n/a)\n"
+        "kernels: linear=- (n/a), matmul16=native (forced), attention=sdpa (forced), "
+        "loss_chunk=- (n/a)\n"
     )

@@ -176,7 +176,9 @@ def test_train_iters_zero_prints_arguments_and_parameter_count(capsys):
     argv += ["--kernels", "linear=torch"]  # wins over the suite's ZEROTRON_KERNELS (conftest)
     assert zerotron.cli.main(list(map(str, argv))) == 0
     out = capsys.readouterr().out
-    kernels = " kernels: linear=torch (forced), attention=- (n/a), loss_chunk=- (n/a)\n"
+    kernels = (
+        " kernels: linear=torch (forced), matmul16=- (n/a), attention=- (n/a), loss_chunk=- (n/a)\n"
+    )
     assert out.count(" kernels: ") == 1 and kernels in out  # the choices, printed once
 
     padded = -(-GPT2_VOCAB // div) * div

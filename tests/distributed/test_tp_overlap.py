@@ -3,7 +3,8 @@
 One 2-rank run computes, for each case, the gradients of a ColumnParallelLinear (and of a tiny
 TP=2 GPT) twice: overlap on (the default) and off (``ZEROTRON_TP_OVERLAP=0``), with the comm
 ledger of each. Cases: fp32 on oneDNN (the CPU default), fp32 and bf16 on ``F.linear``
-(``ZEROTRON_ONEDNN=0``), each with and without sequence parallelism.
+(``ZEROTRON_ONEDNN=0``), bf16 on the fp32 GEMM (the kernel choice ``matmul16=fp32``), each with
+and without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from zerotron.distributed import ledger
 from zerotron.distributed.state import initialize_model_parallel
+from zerotron.kernels.policy import KernelChoices, set_choices
 from zerotron.models.gpt import GPT, GPTConfig
 from zerotron.parallel.tensor import ColumnParallelLinear, allreduce_sequence_parallel_grads
 from zerotron.parallel.tensor.overlap import ENV_SWITCH
@@ -22,15 +24,23 @@ from zerotron.parallel.tensor.overlap import ENV_SWITCH
 from .spawn import run_ranks
 
 TP = 2
-CASES = [
-    (onednn, dtype, sp)
-    for onednn, dtype in (("1", torch.float32), ("0", torch.float32), ("0", torch.bfloat16))
-    for sp in (False, True)
-]
+PATHS = (
+    ("onednn", torch.float32),
+    ("mm", torch.float32),
+    ("mm", torch.bfloat16),
+    ("upcast", torch.bfloat16),
+)
+CASES = [(path, dtype, sp) for path, dtype in PATHS for sp in (False, True)]
 
 
 def _set(env: str, value: str) -> None:
     os.environ[env] = value
+
+
+def _use(path: str) -> None:
+    """The linear layers' matmuls: oneDNN (fp32), torch's, or the fp32 GEMM for bf16."""
+    _set("ZEROTRON_ONEDNN", "1" if path == "onednn" else "0")
+    set_choices(KernelChoices(matmul16="fp32" if path == "upcast" else "native"))
 
 
 def _column(rank, dtype, sp):
@@ -70,11 +80,11 @@ def _rank(rank):
     out = {}
     for overlap in ("1", "0"):
         _set(ENV_SWITCH, overlap)
-        for onednn, dtype, sp in CASES:
-            _set("ZEROTRON_ONEDNN", onednn)
+        for path, dtype, sp in CASES:
+            _use(path)
             with ledger.capture() as cap:
-                out[overlap, onednn, dtype, sp] = (*_column(rank, dtype, sp), cap.entries)
-        _set("ZEROTRON_ONEDNN", "1")
+                out[overlap, path, dtype, sp] = (*_column(rank, dtype, sp), cap.entries)
+        _use("onednn")
         for sp in (False, True):
             out[overlap, "gpt", sp] = _gpt(sp)
     return out
@@ -89,7 +99,7 @@ OVERLAP_RUN = pytest.mark.xdist_group("tp_overlap")
 
 
 @pytest.mark.parametrize(
-    "case", CASES, ids=[f"onednn{o}-{str(d)[6:]}-{'sp' if s else 'tp'}" for o, d, s in CASES]
+    "case", CASES, ids=[f"{p}-{str(d)[6:]}-{'sp' if s else 'tp'}" for p, d, s in CASES]
 )
 @OVERLAP_RUN
 def test_column_grads_bit_identical(results, case):

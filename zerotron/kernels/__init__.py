@@ -7,6 +7,8 @@
   the timed calls), or forced by ``ZEROTRON_KERNELS`` / ``--kernels``.
 - :mod:`~zerotron.kernels.onednn`: fp32 CPU matmuls on oneDNN (:func:`linear`, the linear
   layers' ``F.linear``).
+- :mod:`~zerotron.kernels.upcast`: 16-bit CPU matmuls on the fp32 GEMM, where 16-bit GEMMs
+  are emulated.
 - :mod:`~zerotron.kernels.attention_cpu`: 16-bit CPU attention, SDPA's MATH kernel kept in
   16 bits (:func:`sdpa_math_16bit`).
 - :mod:`~zerotron.kernels.fused_cross_entropy`: the output layer and the cross entropy fused in
@@ -14,9 +16,9 @@
   the tied embedding's two gradients summed in place.
 - :mod:`~zerotron.kernels.malloc`: glibc's freed heap kept between steps.
 
-This package imports nothing of zerotron's outside itself but the bottom layer (errors, fileio:
-the chooser's cache): the parallel layers, the models and the Engine choose among these paths by
-asking the policy.
+This package imports nothing of zerotron's outside itself but the bottom layers (errors, fileio:
+the chooser's cache; distributed.comm: one choice for a job's ranks): the parallel layers, the
+models and the Engine choose among these paths by asking the policy.
 """
 
 from zerotron.kernels.attention_cpu import sdpa_math_16bit

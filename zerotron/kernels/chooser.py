@@ -8,6 +8,8 @@ times each applicable choice's candidates on the model's own shapes and keeps th
 
 - ``linear`` (fp32, oneDNN built in): ``onednn`` or ``torch``, a forward and backward of the
   block's four linear layers (``[tokens, h]`` by ``3h``, ``h``, ``4h`` and ``4h -> h``);
+- ``matmul16`` (16-bit): ``native`` (torch's 16-bit GEMM) or ``fp32`` (the fp32 GEMM on upcast
+  copies, :mod:`~zerotron.kernels.upcast`), the same four linear layers in the model's dtype;
 - ``attention`` (16-bit): ``math16`` or ``sdpa``, forward and backward of causal attention on
   ``[micro batch, heads, seq, head dim]``;
 - ``loss_chunk`` (fp32 with ``linear=onednn``): 1,024 to 8,192 vocabulary columns per oneDNN
@@ -62,13 +64,18 @@ CACHE_VERSION = 1
 
 CANDIDATES: dict[str, tuple[Any, ...]] = {
     "linear": ("onednn", "torch"),
+    "matmul16": ("native", "fp32"),
     "attention": ("math16", "sdpa"),
     "loss_chunk": (1024, 2048, 4096, 8192),
 }
 """Each choice's candidates; the first is the default where nothing is measured."""
 
 # the plain twin an off switch (policy.ENV_SWITCHES) forces
-_OFF_SWITCH = {"onednn_linear": ("linear", "torch"), "attention_16bit": ("attention", "sdpa")}
+_OFF_SWITCH = {
+    "onednn_linear": ("linear", "torch"),
+    "upcast_16bit": ("matmul16", "native"),
+    "attention_16bit": ("attention", "sdpa"),
+}
 
 Runner = Callable[[], None]
 """One timed call of a candidate (a forward and backward on the model's shapes)."""
@@ -272,7 +279,7 @@ def applicable(shape: KernelShape, device: torch.device | str, linear: str) -> l
     if torch.device(device).type != "cpu":
         return []
     if shape.dtype != "fp32":
-        return ["attention"]
+        return ["matmul16", "attention"]
     names = ["linear"] if ONEDNN_AVAILABLE else []
     fused = os.environ.get(ENV_SWITCHES["fused_loss"], "1") != "0"
     if ONEDNN_AVAILABLE and linear == "onednn" and fused:

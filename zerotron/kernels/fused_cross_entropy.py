@@ -48,6 +48,8 @@ from zerotron.kernels.onednn import onednn_mm_t_into as _onednn_linear_into
 from zerotron.kernels.onednn import use_onednn as _use_onednn
 from zerotron.kernels.policy import current_choices
 from zerotron.kernels.tied_grad import TiedGrad
+from zerotron.kernels.upcast import mm as upcast_mm
+from zerotron.kernels.upcast import use_upcast as _use_upcast
 
 # fp32 logits of one chunk, in bytes: large enough for efficient matmuls (the weight is re-read
 # once per chunk), small enough to keep the buffers modest: 512 GPT-2 tokens (bench/README.md
@@ -138,9 +140,18 @@ class _Chunks:
         self.work = ws.get("fp32", rows, v, x, torch.float32, stride)
         # 16-bit: the logits come out of the matmul here, and the gradient goes back in here
         self.low = ws.get("16bit", rows, v, x, x.dtype) if x.dtype != torch.float32 else None
+        # 16-bit on the fp32 GEMM (kernels/upcast.py): the weight's fp32 copy, made once a call
+        self.w32 = None
+        if self.low is not None and _use_upcast(x):
+            self.w32 = ws.get("weight_fp32", v, x.shape[1], x, torch.float32).copy_(self.w)
         self.with_grad = with_grad
         self.sliced = self.low is None and _use_onednn(x)  # fp32 on CPU: see products()
         self.step = slice_columns()  # read once: every chunk is cut the same way
+
+    @property
+    def upcast(self) -> bool:
+        """Whether the 16-bit products run on the fp32 GEMM (:mod:`~zerotron.kernels.upcast`)."""
+        return self.w32 is not None
 
     def __iter__(self):
         for start in range(0, self.x.shape[0], self.size):
@@ -170,8 +181,13 @@ class _Chunks:
         """
         if not self.sliced:
             g = self.grad_logits(rows, loss, scale)
+            if g is not None and self.w32 is not None:  # upcast: g's 16-bit values in fp32
+                g = self.work[: g.shape[0]].copy_(g)
             if g is not None and grad_x is not None:
-                _matmul(g, self.w, out=grad_x[rows])
+                if self.w32 is not None:
+                    grad_x[rows].copy_(upcast_mm(g, self.w32))
+                else:
+                    _matmul(g, self.w, out=grad_x[rows])
             if g is not None and acc is not None:
                 acc.add(g, self.x[rows])
             return
@@ -227,7 +243,10 @@ class _Chunks:
                 torch.mm(x, self.w.t(), out=work)
         else:
             low = self.low[:n]
-            torch.mm(x, self.w.t(), out=low)
+            if self.w32 is not None:  # the fp32 GEMM, rounded to 16 bits as a native one is
+                low.copy_(upcast_mm(x, self.w32.t(), out=work))
+            else:
+                torch.mm(x, self.w.t(), out=low)
             work.copy_(low)
         out = loss[rows].unsqueeze(1) if loss is not None else None
         if self.low is None or not self.with_grad:
@@ -293,7 +312,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.empty_like(weight) if need_w else None
         if need_w:
             grad_w[vocab_size:].zero_()  # padding rows: the only ones not written below
-        acc = _GradW(grad_w[:vocab_size], chunks.workspace) if need_w else None
+        acc = _GradW(grad_w[:vocab_size], chunks.workspace, chunks.upcast) if need_w else None
         for rows in chunks:
             chunks.products(rows, loss, grad_x, acc)
         if acc is not None:
@@ -326,7 +345,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             else:  # a sum over tokens: recompute it with each token's weight
                 vocab_size, chunk_size, workspace = ctx.args
                 chunks = _Chunks(x, weight, target, vocab_size, chunk_size, workspace, True)
-                acc = _GradW(grad_w[:vocab_size], chunks.workspace)
+                acc = _GradW(grad_w[:vocab_size], chunks.workspace, chunks.upcast)
                 for rows in chunks:
                     chunks.products(rows, None, None, acc, scale=grad_loss)
                 acc.finish()
@@ -374,10 +393,13 @@ class _GradW:
     of bench/README.md.
     """
 
-    def __init__(self, out: torch.Tensor, workspace: ChunkWorkspace) -> None:
+    def __init__(self, out: torch.Tensor, workspace: ChunkWorkspace, upcast: bool = False):
         self.out = out
         self.sum_t: torch.Tensor | None = None  # [h, V] (CPU, 16-bit)
-        if out.device.type == "cpu" and out.dtype != torch.float32:
+        self.sum32: torch.Tensor | None = None  # [V, h] (16-bit on the fp32 GEMM)
+        if upcast:
+            self.sum32 = workspace.get("grad_w_fp32", *out.shape, out, torch.float32)
+        elif out.device.type == "cpu" and out.dtype != torch.float32:
             v, h = out.shape
             self.sum_t = workspace.get("grad_w_t", h, v, out, out.dtype)
         self.first = True  # the first chunk writes, the others add
@@ -393,7 +415,12 @@ class _GradW:
 
     def add(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
         """One chunk's ``grad_logits^T @ x`` (all paths but fp32 on oneDNN)."""
-        if self.sum_t is not None:
+        if self.sum32 is not None:  # fp32 sums of the 16-bit values, rounded once in finish()
+            if self.first:
+                upcast_mm(grad_logits.t(), x, out=self.sum32)
+            else:
+                self.sum32.addmm_(grad_logits.t(), x.float())
+        elif self.sum_t is not None:
             if self.first:
                 torch.mm(x.t(), grad_logits, out=self.sum_t)
             else:
@@ -405,7 +432,9 @@ class _GradW:
         self.first = False
 
     def finish(self) -> None:
-        if self.sum_t is not None:
+        if self.sum32 is not None:
+            self.out.copy_(self.sum32)
+        elif self.sum_t is not None:
             self.out.copy_(self.sum_t.t())
             self.sum_t = None
 

@@ -20,6 +20,7 @@ from zerotron.kernels.attention_cpu import sdpa_math_16bit
 from zerotron.kernels.fused_cross_entropy import ChunkWorkspace, fused_linear_cross_entropy
 from zerotron.kernels.onednn import _OneDNNLinear
 from zerotron.kernels.policy import KernelChoices, using_choices
+from zerotron.kernels.upcast import _UpcastLinear
 
 if TYPE_CHECKING:
     from zerotron.kernels.chooser import KernelShape
@@ -38,6 +39,13 @@ def linear_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
     """fp32 ``onednn`` / ``torch``: the block's four linear layers, forward and backward."""
     block = _linear_block(shape, torch.float32)
     return {"onednn": block(_OneDNNLinear.apply), "torch": block(F.linear)}
+
+
+def matmul16_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
+    """16-bit ``native`` / ``fp32`` (upcast): the block's four linear layers in the model's
+    dtype, forward and backward."""
+    block = _linear_block(shape, shape.torch_dtype)
+    return {"native": block(F.linear), "fp32": block(_UpcastLinear.apply)}
 
 
 def precision_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
@@ -118,6 +126,7 @@ def loss_chunk_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
 
 RUNNERS: dict[str, Callable[[KernelShape], dict[Any, Callable[[], None]]]] = {
     "linear": linear_runners,
+    "matmul16": matmul16_runners,
     "attention": attention_runners,
     "loss_chunk": loss_chunk_runners,
     "precision": precision_runners,

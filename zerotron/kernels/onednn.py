@@ -10,7 +10,8 @@ is routed here). Results equal torch.mm's up to summation order.
 - :func:`onednn_mm_t_into`: ``out = a @ b^T`` (or ``out += a @ b^T``) in slices of ``b``'s rows,
   for products too large to come out of oneDNN fresh (see its docstring).
 - :func:`linear`: ``F.linear`` with its forward and both backward matmuls on oneDNN where
-  :func:`use_onednn` holds (and autocast is off), else ``F.linear`` itself. Under
+  :func:`use_onednn` holds (and autocast is off), on the fp32 GEMM for 16-bit tensors where
+  :func:`~zerotron.kernels.upcast.use_upcast` holds, else ``F.linear`` itself. Under
   ``torch.compile`` the matmul is the opaque custom op ``zerotron::onednn_mm_t`` (inductor's own
   lowering of ``mkldnn._linear_pointwise`` only handles constant, frozen weights), so the graph
   does not break around it.
@@ -22,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.kernels.policy import kernel_policy
+from zerotron.kernels.upcast import linear as upcast_linear
+from zerotron.kernels.upcast import use_upcast
 
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
@@ -99,17 +102,17 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on oneDNN for fp32 CPU tensors (see the module docstring).
+    """``F.linear(x, weight, bias)``, on oneDNN for fp32 CPU tensors (see the module docstring)
+    and on the fp32 GEMM for 16-bit ones where the policy says so
+    (:func:`zerotron.kernels.upcast.linear`).
 
     Autocast keeps ``F.linear`` (it may cast the matmul to 16 bits, the custom op would not).
     """
-    if not (
-        use_onednn(x)
-        and use_onednn(weight)
-        and (bias is None or bias.dtype == torch.float32)
-        and x.dim() >= 2
-        and not torch.is_autocast_enabled("cpu")
-    ):
+    if x.dim() < 2 or torch.is_autocast_enabled("cpu"):
+        return F.linear(x, weight, bias)
+    if use_upcast(x) and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
+        return upcast_linear(x, weight, bias)
+    if not (use_onednn(x) and use_onednn(weight) and (bias is None or bias.dtype == torch.float32)):
         return F.linear(x, weight, bias)
     y = _OneDNNLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])

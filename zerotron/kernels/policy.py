@@ -10,6 +10,9 @@ Fields, their off switches, and the plain twin each fast path must equal (tests/
 
 - ``onednn_linear`` (``ZEROTRON_ONEDNN=0``): fp32 matmuls of the linear layers and of the fused
   loss on oneDNN rather than torch.mm (:mod:`~zerotron.kernels.onednn`); twin ``F.linear``.
+- ``upcast_16bit`` (``ZEROTRON_UPCAST_16BIT=0``): 16-bit matmuls of the linear layers and of
+  the fused loss by the fp32 GEMM on upcast copies, where 16-bit GEMMs are emulated
+  (:mod:`~zerotron.kernels.upcast`); twin torch's own 16-bit matmul.
 - ``attention_16bit`` (``ZEROTRON_MATH_ATTENTION=0``): 16-bit attention without dropout by
   SDPA's MATH kernel kept in 16 bits (:mod:`~zerotron.kernels.attention_cpu`); twin SDPA with
   the backend it picks.
@@ -30,9 +33,11 @@ compare or to bisect. Why each fast path exists and what it gains is measured in
 Which of two candidates wins on a given CPU is not a property of its vendor: the process-wide
 :class:`KernelChoices` (:func:`set_choices`, made by :mod:`~zerotron.kernels.chooser` from
 timings of the model's own shapes) narrow the policy further. ``onednn_linear`` holds only where
-the choice ``linear`` is ``onednn``, ``attention_16bit`` only where ``attention`` is ``math16``,
+the choice ``linear`` is ``onednn``, ``upcast_16bit`` only where ``matmul16`` is ``fp32``,
+``attention_16bit`` only where ``attention`` is ``math16``,
 and the fp32 fused loss cuts its oneDNN products in ``loss_chunk`` vocabulary columns. Until a
-choice is made the defaults below hold (every fast path on, 2,048 columns).
+choice is made the defaults below hold (every fast path on but the upcast 16-bit matmuls, 2,048
+columns).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from zerotron.kernels.malloc import keep_freed_heap
 
 ENV_SWITCHES = {
     "onednn_linear": "ZEROTRON_ONEDNN",
+    "upcast_16bit": "ZEROTRON_UPCAST_16BIT",
     "attention_16bit": "ZEROTRON_MATH_ATTENTION",
     "fused_loss": "ZEROTRON_FUSED_LOSS",
     "eager_embedding": "ZEROTRON_EAGER_EMBEDDING",
@@ -59,6 +65,7 @@ class KernelPolicy:
     """The fast paths one device type takes (see the module docstring for each field)."""
 
     onednn_linear: bool = False
+    upcast_16bit: bool = False
     attention_16bit: bool = False
     fused_loss: bool = False
     eager_embedding: bool = False
@@ -70,12 +77,15 @@ class KernelChoices:
     """The CPU candidates this process runs, one per machine-dependent choice.
 
     ``linear``: the fp32 linear layers' (and fp32 fused loss's) matmuls, ``"onednn"`` or
-    ``"torch"`` (torch.mm); ``attention``: 16-bit attention without dropout, ``"math16"``
+    ``"torch"`` (torch.mm); ``matmul16``: their 16-bit matmuls, ``"native"`` (torch's 16-bit
+    GEMM) or ``"fp32"`` (:mod:`~zerotron.kernels.upcast`); ``attention``: 16-bit attention
+    without dropout, ``"math16"``
     (:func:`~zerotron.kernels.attention_cpu.sdpa_math_16bit`) or ``"sdpa"`` (SDPA's own pick);
     ``loss_chunk``: vocabulary columns per oneDNN product slice of the fp32 fused loss.
     """
 
     linear: str = "onednn"
+    matmul16: str = "native"
     attention: str = "math16"
     loss_chunk: int = 2048
 
@@ -115,6 +125,7 @@ def kernel_policy(device: torch.device | str) -> KernelPolicy:
     switches = {field: _on(env) for field, env in ENV_SWITCHES.items()}
     choices = current_choices()
     switches["onednn_linear"] &= choices.linear == "onednn"
+    switches["upcast_16bit"] &= choices.matmul16 == "fp32"
     switches["attention_16bit"] &= choices.attention == "math16"
     return KernelPolicy(**switches, keep_freed_heap=True)
 

@@ -12,8 +12,9 @@ mark included), computes ``g^T X`` while it travels, and waits. This is Megatron
 and its reduce-scatter analogue under sequence parallelism.
 
 Exact: each product is the same kernel call on the same operands as on the plain path
-(:func:`zerotron.kernels.onednn.linear`'s oneDNN matmuls for fp32 CPU tensors, else the matmuls
-autograd derives for ``F.linear``), the collective is the same ``comm`` call on the same
+(:func:`zerotron.kernels.onednn.linear`'s oneDNN matmuls for fp32 CPU tensors, its upcast fp32
+matmuls for 16-bit ones where the policy says so, else the matmuls autograd derives for
+``F.linear``), the collective is the same ``comm`` call on the same
 tensor, so the gradients are bit-identical (tests/distributed/test_tp_overlap.py checks it).
 Under autocast the plain path runs (autocast picks the matmul's dtype; the fused function would
 have to repeat that choice).
@@ -32,6 +33,8 @@ import torch
 from zerotron.distributed import comm
 from zerotron.distributed.comm import Group
 from zerotron.kernels.onednn import _mm_t_op, use_onednn
+from zerotron.kernels.upcast import linear_product, use_upcast
+from zerotron.kernels.upcast import mm as upcast_mm
 from zerotron.parallel.tensor.mappings import SEQUENCE_DIM
 
 ENV_SWITCH = "ZEROTRON_TP_OVERLAP"
@@ -70,12 +73,16 @@ class _LinearWithAsyncGradComm(torch.autograd.Function):
         total = comm.all_gather(x, group, dim=SEQUENCE_DIM) if sequence_parallel else x
         x2 = total.reshape(-1, total.shape[-1])
         onednn = use_onednn(x2) and use_onednn(weight)
-        ctx.onednn, ctx.group, ctx.sequence_parallel = onednn, group, sequence_parallel
+        upcast = use_upcast(x2)
+        ctx.onednn, ctx.upcast = onednn, upcast
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x2, weight)
         if onednn:  # as zerotron.kernels.onednn._OneDNNLinear.forward
             y = _mm_t_op(x2, weight)
             y = y if bias is None else y.add_(bias)
+        elif upcast:  # as zerotron.kernels.upcast._UpcastLinear.forward
+            y = linear_product(x2, weight, bias)
         else:  # as aten's linear on a 2-D input
             y = torch.addmm(bias, x2, weight.t()) if bias is not None else x2.mm(weight.t())
         return y.view(*total.shape[:-1], weight.shape[0])
@@ -87,14 +94,25 @@ class _LinearWithAsyncGradComm(torch.autograd.Function):
         shape = (*grad_y.shape[:-1], weight.shape[1])
         pending = grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = (_mm_t_op(g, weight.t()) if ctx.onednn else g.mm(weight)).view(shape)
+            if ctx.onednn:
+                grad_x = _mm_t_op(g, weight.t())
+            elif ctx.upcast:
+                grad_x = upcast_mm(g, weight).to(g.dtype)
+            else:
+                grad_x = g.mm(weight)
+            grad_x = grad_x.view(shape)
             if ctx.sequence_parallel:
                 pending = comm.reduce_scatter_async(grad_x, ctx.group, dim=SEQUENCE_DIM)
             else:  # grad_x is this function's own fresh tensor: reduced in place, no copy
                 pending = comm.all_reduce_async(grad_x, ctx.group)
         # The weight and bias gradients are computed while the collective travels.
         if ctx.needs_input_grad[1]:
-            grad_w = _mm_t_op(g.t(), x2.t()) if ctx.onednn else g.t().mm(x2)
+            if ctx.onednn:
+                grad_w = _mm_t_op(g.t(), x2.t())
+            elif ctx.upcast:
+                grad_w = upcast_mm(g.t(), x2).to(weight.dtype)
+            else:
+                grad_w = g.t().mm(x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         if pending is not None:
