@@ -33,7 +33,10 @@ product comes out fresh, ``grad_x`` summed over the slices: see :meth:`_Chunks.p
 16-bit: the same 16-bit
 logits and fp32 loss (within ~2e-7), the softmax from ``torch.softmax``'s faster exp (~1e-5
 relative, invisible after the cast to bf16) and ``grad_W`` accumulated over the chunks in bf16 (a
-few bf16 ulps).
+few bf16 ulps). With the kernel choice ``matmul16=fp32`` (:mod:`~zerotron.kernels.upcast`, a CPU
+whose 16-bit GEMMs are emulated) the three products run on the fp32 GEMM from the same 16-bit
+values, the logits rounded to 16 bits as before, and ``grad_W`` is summed over the chunks in fp32
+and rounded once.
 
 Tensor parallelism: this is the TP=1 (and eager-mode) path; the vocab-parallel loss is
 :func:`~zerotron.parallel.tensor.cross_entropy.vocab_parallel_cross_entropy`.
