@@ -38,14 +38,18 @@ def loss_and_grads(model: GPT, tokens, labels):
 def test_cpu_takes_every_fast_path_cuda_none(monkeypatch):
     for env in ENV_SWITCHES.values():
         monkeypatch.delenv(env, raising=False)
-    policy_module.set_choices(KernelChoices(matmul16="fp32"))  # the one off until measured
-    assert all(getattr(kernel_policy("cpu"), f) for f in FIELDS)
-    assert all(getattr(kernel_policy(torch.device("cpu")), f) for f in FIELDS)
-    assert not any(getattr(kernel_policy(torch.device("cuda", 0)), f) for f in FIELDS)
-    for field, env in ENV_SWITCHES.items():
-        monkeypatch.setenv(env, "0")
-        assert not getattr(kernel_policy("cpu"), field)
-        monkeypatch.delenv(env)
+    # the 16-bit attention is one of two fast paths (or SDPA's own), so each has its choices
+    for attention, other in (("math16", "attention_fp32"), ("fp32", "attention_16bit")):
+        policy_module.set_choices(KernelChoices(matmul16="fp32", attention=attention))
+        fields = [f for f in FIELDS if f != other]
+        assert all(getattr(kernel_policy("cpu"), f) for f in fields)
+        assert all(getattr(kernel_policy(torch.device("cpu")), f) for f in fields)
+        assert not getattr(kernel_policy("cpu"), other)
+        assert not any(getattr(kernel_policy(torch.device("cuda", 0)), f) for f in FIELDS)
+        for field, env in ENV_SWITCHES.items():
+            monkeypatch.setenv(env, "0")
+            assert not getattr(kernel_policy("cpu"), field)
+            monkeypatch.delenv(env)
 
 
 def test_kernel_choices_narrow_the_cpu_policy(monkeypatch):
@@ -76,10 +80,12 @@ def test_onednn_switched_off_is_f_linear(monkeypatch):
     assert torch.equal(onednn.linear(x, w, b), F.linear(x, w, b))
 
 
-def test_16bit_attention_switched_off_is_sdpa(monkeypatch):
+@pytest.mark.parametrize("attention", ["math16", "fp32"])
+def test_16bit_attention_switched_off_is_sdpa(monkeypatch, attention):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8, generator=g).bfloat16() for _ in range(3))
     sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    policy_module.set_choices(KernelChoices(attention=attention))
     fast = gpt_module._core_attention(q, k, v, None, True, 0.0)
     monkeypatch.setenv("ZEROTRON_MATH_ATTENTION", "0")
     plain = gpt_module._core_attention(q, k, v, None, True, 0.0)

@@ -10,7 +10,7 @@
 - :mod:`~zerotron.kernels.upcast`: 16-bit CPU matmuls on the fp32 GEMM, where 16-bit GEMMs
   are emulated.
 - :mod:`~zerotron.kernels.attention_cpu`: 16-bit CPU attention, SDPA's MATH kernel kept in
-  16 bits (:func:`sdpa_math_16bit`).
+  16 bits (:func:`sdpa_math_16bit`) or SDPA on fp32 copies (:func:`sdpa_fp32`).
 - :mod:`~zerotron.kernels.fused_cross_entropy`: the output layer and the cross entropy fused in
   token chunks (:func:`fused_linear_cross_entropy`), and :mod:`~zerotron.kernels.tied_grad`,
   the tied embedding's two gradients summed in place.
@@ -21,7 +21,7 @@ the chooser's cache; distributed.comm: one choice for a job's ranks): the parall
 models and the Engine choose among these paths by asking the policy.
 """
 
-from zerotron.kernels.attention_cpu import sdpa_math_16bit
+from zerotron.kernels.attention_cpu import sdpa_fp32, sdpa_math_16bit
 from zerotron.kernels.chooser import Chosen, KernelShape, choose_kernels
 from zerotron.kernels.fused_cross_entropy import ChunkWorkspace, fused_linear_cross_entropy
 from zerotron.kernels.onednn import linear, use_onednn
@@ -49,6 +49,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "kernel_policy",
     "linear",
+    "sdpa_fp32",
     "sdpa_math_16bit",
     "set_choices",
     "use_onednn",

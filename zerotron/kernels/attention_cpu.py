@@ -19,6 +19,10 @@ Numerics are Megatron-LM's unfused attention in 16 bits: ``q`` and ``k`` scaled 
 the kernel. No dropout here (:func:`~zerotron.models.gpt._core_attention` leaves attention
 dropout to SDPA's own path). The kernel policy's ``attention_16bit`` chooses it (the CPU;
 ``ZEROTRON_MATH_ATTENTION=0`` turns it off).
+
+Where 16-bit matmuls are emulated (no AVX-512 BF16, no AMX) both 16-bit kernels are slow, and
+:func:`sdpa_fp32`, SDPA on fp32 copies rounded back, is the third candidate of the kernel
+choice ``attention`` (the policy's ``attention_fp32``, the same off switch).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -79,3 +84,24 @@ def sdpa_math_16bit(
     """``F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=...)`` (no dropout, default
     scale) by SDPA's MATH kernel in ``q``'s 16-bit dtype; see the module docstring."""
     return _forward(q, k, v, attn_mask, is_causal)[0]
+
+
+def sdpa_fp32(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` (no dropout, default scale) of 16-bit ``q``, ``k``,
+    ``v`` computed on fp32 copies and rounded to their dtype once; autograd goes through the
+    casts, so the gradients are SDPA's fp32 ones rounded once too.
+
+    For a CPU without 16-bit matrix instructions, where SDPA's 16-bit flash kernel runs emulated
+    16-bit GEMMs: on an AVX2 Zen 3 core, 51 ms against 235 ms forward and backward on
+    ``[8, 6, 256, 64]`` (bench/README.md). Like the 16-bit flash kernel it computes the softmax and
+    its sums in fp32; unlike it, the probabilities stay fp32 for the second product. The copies
+    it saves for backward are fp32: twice the 16-bit kernels' bytes for q, k, v and the output.
+    """
+    mask = attn_mask.float() if attn_mask is not None and attn_mask.is_floating_point() else None
+    mask = attn_mask if mask is None else mask
+    out = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal
+    )
+    return out.to(q.dtype)

@@ -10,8 +10,8 @@ times each applicable choice's candidates on the model's own shapes and keeps th
   block's four linear layers (``[tokens, h]`` by ``3h``, ``h``, ``4h`` and ``4h -> h``);
 - ``matmul16`` (16-bit): ``native`` (torch's 16-bit GEMM) or ``fp32`` (the fp32 GEMM on upcast
   copies, :mod:`~zerotron.kernels.upcast`), the same four linear layers in the model's dtype;
-- ``attention`` (16-bit): ``math16`` or ``sdpa``, forward and backward of causal attention on
-  ``[micro batch, heads, seq, head dim]``;
+- ``attention`` (16-bit): ``math16``, ``sdpa`` or ``fp32`` (SDPA on fp32 copies), forward and
+  backward of causal attention on ``[micro batch, heads, seq, head dim]``;
 - ``loss_chunk`` (fp32 with ``linear=onednn``): 1,024 to 8,192 vocabulary columns per oneDNN
   slice of the fused loss, forward and backward on up to 256 tokens and 16,384 columns.
 
@@ -65,7 +65,7 @@ CACHE_VERSION = 1
 CANDIDATES: dict[str, tuple[Any, ...]] = {
     "linear": ("onednn", "torch"),
     "matmul16": ("native", "fp32"),
-    "attention": ("math16", "sdpa"),
+    "attention": ("math16", "sdpa", "fp32"),
     "loss_chunk": (1024, 2048, 4096, 8192),
 }
 """Each choice's candidates; the first is the default where nothing is measured."""

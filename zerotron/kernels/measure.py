@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from zerotron.kernels.attention_cpu import sdpa_math_16bit
+from zerotron.kernels.attention_cpu import sdpa_fp32, sdpa_math_16bit
 from zerotron.kernels.fused_cross_entropy import ChunkWorkspace, fused_linear_cross_entropy
 from zerotron.kernels.onednn import _OneDNNLinear
 from zerotron.kernels.policy import KernelChoices, using_choices
@@ -82,7 +82,8 @@ def _linear_block(shape: KernelShape, dtype: torch.dtype):
 
 
 def attention_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
-    """16-bit ``math16`` / ``sdpa``: causal attention forward and backward, no dropout."""
+    """16-bit ``math16`` / ``sdpa`` / ``fp32``: causal attention forward and backward, no
+    dropout."""
     g = torch.Generator().manual_seed(0)
     b = max(1, min(shape.micro_batch, ATTENTION_TOKENS // shape.seq))
     d = shape.hidden // shape.heads
@@ -100,6 +101,7 @@ def attention_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
     return {
         "math16": run(lambda q, k, v: sdpa_math_16bit(q, k, v, None, True)),
         "sdpa": run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        "fp32": run(lambda q, k, v: sdpa_fp32(q, k, v, None, True)),
     }
 
 

@@ -16,6 +16,8 @@ Fields, their off switches, and the plain twin each fast path must equal (tests/
 - ``attention_16bit`` (``ZEROTRON_MATH_ATTENTION=0``): 16-bit attention without dropout by
   SDPA's MATH kernel kept in 16 bits (:mod:`~zerotron.kernels.attention_cpu`); twin SDPA with
   the backend it picks.
+- ``attention_fp32`` (the same switch): 16-bit attention without dropout by SDPA on fp32 copies,
+  rounded back (:func:`~zerotron.kernels.attention_cpu.sdpa_fp32`); the same twin.
 - ``fused_loss`` (``ZEROTRON_FUSED_LOSS=0``): at TP=1 the output layer and the loss fused in
   token chunks (:mod:`~zerotron.kernels.fused_cross_entropy`), eager under ``torch.compile``,
   and with ``eager_embedding`` the tied embedding's two gradients summed in place
@@ -34,10 +36,10 @@ Which of two candidates wins on a given CPU is not a property of its vendor: the
 :class:`KernelChoices` (:func:`set_choices`, made by :mod:`~zerotron.kernels.chooser` from
 timings of the model's own shapes) narrow the policy further. ``onednn_linear`` holds only where
 the choice ``linear`` is ``onednn``, ``upcast_16bit`` only where ``matmul16`` is ``fp32``,
-``attention_16bit`` only where ``attention`` is ``math16``,
-and the fp32 fused loss cuts its oneDNN products in ``loss_chunk`` vocabulary columns. Until a
-choice is made the defaults below hold (every fast path on but the upcast 16-bit matmuls, 2,048
-columns).
+``attention_16bit`` only where ``attention`` is ``math16``, ``attention_fp32`` only where it is
+``fp32``, and the fp32 fused loss cuts its oneDNN products in ``loss_chunk`` vocabulary columns.
+Until a choice is made the defaults below hold (every fast path on but the upcast 16-bit matmuls
+and the fp32 attention, 2,048 columns).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ ENV_SWITCHES = {
     "onednn_linear": "ZEROTRON_ONEDNN",
     "upcast_16bit": "ZEROTRON_UPCAST_16BIT",
     "attention_16bit": "ZEROTRON_MATH_ATTENTION",
+    "attention_fp32": "ZEROTRON_MATH_ATTENTION",
     "fused_loss": "ZEROTRON_FUSED_LOSS",
     "eager_embedding": "ZEROTRON_EAGER_EMBEDDING",
 }
@@ -67,6 +70,7 @@ class KernelPolicy:
     onednn_linear: bool = False
     upcast_16bit: bool = False
     attention_16bit: bool = False
+    attention_fp32: bool = False
     fused_loss: bool = False
     eager_embedding: bool = False
     keep_freed_heap: bool = False
@@ -80,7 +84,8 @@ class KernelChoices:
     ``"torch"`` (torch.mm); ``matmul16``: their 16-bit matmuls, ``"native"`` (torch's 16-bit
     GEMM) or ``"fp32"`` (:mod:`~zerotron.kernels.upcast`); ``attention``: 16-bit attention
     without dropout, ``"math16"``
-    (:func:`~zerotron.kernels.attention_cpu.sdpa_math_16bit`) or ``"sdpa"`` (SDPA's own pick);
+    (:func:`~zerotron.kernels.attention_cpu.sdpa_math_16bit`), ``"sdpa"`` (SDPA's own pick) or
+    ``"fp32"`` (:func:`~zerotron.kernels.attention_cpu.sdpa_fp32`);
     ``loss_chunk``: vocabulary columns per oneDNN product slice of the fp32 fused loss.
     """
 
@@ -127,6 +132,7 @@ def kernel_policy(device: torch.device | str) -> KernelPolicy:
     switches["onednn_linear"] &= choices.linear == "onednn"
     switches["upcast_16bit"] &= choices.matmul16 == "fp32"
     switches["attention_16bit"] &= choices.attention == "math16"
+    switches["attention_fp32"] &= choices.attention == "fp32"
     return KernelPolicy(**switches, keep_freed_heap=True)
 
 

@@ -61,7 +61,13 @@ from zerotron.distributed.comm import Group
 from zerotron.distributed.rng import get_rng_tracker
 from zerotron.distributed.state import state
 from zerotron.errors import ConfigError, UnsupportedError
-from zerotron.kernels import TiedGrad, embedding_lookup, kernel_policy, sdpa_math_16bit
+from zerotron.kernels import (
+    TiedGrad,
+    embedding_lookup,
+    kernel_policy,
+    sdpa_fp32,
+    sdpa_math_16bit,
+)
 from zerotron.models.lm_head import LMHead
 from zerotron.parallel.tensor import (
     ColumnParallelLinear,
@@ -350,13 +356,18 @@ def _core_attention(q, k, v, attention_mask, is_causal, dropout_p):
     """``softmax(q k^T / sqrt(d) + mask) v`` by ``F.scaled_dot_product_attention``.
 
     SDPA picks its backend (flash on CPU; flash, memory-efficient or cuDNN on CUDA), except for
-    16-bit tensors without attention dropout where the kernel policy's ``attention_16bit`` holds
-    (the CPU): there SDPA's MATH kernel kept in 16 bits beats flash
+    16-bit tensors without attention dropout on the CPU, where the kernel choice may be SDPA's
+    MATH kernel kept in 16 bits (the policy's ``attention_16bit``) or SDPA on fp32 copies
+    (``attention_fp32``), whichever beat flash on the machine
     (:mod:`~zerotron.kernels.attention_cpu`).
     """
     low = q.dtype in (torch.bfloat16, torch.float16)
-    if low and dropout_p == 0 and kernel_policy(q.device).attention_16bit:
-        return sdpa_math_16bit(q, k, v, attention_mask, is_causal)
+    if low and dropout_p == 0:
+        policy = kernel_policy(q.device)
+        if policy.attention_16bit:
+            return sdpa_math_16bit(q, k, v, attention_mask, is_causal)
+        if policy.attention_fp32:
+            return sdpa_fp32(q, k, v, attention_mask, is_causal)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, is_causal=is_causal
     )
