@@ -99,8 +99,8 @@ def sdpa_fp32(
     its sums in fp32; unlike it, the probabilities stay fp32 for the second product. The copies
     it saves for backward are fp32: twice the 16-bit kernels' bytes for q, k, v and the output.
     """
-    mask = attn_mask.float() if attn_mask is not None and attn_mask.is_floating_point() else None
-    mask = attn_mask if mask is None else mask
+    floating = attn_mask is not None and attn_mask.is_floating_point()
+    mask = attn_mask.float() if floating else attn_mask  # a boolean mask stays as it is
     out = F.scaled_dot_product_attention(
         q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal
     )
