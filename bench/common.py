@@ -11,35 +11,34 @@ from zerotron.distributed import comm
 from zerotron.kernels import KernelShape, choose_kernels
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo ("unknown" where there is none)."""
+def _cpuinfo() -> tuple[str, set[str]]:
+    """The CPU's model name ("unknown" where there is none) and flags, from /proc/cpuinfo."""
+    model, flags = "unknown", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    return value.strip()
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
     except OSError:
         pass
-    return "unknown"
+    return model, flags
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown" where there is none)."""
+    return _cpuinfo()[0]
 
 
 def machine() -> str:
     """The CPU model, its core count and vector flags, and the load: numbers need them."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
+    model, flags = _cpuinfo()
     vector = sorted(f for f in flags if f.startswith(("avx2", "avx512", "amx")))
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return (
-        f"CPU: {cpu_model()}, {os.cpu_count()} logical cores, {' '.join(vector) or 'no AVX2'}; "
+        f"CPU: {model}, {os.cpu_count()} logical cores, {' '.join(vector) or 'no AVX2'}; "
         f"load average {load}"
     )
 

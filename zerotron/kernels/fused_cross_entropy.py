@@ -184,14 +184,16 @@ class _Chunks:
         """
         if not self.sliced:
             g = self.grad_logits(rows, loss, scale)
-            if g is not None and self.w32 is not None:  # upcast: g's 16-bit values in fp32
+            if g is None:
+                return
+            if self.upcast:  # g's 16-bit values in fp32, for the fp32 GEMM
                 g = self.work[: g.shape[0]].copy_(g)
-            if g is not None and grad_x is not None:
-                if self.w32 is not None:
+            if grad_x is not None:
+                if self.upcast:
                     grad_x[rows].copy_(upcast_mm(g, self.w32))
                 else:
                     _matmul(g, self.w, out=grad_x[rows])
-            if g is not None and acc is not None:
+            if acc is not None:
                 acc.add(g, self.x[rows])
             return
         x, t = self.x[rows], self.target[rows].unsqueeze(1)
@@ -246,7 +248,7 @@ class _Chunks:
                 torch.mm(x, self.w.t(), out=work)
         else:
             low = self.low[:n]
-            if self.w32 is not None:  # the fp32 GEMM, rounded to 16 bits as a native one is
+            if self.upcast:  # the fp32 GEMM, rounded to 16 bits as a native one is
                 low.copy_(upcast_mm(x, self.w32.t(), out=work))
             else:
                 torch.mm(x, self.w.t(), out=low)
