@@ -131,6 +131,25 @@ def test_the_same_shape_class_hits_the_cache():
     assert again.calls == 0
 
 
+def test_a_choice_cached_before_a_candidate_was_added_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setitem(chooser.CANDIDATES, "attention", ("math16", "sdpa"))  # an older release
+    FakeMachine().choose(BF16)
+    monkeypatch.setitem(chooser.CANDIDATES, "attention", ("math16", "sdpa", "fp32"))
+    monkeypatch.setitem(COSTS, "fp32", 0)  # the new candidate is the fastest
+    again = FakeMachine()
+    chosen = again.choose(BF16)
+    assert chosen.how == {
+        "linear": "n/a",
+        "matmul16": "cached",
+        "attention": "measured",
+        "loss_chunk": "n/a",
+    }
+    assert chosen.choices.attention == "fp32"
+    (entry,) = json.loads((tmp_path / "kernels.json").read_text())["entries"].values()
+    assert set(entry["timings_ms"]["attention"]) == {"math16", "sdpa", "fp32"}
+    assert FakeMachine().choose(BF16).how["attention"] == "cached"
+
+
 def test_a_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path):
     (tmp_path / "kernels.json").write_text("{ not json")
     with pytest.warns(UserWarning, match="unreadable"):

@@ -30,7 +30,9 @@ def _choose(rank, cache_root, cached=None, forced=None):
     os.environ[chooser.CACHE_ENV] = os.path.join(cache_root, f"rank{rank}")
     if cached is not None:
         key = chooser._entry_key(SHAPE)
-        chooser._write_cache(chooser.cache_path(), key, {"choices": cached[rank]})
+        timed = {n: {str(c): 1.0 for c in chooser.CANDIDATES[n]} for n in cached[rank]}
+        entry = {"choices": cached[rank], "timings_ms": timed}
+        chooser._write_cache(chooser.cache_path(), key, entry)
     calls = []
     now = [0.0]
 

@@ -25,8 +25,9 @@ The result is cached in ``kernels.json`` under ``$ZEROTRON_CACHE_DIR`` (default
 ``~/.cache/zerotron``), one entry per machine (CPU model and a hash of its flags), torch version
 and shape class (:meth:`KernelShape.key`: dtype, hidden size, heads, and powers of two of the
 sequence, tokens per micro-batch and vocabulary, threads), written whole and crash-safely; a
-cached entry is used without measuring again. A file that cannot be read is reported with a
-warning, ignored, and rewritten.
+cached entry is used without measuring again, unless it was measured before a candidate was
+added to its choice (a newer zerotron): that choice alone is measured again. A file that
+cannot be read is reported with a warning, ignored, and rewritten.
 
 Forcing: ``ZEROTRON_KERNELS=linear=torch,attention=sdpa,loss_chunk=4096`` (or ``zerotron
 pretrain --kernels ...``, which wins over the variable) sets those choices without measuring.
@@ -384,7 +385,7 @@ def choose_kernels(
             continue
         if name in pinned:
             continue
-        if cached.get(name) in CANDIDATES[name]:
+        if cached.get(name) in CANDIDATES[name] and _timed_all(entry, name):
             values[name], how[name] = cached[name], "cached"
         elif measure:
             winner, times = time_candidates(runners(name, shape), clock=clock)
@@ -435,6 +436,13 @@ def choose_precision(
     timings = {"precision": {c: round(1e3 * t, 3) for c, t in times.items()}}
     _write_cache(path, key, {"choices": {"precision": winner}, "timings_ms": timings})
     return winner, "measured"
+
+
+def _timed_all(entry: dict[str, Any], name: str) -> bool:
+    """Whether the cached ``entry`` timed every current candidate of ``name``: a choice made
+    before a release added a candidate is measured again, so the new one gets its chance."""
+    timed = entry.get("timings_ms", {}).get(name, {})
+    return isinstance(timed, dict) and {str(c) for c in CANDIDATES[name]} <= set(timed)
 
 
 def _pow2(n: int) -> int:
