@@ -76,11 +76,12 @@ class Setup:
     def torch_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.dtype == "bf16" else torch.float32
 
-    def kernel_shape(self) -> KernelShape:
-        """What the kernel chooser measures: the layers' micro-batch, one thread (no output
-        layer: ``main`` turns the fused loss off, so there is no ``loss_chunk`` to choose)."""
+    def kernel_shape(self, tp: int) -> KernelShape:
+        """What the kernel chooser measures: one of ``tp`` ranks' shards of the layers, one
+        thread (no output layer: ``main`` turns the fused loss off, so there is no
+        ``loss_chunk`` to choose)."""
         return KernelShape(
-            self.hidden, self.heads, self.seq, self.micro_batch, 1, self.dtype, threads=1
+            self.hidden, self.heads, self.seq, self.micro_batch, 1, self.dtype, threads=1, tp=tp
         )
 
 
@@ -348,7 +349,7 @@ def _timing_rank(rank: int, systems: list[str], sp: bool, setup: Setup, profile:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    job_kernels(setup.kernel_shape())
+    job_kernels(setup.kernel_shape(dist.get_world_size()))  # every rank is one TP shard
     steps = {system: _build(system, setup, sp) for system in systems}
     waits = _time_comm_waits() if profile else None
     batches = _batches(setup, setup.warmup + setup.steps)
@@ -374,9 +375,11 @@ def _memory_rank(rank: int, system: str, sp: bool, setup: Setup) -> dict:
     """One system alone in fresh ranks: its peak RSS and peak malloc heap over 3 steps."""
     import warnings
 
+    import torch.distributed as dist
+
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    job_kernels(setup.kernel_shape())
+    job_kernels(setup.kernel_shape(dist.get_world_size()))
     heap = HeapPeak()
     step = _build(system, setup, sp)
     for x in _batches(setup, 3):
@@ -539,9 +542,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megatron-core not importable ({type(e).__name__}: {e}); its rows are skipped")
             systems.remove("megatron")
     os.environ["ZEROTRON_FUSED_LOSS"] = "0"  # no output layer here (the ranks inherit it)
-    print(f"zerotron {measure_kernels(setup.kernel_shape())}", flush=True)
     configs = []
     for tp in args.tp.split(","):
+        print(f"zerotron tp{tp} {measure_kernels(setup.kernel_shape(int(tp)))}", flush=True)
         for sp in args.sp.split(","):
             print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
             configs.append(

@@ -474,3 +474,42 @@ def test_import_zerotron_is_cheap():
     code = "import sys, zerotron; print('torch' in sys.modules, callable(zerotron.initialize))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+def _record_kernel_shapes(monkeypatch) -> list:
+    """The shapes initialize() asks the kernel chooser about."""
+    import zerotron.kernels
+
+    shapes, choose = [], zerotron.kernels.choose_kernels
+
+    def recording(shape, *args, **kwargs):
+        shapes.append(shape)
+        return choose(shape, *args, **kwargs)
+
+    monkeypatch.setattr(zerotron.kernels, "choose_kernels", recording)
+    return shapes
+
+
+def test_a_zerotron_gpt_gets_the_kernel_choices_pretrain_makes(monkeypatch, capsys):
+    from zerotron.kernels import KernelShape, current_choices
+    from zerotron.models.gpt import GPT, GPTConfig
+
+    monkeypatch.setenv("ZEROTRON_KERNELS", "linear=torch")  # the suite forces onednn
+    shapes = _record_kernel_shapes(monkeypatch)
+    config = GPTConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=128
+    )
+    zerotron.initialize(model=GPT(config), config=ds_config())
+    assert shapes == [KernelShape(64, 4, 16, MICRO, 128, "fp32", torch.get_num_threads())]
+    assert current_choices().linear == "torch"
+    assert capsys.readouterr().out.count("kernels: linear=torch (forced)") == 1
+
+
+def test_a_model_without_a_zerotron_gpt_chooses_no_kernels(monkeypatch, capsys):
+    from zerotron.kernels import current_choices
+
+    before = current_choices()
+    shapes = _record_kernel_shapes(monkeypatch)
+    zerotron.initialize(model=mlp(), config=ds_config())
+    assert shapes == [] and current_choices() == before
+    assert "kernels:" not in capsys.readouterr().out

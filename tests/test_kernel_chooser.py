@@ -2,6 +2,7 @@
 candidates, no real timing), the cache is written, read, keyed by machine / torch / shape class
 and never measured again; forcing each candidate runs exactly that path."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import zerotron.cli
+import zerotron.training.kernels_cli
 from tests.test_kernel_policy import config, loss_and_grads
 from zerotron.errors import ConfigError
 from zerotron.kernels import chooser, measure, onednn, upcast
@@ -228,6 +230,64 @@ def test_the_real_candidates_run_on_the_models_shapes():
         assert list(runners) == list(chooser.CANDIDATES[name])
         for call in runners.values():
             call()
+
+
+def test_a_tensor_parallel_rank_is_its_own_shape_class(tmp_path):
+    FakeMachine().choose()
+    again = FakeMachine()
+    assert again.choose(dataclasses.replace(FP32, tp=2)).how["linear"] == "measured"
+    keys = sorted(json.loads((tmp_path / "kernels.json").read_text())["entries"])
+    assert [k.endswith(" tp2") for k in keys] == [False, True]
+
+
+def _shapes_passed(monkeypatch, owner, name: str, position: int) -> list:
+    """Wrap ``owner.name``: each call records the shape of its argument at ``position``."""
+    real, shapes = getattr(owner, name), []
+
+    def recording(*args, **kwargs):
+        shapes.append(tuple(args[position].shape))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return shapes
+
+
+TP2 = dataclasses.replace(FP32, tp=2)  # hidden 64, 4 heads, vocabulary 100, on 2 ranks
+
+
+def test_a_tensor_parallel_ranks_linear_layers_are_its_shards(monkeypatch):
+    weights = _shapes_passed(monkeypatch, F, "linear", 1)
+    measure.linear_runners(TP2)["torch"]()
+    assert weights == [(96, 64), (64, 32), (128, 64), (64, 128)]  # 3h/2, h/2 in, 4h/2, 4h/2 in
+
+
+def test_a_tensor_parallel_rank_attends_with_its_heads(monkeypatch):
+    queries = _shapes_passed(monkeypatch, F, "scaled_dot_product_attention", 0)
+    measure.attention_runners(dataclasses.replace(TP2, dtype="bf16"))["sdpa"]()
+    assert queries == [(2, 2, 32, 16)]  # 2 of the 4 heads
+
+
+def test_a_tensor_parallel_ranks_loss_has_its_vocabulary_columns(monkeypatch):
+    weights = _shapes_passed(monkeypatch, measure, "fused_linear_cross_entropy", 1)
+    measure.loss_chunk_runners(TP2)[1024]()
+    assert weights == [(50, 64)]  # half the vocabulary
+
+
+def test_kernels_command_measures_a_tensor_parallel_rank(monkeypatch, capsys):
+    shapes = []
+    real = zerotron.training.kernels_cli.choose_kernels
+
+    def recording(shape, *args, **kwargs):
+        shapes.append(shape)
+        return real(shape, *args, **kwargs)
+
+    monkeypatch.setattr(zerotron.training.kernels_cli, "choose_kernels", recording)
+    argv = ["kernels", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16"]
+    assert zerotron.cli.main([*argv, "--tensor-model-parallel-size", "2"]) == 0
+    assert [s.tp for s in shapes] == [2]
+    with pytest.raises(SystemExit):
+        zerotron.cli.main([*argv, "--tensor-model-parallel-size", "4"])
+    assert "multiple of --tensor-model-parallel-size" in capsys.readouterr().err
 
 
 # ---- forcing each candidate runs exactly its path ---------------------------------------------

@@ -91,3 +91,26 @@ def _bad_spec(rank, cache_root):
 
 def test_a_bad_spec_stops_every_rank_without_a_collective(tmp_path):
     assert run_ranks(_bad_spec, 2, str(tmp_path), timeout=60) == [True, True]
+
+
+def _pretrain_tp2(rank, data, cache_root):
+    """``zerotron pretrain`` at tensor-parallel size 2, measuring (nothing forced), building
+    only; returns the keys of this rank's cache (None: it wrote none)."""
+    import contextlib
+    import io
+
+    from .test_pretrain_parallel import _pretrain
+
+    os.environ.pop(chooser.ENV, None)
+    os.environ[chooser.CACHE_ENV] = os.path.join(cache_root, f"rank{rank}")
+    with contextlib.redirect_stdout(io.StringIO()):
+        _pretrain(2, data, "--tensor-model-parallel-size", 2, "--train-iters", 0)
+    path = chooser.cache_path()
+    return sorted(json.loads(path.read_text())["entries"]) if path.exists() else None
+
+
+def test_pretrain_measures_one_tensor_parallel_ranks_shards(data_prefix, tmp_path):
+    first, second = run_ranks(_pretrain_tp2, 2, data_prefix, str(tmp_path), timeout=120)
+    (key,) = first
+    assert key.endswith(" fp32 h64 a4 s~16 t~32 v~32768 threads1 tp2")
+    assert second is None

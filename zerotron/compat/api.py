@@ -26,7 +26,11 @@ A DeepSpeed training script runs on zerotron by changing its import::
    ``deepspeed.comm.init_distributed``), and the tensor/pipeline/data-parallel groups:
    from a passed ``mpu`` (its sizes, checked against zerotron's rank layout) or zerotron's state;
 3. the model: moved to the device and cast to fp16/bf16 when the config says so (with
-   ``fp16.auto_cast`` its floating-point inputs are cast to fp16 too);
+   ``fp16.auto_cast`` its floating-point inputs are cast to fp16 too); where it holds zerotron's
+   :class:`~zerotron.models.gpt.GPT`, the CPU kernel choices ``zerotron pretrain`` makes for it
+   (:mod:`zerotron.kernels.chooser`: rank 0's cached or measured ones, for every rank; forced
+   by ``ZEROTRON_KERNELS``), printed once by rank 0; the user's own layers run no zerotron
+   kernels, so nothing is chosen for them;
 4. the optimizer: passed (a torch optimizer, or a callable ``params -> optimizer``; it wins
    over the config's, as in DeepSpeed) or from the config's ``optimizer`` section, wrapped
    for precision and data parallelism by :func:`zerotron.engine.builder.build_engine`
@@ -152,6 +156,7 @@ def initialize(
     if cfg.precision.fp16 and cfg.precision.fp16_auto_cast:
         model.register_forward_pre_hook(_cast_inputs_half, with_kwargs=True)
     _configure_checkpointing(mpu, resolved)
+    _choose_kernels(model, cfg, ps, device)
 
     params = _parameters(model, model_parameters)
     torch_optimizer = _torch_optimizer(optimizer, params, cfg, resolved, build_torch_optimizer)
@@ -344,6 +349,32 @@ def _passed_lr(optimizer: Any) -> float | None:
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer.param_groups[0]["lr"]
     return None
+
+
+def _choose_kernels(model: nn.Module, cfg: Any, ps: Any, device: torch.device) -> None:
+    """The kernel choices for the first zerotron GPT in ``model``, as ``zerotron pretrain``
+    makes them (one tensor-parallel rank's shapes, rank 0 deciding for the job)."""
+    from zerotron.distributed import comm
+    from zerotron.kernels import KernelShape, choose_kernels
+    from zerotron.models.gpt import GPT
+
+    gpt = next((m for m in model.modules() if isinstance(m, GPT)), None)
+    if gpt is None:
+        return
+    c = gpt.config
+    shape = KernelShape(
+        hidden=c.hidden_size,
+        heads=c.num_attention_heads,
+        seq=c.seq_length,
+        micro_batch=cfg.training.micro_batch_size,
+        vocab=c.orig_vocab_size or c.vocab_size,
+        dtype=cfg.precision.params_dtype,
+        tp=ps.tp_size,
+    )
+    group = comm.world_group()
+    chosen = choose_kernels(shape, device, group=group)
+    if group.rank == 0:
+        print(f" {chosen.line()}", flush=True)
 
 
 def _hidden_size(model: nn.Module) -> int | None:

@@ -84,7 +84,12 @@ Runner = Callable[[], None]
 
 @dataclass(frozen=True)
 class KernelShape:
-    """The model shapes a choice is measured on (one micro-batch on one process)."""
+    """The model shapes a choice is measured on (one micro-batch on one process).
+
+    ``hidden``, ``heads`` and ``vocab`` are the whole model's; with ``tp`` > 1 the candidates
+    run on one tensor-parallel rank's shards (``3h/tp`` QKV and ``4h/tp`` MLP columns, ``heads/tp``
+    heads, ``vocab/tp`` output columns), which is what that rank multiplies.
+    """
 
     hidden: int
     heads: int
@@ -93,12 +98,14 @@ class KernelShape:
     vocab: int
     dtype: str  # "fp32", "bf16" or "fp16"
     threads: int = field(default_factory=torch.get_num_threads)
+    tp: int = 1
 
     def key(self) -> str:
         """The shape class of the cache: choices measured on one shape hold for its class."""
         return (
             f"{self.dtype} h{self.hidden} a{self.heads} s~{_pow2(self.seq)} "
             f"t~{_pow2(self.seq * self.micro_batch)} v~{_pow2(self.vocab)} threads{self.threads}"
+            + (f" tp{self.tp}" if self.tp > 1 else "")
         )
 
     @property

@@ -5,7 +5,8 @@
 candidate's path itself (not through the policy), on inputs drawn from a private generator, so
 measuring leaves the global RNG (and so the run's dropout and initialization) untouched. Sizes
 are capped to keep a measurement to a few seconds: up to 512 tokens for the linear layers,
-1,024 for attention, 256 tokens and 16,384 vocabulary columns for the fused loss.
+1,024 for attention, 256 tokens and 16,384 vocabulary columns for the fused loss. With
+``shape.tp`` > 1 they are one tensor-parallel rank's shards.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def _linear_block(shape: KernelShape, dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
     h, tokens = shape.hidden, min(shape.seq * shape.micro_batch, LINEAR_TOKENS)
     x = _randn(g, tokens, h, dtype=dtype)
-    layers = [(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)]
+    tp = shape.tp  # column-parallel layers split their outputs, row-parallel their inputs
+    layers = [(3 * h // tp, h), (h, h // tp), (4 * h // tp, h), (h, 4 * h // tp)]
     params = [(_randn(g, n, k, dtype=dtype), _randn(g, n, dtype=dtype)) for n, k in layers]
     inputs = {k: x if k == h else _randn(g, tokens, k, dtype=dtype) for _, k in layers}
     grads = {n: torch.randn(tokens, n, generator=g).to(dtype) for n, _ in layers}
@@ -86,9 +88,9 @@ def attention_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
     dropout."""
     g = torch.Generator().manual_seed(0)
     b = max(1, min(shape.micro_batch, ATTENTION_TOKENS // shape.seq))
-    d = shape.hidden // shape.heads
-    qkv = [_randn(g, b, shape.heads, shape.seq, d, dtype=shape.torch_dtype) for _ in range(3)]
-    grad = torch.randn(b, shape.heads, shape.seq, d, generator=g).to(shape.torch_dtype)
+    d, heads = shape.hidden // shape.heads, max(1, shape.heads // shape.tp)
+    qkv = [_randn(g, b, heads, shape.seq, d, dtype=shape.torch_dtype) for _ in range(3)]
+    grad = torch.randn(b, heads, shape.seq, d, generator=g).to(shape.torch_dtype)
 
     def run(attention) -> Callable[[], None]:
         def call() -> None:
@@ -110,7 +112,8 @@ def loss_chunk_runners(shape: KernelShape) -> dict[Any, Callable[[], None]]:
     from zerotron.kernels.chooser import CANDIDATES
 
     g = torch.Generator().manual_seed(0)
-    tokens, v = min(shape.seq * shape.micro_batch, LOSS_TOKENS), min(shape.vocab, LOSS_COLUMNS)
+    tokens = min(shape.seq * shape.micro_batch, LOSS_TOKENS)
+    v = min(max(1, shape.vocab // shape.tp), LOSS_COLUMNS)
     x, w = _randn(g, tokens, shape.hidden), _randn(g, v, shape.hidden)
     target = torch.randint(0, v, (tokens,), generator=g)
     workspace = ChunkWorkspace()

@@ -9,6 +9,8 @@ shape here (timed once and cached): ``examples/demo.sh`` trains in what it print
         --micro-batch-size 4 --bf16
     zerotron kernels --hidden-size 256 --num-attention-heads 4 --seq-length 128 \\
         --micro-batch-size 16 --pick-precision
+    zerotron kernels --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \\
+        --tensor-model-parallel-size 2
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB, help="default GPT-2's")
+    p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="measure one tensor-parallel rank's shards, as pretrain with this size does",
+    )
     precision = p.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
@@ -44,11 +52,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, help="torch threads while measuring (default: torch's)")
     args = p.parse_args(argv)
-    for name in ("hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
+    for name in (
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "micro_batch_size",
+        "tensor_model_parallel_size",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.hidden_size % args.num_attention_heads:
         p.error("--hidden-size must be a multiple of --num-attention-heads")
+    if args.num_attention_heads % args.tensor_model_parallel_size:
+        p.error("--num-attention-heads must be a multiple of --tensor-model-parallel-size")
     return args
 
 
@@ -64,6 +80,7 @@ def main(argv: list[str]) -> int:
         micro_batch=args.micro_batch_size,
         vocab=args.vocab_size,
         dtype=dtype,
+        tp=args.tensor_model_parallel_size,
     )
     device = default_device()
     if args.pick_precision:
