@@ -16,6 +16,7 @@ tests/test_estimate_measured.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -296,3 +297,46 @@ def test_in_flight_peaks_saturate(p, v):
     cap = act.saturated(p, 10**6, v)
     assert act._in_flight(kind, p, cap, v) == act._in_flight(kind, p, 3 * cap, v)
     assert act._chunk_in_flight(kind, p, cap, v) == act._chunk_in_flight(kind, p, 3 * cap, v)
+
+
+CPU_BF16 = [*GPT2_MEDIUM.split(), "--attention-dropout", "0", "--device", "cpu"]
+CACHED = {"matmul16": "fp32", "attention": "fp32"}  # not the defaults: other buffers
+
+
+@pytest.fixture
+def cached_kernels(monkeypatch, tmp_path):
+    """This machine's kernel cache holding ``CACHED`` for CPU_BF16's shape, nothing forced."""
+    from zerotron.kernels import KernelShape, chooser
+    from zerotron.tuning.estimate_cli import load
+
+    monkeypatch.delenv(chooser.ENV, raising=False)  # the suite forces the defaults
+    monkeypatch.setenv(chooser.CACHE_ENV, str(tmp_path))
+    cfg = load([a for a in CPU_BF16 if a not in ("--device", "cpu")], 1)
+    timed = {n: {str(c): 1.0 for c in chooser.CANDIDATES[n]} for n in CACHED}
+    key = chooser._entry_key(KernelShape.from_config(cfg, 50257))
+    chooser._write_cache(chooser.cache_path(), key, {"choices": CACHED, "timings_ms": timed})
+    return cfg
+
+
+def test_cli_on_cpu_estimates_the_kernels_cached_here(cached_kernels, capsys):
+    from zerotron.kernels import KernelChoices
+
+    assert cli(["estimate", *CPU_BF16, "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["layouts"]
+    kernels = KernelChoices(**CACHED)
+    assert entry["layout"]["kernels"] == dataclasses.asdict(kernels)
+    layout = Layout.from_config(cached_kernels, device="cpu", kernels=kernels)
+    assert entry["memory"] == estimate(ModelShape.from_config(cached_kernels), layout).as_dict()
+
+
+def test_cli_on_cpu_prints_the_kernels_it_assumed(cached_kernels, capsys):
+    assert cli(["estimate", *CPU_BF16]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("CPU kernels: linear=- (n/a), matmul16=fp32 (cached), attention=fp32 ")
+
+
+def test_cli_on_cpu_takes_the_kernels_flag_over_the_cache(cached_kernels, capsys):
+    assert cli(["estimate", *CPU_BF16, "--kernels", "attention=sdpa", "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["layouts"]
+    assert entry["layout"]["kernels"]["attention"] == "sdpa"
+    assert entry["layout"]["kernels"]["matmul16"] == "fp32"  # not forced: still the cached one

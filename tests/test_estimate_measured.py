@@ -26,6 +26,7 @@ from tests.distributed.spawn import run_ranks
 from zerotron.config import parse_megatron_args
 from zerotron.distributed.state import destroy_model_parallel, initialize_model_parallel
 from zerotron.tuning.estimate import Layout, ModelShape, estimate
+from zerotron.tuning.estimate_cli import cpu_kernels
 from zerotron.tuning.measure import measure_run, write_byte_tokenizer
 
 BASE = (
@@ -41,6 +42,12 @@ LAYOUTS_1 = {
     "bf16 selective": "--bf16 --hidden-dropout 0 --attention-dropout 0 "
     "--recompute-granularity selective",
     "bf16 full recompute": "--bf16 --recompute-granularity full --attention-dropout 0",
+    # the other CPU kernel choices (zerotron.kernels.chooser), whose buffers differ
+    "fp32 linear=torch": "--hidden-dropout 0 --attention-dropout 0 --kernels linear=torch",
+    "bf16 attention=sdpa": "--bf16 --hidden-dropout 0 --attention-dropout 0 "
+    "--kernels matmul16=native,attention=sdpa",
+    "bf16 matmul16=fp32 attention=fp32": "--bf16 --hidden-dropout 0 --attention-dropout 0 "
+    "--kernels matmul16=fp32,attention=fp32",
 }
 LAYOUTS_2 = {
     "dp2 bf16 zero0": "--bf16",
@@ -94,7 +101,9 @@ def _estimated(extra: str, world: int, pipeline_rank: int) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as d:
         cfg = parse_megatron_args(_flags(extra, world, d), world_size=world)
     shape = ModelShape.from_config(cfg, vocab_size=VOCAB)
-    return estimate(shape, Layout.from_config(cfg, device="cpu"), pipeline_rank).as_dict()
+    kernels = cpu_kernels(cfg, VOCAB).choices  # what measure_run takes: forced here
+    layout = Layout.from_config(cfg, device="cpu", kernels=kernels)
+    return estimate(shape, layout, pipeline_rank).as_dict()
 
 
 @pytest.fixture(scope="module")

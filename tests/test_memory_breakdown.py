@@ -3,7 +3,9 @@
 One tiny run in process (2 layers, hidden 64, bf16, dropout on, two micro-batches a step, the
 bundled corpus in a byte vocabulary) measures iteration 2; one two-rank pipeline run (spawned)
 measures iteration 1.
-Checked: the ``memory`` record is written once, at the chosen step, with every term; it equals
+Checked: the ``memory`` record is written once, at the chosen step, with every term and the CPU
+kernel choices the run took (``--kernels matmul16=fp32``, whose loss buffers are not the
+default's); it equals
 what :func:`zerotron.tuning.measure.measure_run` measures for the same config (one
 implementation); every term is within 10% of the estimate (the bound of
 tests/test_estimate_measured.py), read back through ``zerotron estimate --compare``; the
@@ -38,7 +40,8 @@ FLAGS = [
     "--log-interval", "1", "--num-workers", "0", "--eval-interval", "100", "--eval-iters", "0",
     "--seed", "1234", "--bf16", "--save-interval", "1000",
 ]  # fmt: skip
-ONE = [*FLAGS, "--global-batch-size", "4", "--train-iters", "2", "--memory-breakdown-step", "2"]
+ONE = [*FLAGS, "--global-batch-size", "4", "--train-iters", "2", "--memory-breakdown-step", "2",
+       "--kernels", "matmul16=fp32"]  # fmt: skip  # not the default: its loss buffers differ
 PP2 = [*FLAGS, "--global-batch-size", "4", "--train-iters", "1", "--memory-breakdown-step", "1",
        "--pipeline-model-parallel-size", "2", "--attention-dropout", "0"]  # fmt: skip
 AUSTEN = Path(__file__).resolve().parent.parent / "data" / "austen.jsonl"
@@ -118,6 +121,12 @@ def test_one_memory_record_at_the_chosen_step(one):
     assert record["total"] == sum(record["terms"].values())
     assert (record["rank"], record["pp_rank"], record["device"]) == (0, 0, "cpu")
     assert " memory breakdown rank 0 (tp0 pp0 dp0), MiB: parameters " in log
+
+
+def test_the_record_names_the_kernels_the_run_took(one):
+    d, _, _ = one
+    (record,) = _memory(d)
+    assert record["kernels"]["matmul16"] == "fp32"  # --kernels; compare estimates with them
 
 
 def test_record_equals_tunings_measurement(one):

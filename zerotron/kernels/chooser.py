@@ -49,7 +49,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +57,9 @@ from zerotron.distributed import comm
 from zerotron.errors import ConfigError
 from zerotron.fileio import atomic_write_text
 from zerotron.kernels.policy import ENV_SWITCHES, KernelChoices, set_choices
+
+if TYPE_CHECKING:
+    from zerotron.config import Config
 
 ENV = "ZEROTRON_KERNELS"
 CACHE_ENV = "ZEROTRON_CACHE_DIR"
@@ -111,6 +114,21 @@ class KernelShape:
     @property
     def torch_dtype(self) -> torch.dtype:
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+    @classmethod
+    def from_config(cls, cfg: Config, vocab_size: int) -> KernelShape:
+        """The shapes of ``zerotron pretrain``'s GPT for ``cfg`` (the tokenizer's
+        ``vocab_size``) on one of its tensor-parallel ranks, with torch's thread count."""
+        m = cfg.model
+        return cls(
+            hidden=m.hidden_size,
+            heads=m.num_attention_heads,
+            seq=m.seq_length,
+            micro_batch=cfg.training.micro_batch_size,
+            vocab=vocab_size,
+            dtype=cfg.precision.params_dtype,
+            tp=cfg.parallel.tensor_model_parallel_size,
+        )
 
 
 @dataclass

@@ -22,6 +22,7 @@ layout; both draw with :func:`zerotron.training.memory_figure.draw_stacked`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from zerotron.distributed.state import state
 from zerotron.engine.memory_breakdown import TERMS, StepMemory
 from zerotron.engine.run_metrics import RunMetrics
 from zerotron.errors import ConfigError
+from zerotron.kernels import current_choices
 from zerotron.training.memory_figure import MIB, draw_stacked
 
 FIGURE = Path("figures") / "memory_breakdown.png"
@@ -85,6 +87,7 @@ class MemoryBreakdownRecorder:
             "dp_rank": ps.dp_rank,
             "device": self.run.engine.device.type,
             "vocab_size": self.run.tokenizer.vocab_size,
+            "kernels": dataclasses.asdict(current_choices()),  # the CPU paths' buffers
         }
         if measured.cuda_max_allocated is not None:
             record["cuda_max_allocated_bytes"] = measured.cuda_max_allocated

@@ -145,17 +145,10 @@ def _choose_kernels(run: Run) -> None:
     """The CPU kernel choices for this model (:mod:`zerotron.kernels.chooser`), printed once:
     rank 0's cached ones, else measured by rank 0 on one tensor-parallel rank's shapes while
     the other ranks wait, and taken by all."""
-    m = run.cfg.model
-    shape = KernelShape(
-        hidden=m.hidden_size,
-        heads=m.num_attention_heads,
-        seq=m.seq_length,
-        micro_batch=run.cfg.training.micro_batch_size,
-        vocab=run.tokenizer.vocab_size,
-        dtype=run.cfg.precision.params_dtype,
-        tp=run.cfg.parallel.tensor_model_parallel_size,
+    shape = KernelShape.from_config(run.cfg, run.tokenizer.vocab_size)
+    chosen = choose_kernels(
+        shape, run.engine.device, run.cfg.model.kernels, group=comm.world_group()
     )
-    chosen = choose_kernels(shape, run.engine.device, m.kernels, group=comm.world_group())
     print_rank_0(f" {chosen.line()}")
 
 

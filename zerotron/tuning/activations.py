@@ -14,11 +14,13 @@ Two accountings, side by side:
 
   * attention core: SDPA's flash kernel (CUDA; the CPU in fp32 without dropout) keeps q, k, v,
     its output and an fp32 log-sum-exp ``[b, a, s]``: no ``as²`` term. On the CPU, 16-bit
-    attention without dropout runs the MATH kernel kept in 16 bits
-    (:mod:`~zerotron.kernels.attention_cpu`), which keeps the ``as²`` probabilities (``e``
-    bytes each); attention dropout on the CPU makes SDPA run MATH in fp32, keeping scaled q and
-    k, v, the probabilities, the dropout mask and the dropped probabilities, all fp32
-    (``12 sbh + 12 as²b`` bytes);
+    attention without dropout runs the kernel the chooser picked (``ActivationCase.kernels``,
+    :mod:`~zerotron.kernels.chooser`): ``math16``, the MATH kernel kept in 16 bits
+    (:mod:`~zerotron.kernels.attention_cpu`), keeps the ``as²`` probabilities (``e`` bytes
+    each); ``sdpa`` is the flash kernel; ``fp32``, flash on fp32 copies, keeps those copies of
+    q, k, v and its output (4 bytes each) and the log-sum-exp. Attention dropout on the CPU
+    makes SDPA run MATH in fp32, keeping scaled q and k, v, the probabilities, the dropout mask
+    and the dropped probabilities, all fp32 (``12 sbh + 12 as²b`` bytes);
   * dropout masks: CUDA keeps a 1-byte mask, the CPU one of the activations' dtype; no mask at
     all with dropout 0 (the paper always counts them);
   * LayerNorm statistics (mean and rstd per token) are counted: fp32 on CUDA, the activations'
@@ -40,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from zerotron.kernels.policy import KernelChoices
 from zerotron.pipeline.schedules import (
     Backward,
     Forward,
@@ -68,6 +71,7 @@ class ActivationCase:
     device: str = "cuda"  # "cuda" | "cpu": which kernels zerotron picks
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    kernels: KernelChoices = KernelChoices()  # the CPU kernel choices (zerotron.kernels.chooser)
 
     @property
     def e(self) -> int:
@@ -80,13 +84,15 @@ class ActivationCase:
 
 
 def attention_kernel(case: ActivationCase) -> str:
-    """Which SDPA path zerotron's attention takes: ``"flash"``, ``"math16"`` or ``"math_fp32"``
-    (see the module docstring)."""
+    """Which SDPA path zerotron's attention takes: ``"flash"``, ``"math16"``, ``"flash_fp32"``
+    (flash on fp32 copies) or ``"math_fp32"`` (see the module docstring)."""
     if case.device != "cpu":
         return "flash"
     if case.attention_dropout > 0:
         return "math_fp32"
-    return "math16" if case.e == 2 else "flash"
+    if case.e != 2:
+        return "flash"
+    return {"math16": "math16", "sdpa": "flash", "fp32": "flash_fp32"}[case.kernels.attention]
 
 
 def layer_bytes(case: ActivationCase, recompute: str | None = None) -> int:
@@ -123,6 +129,8 @@ def _attention_core(case: ActivationCase, recompute: str) -> int:
         return qkv_out + context + 4 * a * s * b // t
     if kind == "math16":  # probabilities in 16 bits; the output is copied for the projection
         return qkv_out + e * as2b_t + context
+    if kind == "flash_fp32":  # fp32 q, k, v and output, the log-sum-exp; the 16-bit output
+        return 4 * 4 * sbh_t + 4 * a * s * b // t + context
     # MATH in fp32 with dropout: scaled q, k, v, probabilities, mask, dropped probabilities.
     return 3 * 4 * sbh_t + 3 * 4 * as2b_t + context
 
@@ -174,26 +182,31 @@ def loss_workspace(case: ActivationCase, in_flight: int = 1) -> int:
 
     CPU at TP=1 (the fused loss, :mod:`~zerotron.kernels.fused_cross_entropy`): the input's and
     the tied weight's gradients are computed in forward and held until backward (``in_flight``
-    micro-batches' worth), plus the reused chunk buffers (fp32 logits of one chunk; 16-bit: the
-    chunk's 16-bit logits and a transposed ``[h, V]`` gradient sum; fp32: one vocabulary slice).
+    micro-batches' worth), plus the reused chunk buffers: fp32 logits of one chunk (rows padded
+    to 64 elements in fp32), and as the kernel choices say (``case.kernels``): fp32 with
+    ``linear=onednn``, one vocabulary slice of ``loss_chunk`` columns; 16-bit, the chunk's
+    16-bit logits and, with ``matmul16=native``, a transposed ``[h, V]`` gradient sum, with
+    ``matmul16=fp32``, the weight's fp32 copy and an fp32 ``[V, h]`` gradient sum.
     CUDA at TP=1: the 16-bit and fp32 logits of one micro-batch while the loss is formed.
     TP > 1: the vocab-parallel loss works in place in its logits (counted as activations).
     """
-    from zerotron.kernels.fused_cross_entropy import SLICE_COLUMNS, default_chunk_size
+    from zerotron.kernels.fused_cross_entropy import default_chunk_size, padded_row_stride
 
     s, b, h, e = case.seq_length, case.micro_batch_size, case.hidden_size, case.e
-    tokens, v = s * b, case.vocab_size
+    tokens, v, k = s * b, case.vocab_size, case.kernels
     if case.tp > 1:
         return 0
     if case.device != "cpu":
         return (e + 4) * tokens * v
     held = in_flight * e * (tokens * h + case.padded_vocab_size * h)
     rows = min(default_chunk_size(tokens, v), tokens)
-    chunk = 4 * rows * v
-    if e == 2:
-        chunk += e * rows * v + e * h * v
-    else:
-        chunk += 4 * rows * min(SLICE_COLUMNS, v)
+    if e == 4:
+        chunk = 4 * rows * padded_row_stride(v)
+        if k.linear == "onednn":
+            chunk += 4 * rows * min(k.loss_chunk, v)
+        return held + chunk
+    chunk = 4 * rows * v + e * rows * v
+    chunk += 2 * 4 * v * h if k.matmul16 == "fp32" else e * h * v
     return held + chunk
 
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from zerotron.errors import ConfigError
+from zerotron.kernels.policy import KernelChoices
 from zerotron.tuning import activations as act
 from zerotron.tuning.model_states import model_state_bytes
 from zerotron.tuning.zero_memory import OPTIMIZER_STATES
@@ -157,6 +158,7 @@ class Layout:
     param_persistence_threshold: int = 100_000  # ZeRO-3: smaller parameters stay whole
     max_reuse_distance: int = 0  # ZeRO-3: kept gathered from forward to backward within it
     reduce_in_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32
+    kernels: KernelChoices = KernelChoices()  # on the CPU: which fast paths run (their buffers)
 
     @property
     def world_size(self) -> int:
@@ -164,11 +166,15 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     @classmethod
-    def from_config(cls, cfg: Config, device: str = "cuda") -> Layout:
-        """The layout of a resolved config (data-parallel size and micro-batches derived)."""
+    def from_config(
+        cls, cfg: Config, device: str = "cuda", kernels: KernelChoices | None = None
+    ) -> Layout:
+        """The layout of a resolved config (data-parallel size and micro-batches derived);
+        ``kernels``: the CPU kernel choices the run makes (default: the defaults)."""
         par, m, z = cfg.parallel, cfg.model, cfg.zero
         return cls(
             device=device,
+            kernels=kernels or KernelChoices(),
             optimizer=cfg.optimizer.optimizer,
             ddp_bucket_size=par.ddp_bucket_size,
             reduce_bucket_size=z.reduce_bucket_size,
@@ -298,6 +304,7 @@ def activation_case(shape: ModelShape, layout: Layout) -> act.ActivationCase:
         device=layout.device,
         hidden_dropout=shape.hidden_dropout,
         attention_dropout=shape.attention_dropout,
+        kernels=layout.kernels,
     )
 
 

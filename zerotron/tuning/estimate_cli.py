@@ -13,7 +13,9 @@ DeepSpeed JSON (``--deepspeed_config``) or ``--config FILE``, read by the same l
 size. Each ``--layout k=v,...`` adds a layout derived from the base one (keys: tp, pp, dp, vpp,
 sp, zero, mbs, recompute, precision, offload_optimizer, offload_param; dp and the micro-batches
 per step follow from the world size and the global batch unless given); without ``--layout``
-the base layout is estimated.
+the base layout is estimated. With ``--device cpu`` the fast paths' buffers follow the kernel
+choices ``zerotron pretrain`` would take on this machine (its ``--kernels``, else the ones
+cached here by an earlier run or ``zerotron kernels``, else the defaults), printed first.
 
 ``--compare RUN_DIR`` estimates instead each rank of a run that measured a step
 (``zerotron pretrain --memory-breakdown-step N``) and prints estimate and measurement side by
@@ -32,11 +34,14 @@ import dataclasses
 import json
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerotron.errors import ConfigError
 from zerotron.training.memory_figure import ORDER
 from zerotron.tuning.estimate import Layout, MemoryBreakdown, ModelShape, estimate
+
+if TYPE_CHECKING:
+    from zerotron.kernels import Chosen
 
 GIB = 2**30
 UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -92,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="beside what a run measured (zerotron pretrain --memory-breakdown-step), per rank",
     )
     return p
+
+
+def cpu_kernels(cfg: Any, vocab_size: int) -> Chosen:
+    """The CPU kernel choices ``zerotron pretrain`` would take on this machine for ``cfg``, whose
+    buffers differ: its ``--kernels``, else the ones cached here (:mod:`zerotron.kernels.chooser`),
+    else the defaults; nothing is measured (``zerotron kernels`` measures)."""
+    from zerotron.kernels import KernelShape, choose_kernels
+
+    shape = KernelShape.from_config(cfg, vocab_size)
+    return choose_kernels(shape, "cpu", cfg.model.kernels, measure=False, apply=False)
 
 
 def world_size(args: argparse.Namespace) -> int:
@@ -166,7 +181,15 @@ def main(argv: list[str]) -> int:
     world = world_size(args)
     cfg = load(rest, world)
     shape = ModelShape.from_config(cfg, vocab_size=args.vocab_size)
-    base = Layout.from_config(cfg, device=args.device)
+    kernels = None
+    if args.device == "cpu":
+        chosen = cpu_kernels(cfg, args.vocab_size)
+        kernels = chosen.choices
+        if not args.json:
+            print(f"CPU {chosen.line()}")
+            if "default" in chosen.how.values():
+                print("  (none cached for this shape here: `zerotron kernels` measures them)")
+    base = Layout.from_config(cfg, device=args.device, kernels=kernels)
     specs = args.layout or [""]
     layouts = [
         (

@@ -21,6 +21,7 @@ from typing import Any
 from zerotron.config import Config
 from zerotron.errors import ConfigError
 from zerotron.fileio import read_metrics
+from zerotron.kernels.policy import KernelChoices
 from zerotron.tuning.estimate import Layout, ModelShape, estimate
 
 MIB = 2**20
@@ -112,7 +113,8 @@ def compare(run_dir: str | Path, flags_cfg: Config | None = None) -> list[RankCo
         m = memory[-1]
         cfg = _config(records, flags_cfg, f"{run_dir}/metrics/rank{rank}.jsonl")
         shape = ModelShape.from_config(cfg, vocab_size=m["vocab_size"])
-        layout = Layout.from_config(cfg, device=m.get("device", "cuda"))
+        kernels = KernelChoices(**m["kernels"]) if "kernels" in m else None
+        layout = Layout.from_config(cfg, device=m.get("device", "cuda"), kernels=kernels)
         mem = estimate(shape, layout, m.get("pp_rank", 0))
         estimated = {k: v for k, v in dataclasses.asdict(mem).items() if k != "host"}
         out.append(

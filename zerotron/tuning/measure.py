@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from zerotron.distributed import comm
 from zerotron.engine.memory_breakdown import TERMS, StepMemory
+from zerotron.kernels import KernelShape, choose_kernels
 
 
 def write_byte_tokenizer(directory: str) -> list[str]:
@@ -58,6 +60,9 @@ def measure_run(cfg: Any, steps: int = 1) -> dict[str, int]:
     from zerotron.training.build import build_run
 
     run = build_run(cfg)
+    # the kernels pretrain would run (its --kernels, else the cached or measured ones)
+    shape = KernelShape.from_config(cfg, run.tokenizer.vocab_size)
+    choose_kernels(shape, run.engine.device, cfg.model.kernels, group=comm.world_group())
     data = synthetic_batches(cfg, run.tokenizer.vocab_size)
     out = dict.fromkeys(TERMS, 0)
     for _ in range(steps):

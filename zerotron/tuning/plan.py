@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from zerotron.errors import ConfigError
 from zerotron.tuning.cost import Cluster, StepCost, predict, simulable
@@ -62,7 +62,7 @@ class Candidate:
     def as_dict(self) -> dict:
         """JSON-ready: layout, memory terms, predicted times, the reason it lost."""
         return {
-            "layout": self.layout.__dict__ | {"world_size": self.layout.world_size},
+            "layout": asdict(self.layout) | {"world_size": self.layout.world_size},
             "fits": self.fits,
             "memory": self.memory.as_dict(),
             "step_time_s": self.cost.step_time,
