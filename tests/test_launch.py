@@ -135,6 +135,29 @@ def test_rank_streams_prefix_lines_once_and_keep_stderr_tail(tmp_path):
     assert (tmp_path / "rank6.log").read_bytes() == b"10%\n20%\nend\n"
 
 
+def test_rank_streams_restart_for_changed_nodes_under_the_same_restart_count(tmp_path):
+    """torch starts the workers again without counting a restart when a node joins or leaves
+    (TORCHELASTIC_RESTART_COUNT stays): each start still gets its own pipes, its output follows
+    the last start's in the rank's log, and the console says why it restarted."""
+    out, err = io.StringIO(), io.StringIO()
+    streams = RankStreams(log_dir=str(tmp_path), stdout=out, stderr=err)
+    with streams:
+        for i, (count, text) in enumerate(((0, b"first\n"), (0, b"second\n"), (1, b"third\n"))):
+            dest = streams.reify({0: {"RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(count)}})
+            with open(dest.stdouts[0], "wb") as o, open(dest.stderrs[0], "wb"):
+                o.write(text)
+            _wait_for(lambda text=text: text.decode().strip() in out.getvalue())
+            _wait_for(lambda i=i: err.getvalue().count("restart") == i)
+    assert err.getvalue() == (
+        "zerotron launch: the nodes changed; restart 1\nzerotron launch: a rank failed; restart 2\n"
+    )
+    log = (tmp_path / "rank0.log").read_text()
+    assert log == (
+        "first\n--- zerotron launch: restart 1 ---\nsecond\n--- zerotron launch: restart 2 ---\n"
+        "third\n"
+    )
+
+
 class _Tails:
     """Stands in for RankStreams: stderr lines per rank with arrival times, last output times."""
 

@@ -82,8 +82,14 @@ class Launcher:
             time.sleep(0.05)
 
     def finish(self, timeout: float = 120) -> int:
+        """The launcher's exit code; one still running after ``timeout`` fails the test with
+        everything it printed (where it stopped is the diagnosis)."""
         try:
             self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self._pump.join(10)
+            raise AssertionError(f"still running after {timeout} s:\n{self.text}") from None
         finally:
             self.proc.kill()
         self._pump.join(10)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -70,6 +73,45 @@ def test_a_restart_names_who_left_and_who_came():
     assert round_report(0, [], [], 2, 1, 2) == []  # the first round says nothing
     assert "of 2 node(s), the same nodes as before;" in round_report(2, [], [], 2, 2, 2)[-1]
     assert lost_report([(1, "node 1 (10.0.0.2)")]) == "node 1 (10.0.0.2) was lost (restart 1)"
+
+
+def test_a_member_that_stops_its_heartbeats_restarts_the_nodes_left():
+    """torch's own rendezvous, two nodes in one process on loopback: once node 1's heartbeats
+    stop, node 0's handler counts it among the nodes to meet again for (torch's agent then
+    restarts node 0's ranks), where torch counts only nodes waiting to join. A node whose
+    ranks wait on a dead peer that their backend never fails (gloo, sometimes) depends on it."""
+    from zerotron.launcher.rendezvous import ElasticRendezvous
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    said: list[str] = []
+    conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+
+    def node(rank: int) -> ElasticRendezvous:
+        return ElasticRendezvous("127.0.0.1", port, rank, "127.0.0.1", 1, 2, "lost", 30, conf,
+                                 say=said.append if rank == 0 else lambda text: None)  # fmt: skip
+
+    n0 = node(0)
+    n1 = node(1)
+    with ThreadPoolExecutor(2) as pool:
+        infos = list(pool.map(lambda n: n.next_rendezvous(), (n0, n1)))
+    try:
+        assert sorted(i.world_size for i in infos) == [2, 2]
+        assert n0.num_nodes_waiting() == 0 and n0.members_gone() == []
+        n1._inner._stop_heartbeats()  # torch's keep-alive timer: as if node 1 were killed
+        deadline = time.monotonic() + 20
+        while n0.num_nodes_waiting() == 0:
+            assert time.monotonic() < deadline, "node 0 never counted node 1 as gone"
+            time.sleep(0.5)
+        assert n0.members_gone() == ["node 1 (127.0.0.1)"]
+        assert said[-1] == (
+            "node 1 (127.0.0.1) left the round (stopped answering, or meeting again): stopping "
+            "the ranks here to meet again"
+        )
+    finally:
+        n1.shutdown()
+        n0.shutdown()
 
 
 def test_a_failed_job_names_the_node_its_ranks_lost():

@@ -38,12 +38,13 @@ class _Stream:
     """One pipe: a rank's stdout or stderr, with the bytes of its unfinished last line."""
 
     rank: int
-    attempt: int  # TORCHELASTIC_RESTART_COUNT of the worker writing into it
+    attempt: int  # which start of this node's workers wrote into it (0, 1, ...)
     fd: int
     console: TextIO
     is_stderr: bool
     partial: bytes = b""
     log: BinaryIO | None = None  # the rank's log file, shared by its two streams
+    why: str = ""  # why the workers were started again ("a rank failed", "the nodes changed")
 
 
 class RankStreams(LogsSpecs):
@@ -79,6 +80,8 @@ class RankStreams(LogsSpecs):
         self._logs: dict[int, BinaryIO] = {}
         self._console_ok = True
         self._announced = 0  # the last restart said on the console
+        self._starts = 0  # how many times the agent started this node's workers
+        self._failures = 0  # TORCHELASTIC_RESTART_COUNT at the last start
         self._last_output: dict[int, float] = {}
         self._broken_logs: set[int] = set()  # ranks whose log file could not be written
 
@@ -93,7 +96,13 @@ class RankStreams(LogsSpecs):
         if self._on_start is not None:
             self._on_start(envs)
         dest = LogsDest()
-        attempt = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
+        # torch counts failed attempts only (TORCHELASTIC_RESTART_COUNT): a restart for a node
+        # that joined or left starts workers again under the same count. The launcher's own
+        # count of starts names each start's pipes and orders a rank's successive workers.
+        attempt, self._starts = self._starts, self._starts + 1
+        failures = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0"))
+        why = "a rank failed" if failures > self._failures else "the nodes changed"
+        self._failures = failures
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
             paths = {}
@@ -103,7 +112,7 @@ class RankStreams(LogsSpecs):
                 # Opening the read end first (non-blocking) lets the agent open the write end
                 # without blocking; the pump only sees end-of-file after a writer came and went.
                 fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-                self._add(rank, fd, is_stderr=name == "stderr", attempt=int(attempt))
+                self._add(rank, fd, is_stderr=name == "stderr", attempt=attempt, why=why)
                 paths[name] = path
             dest.stdouts[local_rank] = paths["stdout"]
             dest.stderrs[local_rank] = paths["stderr"]
@@ -154,7 +163,7 @@ class RankStreams(LogsSpecs):
 
     # -- the pump --------------------------------------------------------------------------------
 
-    def _add(self, rank: int, fd: int, *, is_stderr: bool, attempt: int) -> None:
+    def _add(self, rank: int, fd: int, *, is_stderr: bool, attempt: int, why: str) -> None:
         log = None
         if self._log_dir is not None:
             log = self._logs.get(rank)
@@ -163,7 +172,7 @@ class RankStreams(LogsSpecs):
                 self._logs[rank] = log
         console = self._stderr if is_stderr else self._stdout
         with self._lock:
-            self._pending.append(_Stream(rank, attempt, fd, console, is_stderr, log=log))
+            self._pending.append(_Stream(rank, attempt, fd, console, is_stderr, log=log, why=why))
 
     def _register_pending(self) -> None:
         with self._lock:
@@ -190,7 +199,7 @@ class RankStreams(LogsSpecs):
                 stream.log.write(f"{marker}\n".encode())
         if stream.attempt > self._announced:
             self._announced = stream.attempt
-            self._write(self._stderr, f"zerotron launch: a rank failed; restart {stream.attempt}\n")
+            self._write(self._stderr, f"zerotron launch: {stream.why}; restart {stream.attempt}\n")
 
     def _pump(self) -> None:
         while not self._stop.is_set():

@@ -33,6 +33,7 @@ import datetime
 import socket
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import (
@@ -231,6 +232,8 @@ class ElasticRendezvous(RendezvousHandler):
         self.attempt = -1
         self.members: list[str] = []  # the labels of the current round, by torch's node rank
         self.lost: list[tuple[int, str]] = []  # (restart, label) of every node that left
+        self._round: int | None = None  # torch's round number of the current round
+        self._told_gone = False  # whether this round's dropped members were announced
         config = {**ELASTIC_DEFAULTS, "join_timeout": str(int(timeout_s)), **(conf or {})}
         config["is_host"] = str(node_rank == 0)  # node 0's launcher serves the store
         params = RendezvousParameters(
@@ -267,6 +270,9 @@ class ElasticRendezvous(RendezvousHandler):
                 f"{self.master_addr}:{self.port} ({_span(self.min_nodes, self.max_nodes)})"
             )
         info = self._inner.next_rendezvous()
+        state = self._torch_state()
+        self._round = None if state is None else state.round
+        self._told_gone = False
         info.store.set(f"{_LABEL_KEY}{info.rank}", self.label)
         members = [
             info.store.get(f"{_LABEL_KEY}{rank}").decode() for rank in range(info.world_size)
@@ -295,7 +301,45 @@ class ElasticRendezvous(RendezvousHandler):
         self._inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return self._inner.num_nodes_waiting()
+        """Nodes waiting to join, plus the members of this round that the rendezvous dropped
+        (their launchers stopped sending heartbeats, or left to meet again): torch's agent
+        stops this node's ranks and meets again when this is above 0.
+
+        torch counts only the nodes waiting to join and leaves a lost node to the ranks'
+        backend, whose collectives with the lost node's ranks are to fail. gloo does not always
+        fail them: a receive posted after the peer's connection closed waits for the
+        process-group timeout. Counting the dropped members restarts the nodes left within the
+        keep-alive limit (``keep_alive_interval`` × ``keep_alive_max_attempt``) on any backend.
+        """
+        waiting = self._inner.num_nodes_waiting()  # syncs the state, which drops dead nodes
+        gone = self.members_gone()
+        if gone and not self._told_gone:
+            self._told_gone = True
+            self.say(
+                f"{', '.join(gone)} left the round (stopped answering, or meeting again): "
+                "stopping the ranks here to meet again"
+            )
+        return waiting + len(gone)
+
+    def members_gone(self) -> list[str]:
+        """The labels of this round's members that torch's rendezvous state no longer lists
+        (as of its last sync); [] when the state is not torch's as expected, or a newer round
+        began."""
+        state = self._torch_state()
+        if state is None or state.round != self._round:
+            return []
+        here = set(state.participants.values())  # torch's node ranks of the round
+        return [label for rank, label in enumerate(self.members) if rank not in here]
+
+    def _torch_state(self) -> Any:
+        """torch's rendezvous state as its last sync left it (a private attribute of its
+        dynamic handler), or None where this torch lays it out otherwise."""
+        state = getattr(getattr(self._inner, "_state_holder", None), "state", None)
+        if not hasattr(state, "round") or not isinstance(
+            getattr(state, "participants", None), dict
+        ):
+            return None
+        return state
 
     def get_run_id(self) -> str:
         return self._inner.get_run_id()
