@@ -12,23 +12,30 @@ from zerotron.kernels import KernelShape, choose_kernels
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
-    """The CPU's model name ("unknown" where there is none) and flags, from /proc/cpuinfo."""
-    model, flags = "unknown", set()
+    """The CPU's model name with its family, model and stepping ("unknown" where there is no
+    name), and its flags, from /proc/cpuinfo. A VM's name can be as bare as "AMD EPYC": the
+    numbers tell a Zen 3 (family 25 model 1) from a Zen 4 (family 25 model 17)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
+                key = key.strip()
+                if not key:  # the first processor's block ends here
+                    break
+                fields.setdefault(key, value.strip())
     except OSError:
         pass
-    return model, flags
+    model = fields.get("model name", "unknown")
+    numbers = [f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields]
+    if numbers:
+        model += f" ({', '.join(numbers)})"
+    return model, set(fields.get("flags", "").split())
 
 
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo ("unknown" where there is none)."""
+    """The CPU's model name, family, model and stepping from /proc/cpuinfo ("unknown" where
+    there is no name)."""
     return _cpuinfo()[0]
 
 

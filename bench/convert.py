@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -34,7 +33,10 @@ from pathlib import Path
 
 import torch
 
-from zerotron.checkpoint import build_metadata
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import cpu_model  # noqa: E402
+from zerotron.checkpoint import build_metadata  # noqa: E402
 from zerotron.checkpoint import layout as names
 from zerotron.checkpoint.canonical import Layout, no_decay_names
 from zerotron.checkpoint.convert_layout import convert_checkpoint, finish_tag, start_tag
@@ -160,17 +162,6 @@ def run_child(kind: str, src: Path, dst: Path) -> dict:
         check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def cpu_model() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in text.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def mb(n: float) -> str:

@@ -81,6 +81,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
+from bench.common import machine  # noqa: E402
 from zerotron.checkpoint.hf import from_hf_state_dict  # noqa: E402
 from zerotron.engine import Engine  # noqa: E402
 from zerotron.fileio import atomic_write_text  # noqa: E402
@@ -708,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         else "fp32 params under torch.autocast(bf16)"
     )
     print(f"bf16: zerotron bf16 params + fp32 masters; transformers {hf_bf16}")
+    print(machine())
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, threads "
         f"{torch.get_num_threads()}, device {device}; steps {args.steps} x rounds {args.repeat} "
