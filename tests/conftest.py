@@ -5,8 +5,9 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite runs the CPU kernels' default candidates, forced (zerotron.kernels.chooser): nothing
-# measured, so results do not depend on the machine or its load, and nothing is written to
-# ~/.cache. tests/test_kernel_chooser.py clears it to test the chooser itself.
+# measured, so results do not depend on the machine or its load (and what a test does measure
+# is cached in a temporary directory: _kernel_cache). tests/test_kernel_chooser.py clears it to
+# test the chooser itself.
 os.environ.setdefault(
     "ZEROTRON_KERNELS", "linear=onednn,matmul16=native,attention=math16,loss_chunk=2048"
 )
@@ -50,6 +51,14 @@ def data_prefix(tmp_path_factory) -> str:
             + ["--append-eod", "--workers", "1"]
         )
     return str(d / "austen20_text_document")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache(tmp_path_factory) -> None:
+    """Kernel choices a test measures (one whose spec leaves a choice out) are cached in the
+    session's temporary directory, never in the user's ~/.cache; the processes tests start
+    inherit it."""
+    os.environ["ZEROTRON_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))
 
 
 @pytest.fixture(autouse=True)
