@@ -86,13 +86,14 @@ class Launcher:
         everything it printed (where it stopped is the diagnosis)."""
         try:
             self.proc.wait(timeout=timeout)
+            timed_out = False
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self._pump.join(10)
-            raise AssertionError(f"still running after {timeout} s:\n{self.text}") from None
+            timed_out = True
         finally:
             self.proc.kill()
         self._pump.join(10)
+        if timed_out:
+            raise AssertionError(f"still running after {timeout} s:\n{self.text}")
         return self.proc.returncode
 
     def kill_tree(self) -> None:
