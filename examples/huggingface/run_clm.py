@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,13 @@ def main() -> None:
     result = trainer.train(resume_from_checkpoint=checkpoint)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"train_loss {result.training_loss:.6f} steps {result.global_step}", flush=True)
+    # Gloo's worker threads free a finished collective's tensors themselves, which takes the
+    # interpreter lock. The Trainer's last all-gather (its flop count) ends moments before this
+    # line; unless the lock is let go first, the rank aborts at exit ("terminate called without
+    # an active exception") or deadlocks in the process group's destructor, torch issue 190489
+    # (1 run in 6-12 here). A barrier does not help: it holds the gather until it is freed.
+    time.sleep(0.2)
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
