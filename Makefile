@@ -32,7 +32,7 @@ test: $(STAMP) multihost-deps report-deps
 
 # The multi-host tests (tests/distributed/test_multinode.py) start real sshd, pdsh and mpirun in
 # network namespaces: install Debian's packages when they are missing (needs root and apt-get).
-MULTIHOST_PKGS := openssh-server openssh-client pdsh openmpi-bin
+MULTIHOST_PKGS := openssh-server openssh-client pdsh openmpi-bin mpich
 multihost-deps:
 	@missing=""; for p in $(MULTIHOST_PKGS); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from zerotron.errors import ConfigError, LaunchError
-from zerotron.launcher import launch, multinode
+from zerotron.launcher import launch, multinode, remote
 from zerotron.launcher.hostfile import parse_hostfile, read_hostfile, select_resources
 
 REPO = Path(__file__).resolve().parent.parent
@@ -342,6 +342,54 @@ def test_a_missing_back_end_is_named_before_anything_starts(job, monkeypatch):
     monkeypatch.setenv("PATH", str(job))  # no pdsh here
     with pytest.raises(LaunchError, match="--launcher pdsh: 'pdsh' not found on this host"):
         launch.main(["--hostfile", "hosts", "--launcher", "pdsh", "train.py"])
+
+
+def _fake_mpirun(directory: Path, says: str) -> None:
+    """An ``mpirun`` in ``directory`` whose ``--version`` prints ``says`` (it runs nothing)."""
+    mpirun = directory / "mpirun"
+    mpirun.write_text(f"#!/bin/sh\necho {shlex.quote(says)}\n")
+    mpirun.chmod(0o755)
+
+
+MPIRUN_VERSIONS = {  # the first line of each MPI's `mpirun --version`
+    "openmpi": "mpirun (Open MPI) 5.0.3",
+    "openmpi-4": "mpirun.openmpi (OpenRTE) 4.1.4",
+    "mpich": "HYDRA build details:",
+    "intel": "Intel(R) MPI Library for Linux* OS, Version 2021.13 Build 20240515",
+}
+
+
+@pytest.mark.parametrize(
+    ("launcher", "mpi", "named"),
+    [
+        ("mpich", "openmpi", "Open MPI"),
+        ("mpich", "openmpi-4", "Open MPI"),
+        ("openmpi", "mpich", "MPICH \\(Hydra\\)"),
+        ("openmpi", "intel", "MPICH \\(Hydra\\)"),
+    ],
+)
+def test_an_mpirun_of_the_other_mpi_is_refused_before_anything_starts(
+    job, monkeypatch, launcher, mpi, named
+):
+    _fake_mpirun(job, MPIRUN_VERSIONS[mpi])
+    monkeypatch.setenv("PATH", f"{job}{os.pathsep}/bin")
+    started = []
+    monkeypatch.setattr(remote.Supervisor, "_start", lambda _, command: started.append(command))
+    with pytest.raises(
+        LaunchError, match=f"--launcher {launcher}: the mpirun on PATH .* is {named}'s"
+    ):
+        launch.main(["--hostfile", "hosts", "--launcher", launcher, "train.py"])
+    assert started == []
+
+
+@pytest.mark.parametrize(
+    ("launcher", "mpi"),
+    [("openmpi", "openmpi"), ("openmpi", "openmpi-4"), ("mpich", "mpich"), ("mpich", "intel")],
+)
+def test_an_mpirun_of_the_named_mpi_passes_the_check(job, monkeypatch, launcher, mpi):
+    _fake_mpirun(job, MPIRUN_VERSIONS[mpi])
+    monkeypatch.setenv("PATH", f"{job}{os.pathsep}/bin")
+    remote.check_mpirun(launcher)
 
 
 def test_include_without_a_hostfile_selects_slots_of_this_host(job, monkeypatch):

@@ -1,17 +1,17 @@
 """``zerotron launch --hostfile`` on real hosts (issue 15): two network namespaces on one bridge
 (10.213.8.1 and .2, tests/multihost.py), each with a real OpenSSH server; the launching launcher
 runs on the first host and starts both nodes through ssh (itself included), pdsh, Open MPI's
-mpirun, or a recorded stand-in for SLURM's srun (slurmd cannot run here).
+mpirun, MPICH's, or a recorded stand-in for SLURM's srun (slurmd cannot run here).
 
 - a 2-node x 2-process ``zerotron pretrain`` through ssh, and through ``--no_ssh`` (one launcher
   per host, by hand), logs the losses of the same run in one process;
 - pdsh's ``%n`` gives node ranks in the hostfile's order (hosts listed in reverse), and a rank
   that fails on node 1 is named, with its node, in the launcher's exit code and message;
-- mpirun and srun run a job across both hosts;
+- both MPIs' mpirun and srun run a job across both hosts;
 - SIGTERM, and SIGKILL (with one node's ssh connection cut), of the launching launcher leave no
   process behind on either host.
 
-Needs root, the ``ip`` tool, and Debian's openssh-server, pdsh and openmpi-bin
+Needs root, the ``ip`` tool, and Debian's openssh-server, pdsh, openmpi-bin and mpich
 (``make multihost-deps``); skipped with the reason only where the kernel refuses namespaces.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,6 +194,33 @@ def test_openmpi_runs_one_launcher_per_host(cluster):
     p = cluster.launch(
         "--hostfile", cluster.hostfile, "--num_gpus", "1", "--launcher", "openmpi",
         "--launcher_args", mca, "--master_port", "29524", ALLREDUCE,
+    )  # fmt: skip
+    code, out, err = finish(p)
+    assert code == 0, err[-5000:]
+    for rank, host in enumerate(("10.213.8.1", "10.213.8.2")):
+        assert f"{host}: [rank{rank}]: report rank={rank} world=2 sum=3" in out
+
+
+def test_mpich_runs_one_launcher_per_host(cluster, tmp_path):
+    need("mpirun.mpich")
+    # Debian installs MPICH's mpirun as mpirun.mpich beside Open MPI's (the default `mpirun`);
+    # on a cluster `module load mpich` puts it first on PATH, as this does.
+    bin_dir = tmp_path / "mpich-bin"
+    bin_dir.mkdir()
+    mpirun = os.path.realpath(shutil.which("mpirun.mpich"))
+    (bin_dir / "mpirun").symlink_to(mpirun)
+    # Hydra runs the hydra_pmi_proxy beside the mpirun it was started as
+    proxy = os.path.join(os.path.dirname(mpirun), "hydra_pmi_proxy")
+    (bin_dir / "hydra_pmi_proxy").symlink_to(proxy)
+    # Hydra starts its proxies with ssh; this one takes the test servers' client config.
+    ssh = bin_dir / "ssh-test-hosts"
+    ssh.write_text(f'#!/bin/sh\nexec ssh -F {cluster.servers.config} "$@"\n')
+    ssh.chmod(0o755)
+    hydra = f"-launcher ssh -launcher-exec {ssh}"
+    p = cluster.launch(
+        "--hostfile", cluster.hostfile, "--num_gpus", "1", "--launcher", "mpich",
+        "--launcher_args", hydra, "--master_port", "29530", ALLREDUCE,
+        env=cluster.env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"),
     )  # fmt: skip
     code, out, err = finish(p)
     assert code == 0, err[-5000:]

@@ -183,6 +183,8 @@ class Supervisor:
                     f"--launcher {self.plan.launcher}: {command.argv[0]!r} not found on this host",
                     fix=_INSTALL.get(command.argv[0], "install it, or use --launcher ssh"),
                 )
+        if self.plan.launcher in _MPI_MARKS:
+            check_mpirun(self.plan.launcher)
         saved = self._catch_signals()
         try:
             for command in self.plan.commands:
@@ -413,6 +415,41 @@ _INSTALL = {
     "srun": "run inside a SLURM allocation (salloc/sbatch), or use --launcher ssh",
     "ssh": "install an ssh client (Debian/Ubuntu: apt-get install openssh-client)",
 }
+
+
+# What each MPI's `mpirun --version` says of itself. MPICH's Hydra also runs Intel MPI and
+# MVAPICH, which take MPICH's flags; Open MPI 4 calls its runtime OpenRTE.
+_MPI_MARKS = {
+    "openmpi": ("Open MPI", "OpenRTE", "open-mpi.org"),
+    "mpich": ("HYDRA", "Intel(R) MPI"),
+}
+_MPI_NAMES = {"openmpi": "Open MPI", "mpich": "MPICH (Hydra)"}
+
+
+def check_mpirun(launcher: str) -> None:
+    """Refuse an ``mpirun`` on PATH from the other MPI than ``--launcher`` names.
+
+    Open MPI's and MPICH's mpirun take different flags (``--host``/``-x`` against
+    ``-hosts``/``-genv``), and each stops at the other's with a parse error that does not say
+    so; a machine with both (Debian's ``mpirun`` alternative) runs whichever is first. An
+    ``mpirun`` that says nothing this recognises is left to run.
+    """
+    try:
+        said = subprocess.run(
+            ["mpirun", "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return  # mpirun's own error, when it runs, says more than a guess here
+    text = said.stdout + said.stderr
+    for other, marks in _MPI_MARKS.items():
+        if other != launcher and any(mark in text for mark in marks):
+            raise LaunchError(
+                f"--launcher {launcher}: the mpirun on PATH ({shutil.which('mpirun')}) is "
+                f"{_MPI_NAMES[other]}'s, not {_MPI_NAMES[launcher]}'s",
+                fix=f"use --launcher {other}, or put {_MPI_NAMES[launcher]}'s mpirun first on "
+                "PATH (a cluster's `module load`; Debian installs mpirun.openmpi and "
+                "mpirun.mpich)",
+            )
 
 
 def _dies_with_parent() -> Callable[[], None] | None:
