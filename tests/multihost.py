@@ -4,7 +4,8 @@
 end is on a bridge in the root namespace; host ``i`` has address ``10.213.8.<i+1>/24`` on its
 interface, so every host reaches every other (and no host reaches another through loopback).
 The filesystem is shared: every host sees the same working directory and Python, as the nodes of
-a cluster with a shared home do. Everything made is deleted on exit, also when a test fails.
+a cluster with a shared home do. Everything made is deleted on exit, also when a test fails;
+what a killed run left (its process gone) is deleted by the next ``hosts()``.
 
 ``sshd(hosts, tmp)`` starts a real OpenSSH server on each host's address (Debian's
 openssh-server, ``make multihost-deps`` installs it) with a throwaway host key, and a throwaway
@@ -60,11 +61,47 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces and bridges a killed test run left (``zt<pid><i>``, ``zb<pid>``:
+    its pid no longer runs), which no ``finally`` could; returns their names. Hosts are numbered
+    0-9, so a namespace's last digit is its host and the digits before it the run's pid."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(
+        ["ip", "-o", "link", "show", "type", "bridge"], capture_output=True, text=True
+    ).stdout
+    stale = []
+    for name in (line.split()[0] for line in names.splitlines() if line.strip()):
+        digits = name[2:]
+        ours = name.startswith("zt") and digits.isdigit() and len(digits) > 1
+        if ours and not _alive(int(digits[:-1])):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            stale.append(name)
+    for line in links.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if name.startswith("zb") and name[2:].isdigit() and not _alive(int(name[2:])):
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
+            stale.append(name)
+    return stale
+
+
 @contextmanager
 def hosts(n: int) -> Iterator[list[Host]]:
     """``n`` hosts on one bridge (see the module docstring); skips the test where refused."""
     if shutil.which("ip") is None:
         pytest.skip("the ip tool (iproute2) is not installed")
+    if n > 10:
+        raise ValueError("hosts(n): at most 10 hosts (their namespaces end in one digit)")
+    sweep_stale()
     tag = str(os.getpid())
     bridge = f"zb{tag}"
     made: list[str] = []

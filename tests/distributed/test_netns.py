@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.multihost import REPO, hosts, ip
+from tests.multihost import REPO, hosts, ip, sweep_stale
 
 ALLREDUCE = os.path.join(REPO, "tests", "distributed", "launch_scripts", "allreduce.py")
 MASTER = "10.213.8.1"
@@ -75,3 +75,22 @@ def test_a_remote_master_reached_only_through_loopback_is_refused(two_hosts):
     assert "Traceback" not in err
     assert "reaches --master_addr '10.213.8.1' only through loopback" in err
     assert "GLOO_SOCKET_IFNAME" in err and "/etc/hosts" in err
+
+
+def test_the_hosts_a_killed_run_left_are_deleted_by_the_next(two_hosts):
+    """A SIGKILLed test run leaves its namespaces and bridge (no ``finally`` runs): the next
+    ``hosts()`` deletes those whose run's pid is gone, and leaves live runs' alone."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = str(gone.pid)
+    try:
+        ip("netns", "add", f"zt{dead}0")
+        ip("link", "add", f"zb{dead}", "type", "bridge")
+        assert sorted(sweep_stale()) == sorted([f"zt{dead}0", f"zb{dead}"])
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"zt{dead}0" not in names.split()
+        live, _ = two_hosts  # this run's own hosts, made by the fixture: kept
+        assert all(ns in names for ns in live)
+    finally:
+        subprocess.run(["ip", "netns", "del", f"zt{dead}0"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"zb{dead}"], capture_output=True)
