@@ -14,13 +14,14 @@ import contextlib
 import io
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 from zerotron.checkpoint import load_file, model_file, tag_for_iteration
 from zerotron.config import parse_megatron_args
-from zerotron.errors import UnsupportedError
+from zerotron.models import gpt
 from zerotron.training.pretrain import pretrain
 
 from .spawn import run_ranks
@@ -131,11 +132,53 @@ def test_only_rank_0_logs(dp2):
     assert rank1 == ""  # data-parallel rank 1 prints nothing, not even the parameter count
 
 
-def test_pipeline_parallel_refuses_full_recompute_clearly(data_prefix):
-    # Pipeline runs are covered by test_equivalence_matrix.py; stages do not recompute yet.
-    with pytest.raises(UnsupportedError, match="full activation recompute"):
-        _pretrain(2, data_prefix, "--pipeline-model-parallel-size", 2,
-                  "--recompute-granularity", "full")  # fmt: skip
+FULL = ("--recompute-granularity", "full", "--recompute-num-layers", "1")
+PP2_RECOMPUTE = {  # name -> flags; 4 layers: 2 per stage
+    "no dropout": ("--hidden-dropout", "0", "--attention-dropout", "0"),
+    "plain": (),
+    "uniform": (*FULL, "--recompute-method", "uniform"),  # each layer its own unit
+    "block": (*FULL, "--recompute-method", "block"),  # each stage's first layer only
+}
+
+
+def _pp2_recompute_rank(rank: int, data: str) -> dict[str, tuple[dict[int, float], int]]:
+    """pp2 (1F1B, 4 micro-batches a step) with dropout 0.1: without recompute and with each
+    full-recompute method, whose backward reruns layers under the forward's RNG state while
+    other micro-batches' forwards have drawn since. Per run: the losses, and how many layers
+    the stage ran checkpointed."""
+    from torch.utils import checkpoint
+
+    from zerotron.distributed.state import destroy_model_parallel
+
+    calls = [0]
+    real = checkpoint.checkpoint
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    dropout = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1")
+    shape = ("--num-layers", "4", "--micro-batch-size", "1", "--pipeline-model-parallel-size", 2)
+    out = {}
+    with contextlib.redirect_stdout(io.StringIO()), mock.patch.object(gpt, "checkpoint", counted):
+        for name, flags in PP2_RECOMPUTE.items():
+            calls[0] = 0
+            out[name] = (_pretrain(2, data, *shape, *dropout, *flags).losses, calls[0])
+            destroy_model_parallel()
+    return out
+
+
+def test_pipeline_stages_recompute_with_dropout_as_without(data_prefix):
+    runs = run_ranks(_pp2_recompute_rank, 2, data_prefix, timeout=240)[1]  # the last stage's
+    (plain, none), (uniform, per_layer), (block, first_only) = (
+        runs[name] for name in ("plain", "uniform", "block")
+    )
+    assert sorted(plain) == list(range(1, ITERS + 1))
+    assert plain != runs["no dropout"][0]  # dropout is on
+    assert uniform == plain
+    assert block == plain
+    # 5 steps x 4 micro-batches through the stage's 2 layers: both layers, or the first only
+    assert (none, per_layer, first_only) == (0, ITERS * 4 * 2, ITERS * 4)
 
 
 def _dp2_tp2_rank(rank: int, data: str, root: str, *extra: str) -> dict:

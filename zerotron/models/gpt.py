@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -549,6 +550,39 @@ def _run_unit(layers, x, attention_mask, is_causal):
     return x
 
 
+def run_layers_recomputed(
+    layers: Sequence[nn.Module],
+    x: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    is_causal: bool,
+    config: GPTConfig,
+    tp_size: int,
+) -> torch.Tensor:
+    """``layers`` in training with full recompute, as Megatron does per pipeline stage.
+
+    ``recompute_method`` "uniform" checkpoints every ``recompute_num_layers`` consecutive layers
+    as one unit (default 1); "block" checkpoints each of the first ``recompute_num_layers``
+    layers (default all) and runs the rest plainly. ``layers`` is the whole model, or one
+    pipeline chunk's layers: the counts are per chunk, as Megatron's are per stage. A
+    checkpointed unit keeps only its input; backward reruns it with the RNG state of its
+    forward (the tracker's model-parallel streams too, under tensor parallelism, which torch's
+    checkpoint does not know), so dropout masks repeat exactly.
+    """
+    ckpt = checkpoint if tp_size == 1 else _checkpoint_with_tracker
+    n = config.recompute_num_layers
+    if (config.recompute_method or "uniform") == "block":
+        count = len(layers) if n is None else n
+        for i, layer in enumerate(layers):
+            args = (x, attention_mask, is_causal, None)
+            x = ckpt(layer, *args, use_reentrant=False) if i < count else layer(*args)
+        return x
+    n = n or 1
+    for start in range(0, len(layers), n):
+        unit = layers[start : start + n]
+        x = ckpt(_run_unit, unit, x, attention_mask, is_causal, use_reentrant=False)
+    return x
+
+
 class GPT(nn.Module):
     """GPT-2 language model. See the module docstring for structure and parameter names."""
 
@@ -632,32 +666,16 @@ class GPT(nn.Module):
             )
 
     def _run_layers(self, x, attention_mask, is_causal, kv_cache, training_pass: bool):
-        """The transformer layers, with full recompute per ``recompute_method`` when training.
-
-        A checkpointed unit keeps only its input; backward reruns it. RNG state is restored on
-        rerun, so dropout masks repeat exactly.
-        """
+        """The transformer layers, with full recompute per ``recompute_method`` when training
+        (:func:`run_layers_recomputed`)."""
         cfg = self.config
         if not training_pass or cfg.recompute_granularity != "full":
             for layer in self.layers:
                 x = layer(x, attention_mask, is_causal, kv_cache)
             return x
-        # Under TP the layers also draw from the tracker's model-parallel stream, which torch's
-        # checkpoint does not know: replay it from its state at the forward.
-        ckpt = checkpoint if self.tp_group.size == 1 else _checkpoint_with_tracker
-        method = cfg.recompute_method or "uniform"
-        n = cfg.recompute_num_layers
-        if method == "block":
-            for i, layer in enumerate(self.layers):
-                recompute = i < (cfg.num_layers if n is None else n)
-                args = (x, attention_mask, is_causal, None)
-                x = ckpt(layer, *args, use_reentrant=False) if recompute else layer(*args)
-            return x
-        n = n or 1
-        for start in range(0, cfg.num_layers, n):
-            unit = self.layers[start : start + n]
-            x = ckpt(_run_unit, unit, x, attention_mask, is_causal, use_reentrant=False)
-        return x
+        return run_layers_recomputed(
+            self.layers, x, attention_mask, is_causal, cfg, self.tp_group.size
+        )
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameter count; the tied embedding counts once (it is one parameter).

@@ -36,7 +36,11 @@ stage, the gradients are summed by autograd as in every stage layout).
 Tensor parallelism inside a stage: the chunks keep the GPT's TP layers; the last stage's copy of
 the word embedding is this TP rank's vocabulary shard, and the output layer is GPT's vocab-parallel
 one (under sequence parallelism the activations passed between stages are ``[b, s/tp, h]``).
-Not yet: activation recompute (the stage runs its layers plainly).
+
+Activation recompute: selective recompute lives in the layers, so stages have it as the GPT
+does; full recompute (``recompute_granularity="full"``) checkpoints the chunk's own layers with
+the GPT's :func:`~zerotron.models.gpt.run_layers_recomputed`, its ``recompute_num_layers``
+counted per chunk, as Megatron counts them per pipeline stage.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from torch import nn
 
 from zerotron.distributed.state import state
 from zerotron.errors import ConfigError
-from zerotron.models.gpt import GPT
+from zerotron.models.gpt import GPT, run_layers_recomputed
 from zerotron.parallel.declarations import TiedWeight
 from zerotron.pipeline.partition import (
     partition_balanced,
@@ -122,8 +126,13 @@ class GPTStage(nn.Module):
             )
         else:
             x = hidden
-        for layer in self.layers.values():
-            x = layer(x, mask, mask is None, None)
+        layers = list(self.layers.values())
+        if torch.is_grad_enabled() and self.config.recompute_granularity == "full":
+            tp = self.tp_group.size if self.tp_group is not None else 1
+            x = run_layers_recomputed(layers, x, mask, mask is None, self.config, tp)
+        else:
+            for layer in layers:
+                x = layer(x, mask, mask is None, None)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)

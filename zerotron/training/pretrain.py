@@ -76,13 +76,6 @@ def _check_supported(cfg: Config) -> None:
     # Tensor parallelism is the layers' call: they raise UnsupportedError while they lack it.
     if p.pipeline_model_parallel_size == 1:
         return
-    if m.recompute_granularity == "full":
-        raise UnsupportedError(
-            "full activation recompute inside pipeline stages is not implemented yet",
-            where="--recompute-granularity full",
-            fix="drop it, use --recompute-granularity selective, or "
-            "--pipeline-model-parallel-size 1",
-        )
     if m.compile:
         raise UnsupportedError(
             "torch.compile of pipeline stages is not implemented yet",
