@@ -202,6 +202,17 @@ def test_ignored_flag_warns():
     assert len(cfg.warnings) == 2 and "--use-mcore-models has no effect" in cfg.warnings[0]
 
 
+def test_megatrons_distributed_optimizer_flags_start_as_zero_1():
+    """A Megatron-LM script's ``--use-distributed-optimizer --overlap-grad-reduce
+    --overlap-param-gather``: ZeRO stage 1, the two overlap switches warned about."""
+    cfg = parse("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+    assert cfg.zero.zero_stage == 1
+    assert [w.split(" has no effect")[0].split()[-1] for w in cfg.warnings] == [
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+    ]
+
+
 def test_launcher_local_rank_is_accepted():
     assert parse("--local_rank=3").training.seed == 1234
     assert parse("--local-rank", "0").training.seed == 1234

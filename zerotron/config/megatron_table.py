@@ -120,7 +120,6 @@ UNSUPPORTED: dict[str, Known] = {
         True, "Transformer Engine is not used: the layers are plain PyTorch", ("local",)
     ),
     "--fp8-format": Known(True, "FP8 training is not implemented; use --bf16 or --fp16"),
-    "--overlap-param-gather": Known(False, "needs the distributed optimizer, not implemented"),
     "--use-torch-fsdp2": Known(False, "FSDP2 is not used (ZeRO stage 3 is the same idea)"),
     "--tp-comm-overlap": Known(False, "TP communication/GEMM overlap is not implemented"),
     "--rampup-batch-size": Known(True, "batch-size ramp-up is not implemented"),
@@ -170,6 +169,11 @@ IGNORED: dict[str, Known] = {
     ),
     "--overlap-grad-reduce": Known(
         False, "data-parallel buckets are always reduced while backward runs"
+    ),
+    "--overlap-param-gather": Known(
+        False,
+        "the distributed optimizer's (ZeRO-1's) parameter all-gathers run bucketed and "
+        "concurrent at the end of its step, not overlapped with the next forward",
     ),
     "--log-throughput": Known(False, "tokens/s and TFLOP/s are always logged"),
     "--timing-log-level": Known(True, "the timers line is always logged"),
