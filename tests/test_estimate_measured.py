@@ -42,6 +42,10 @@ LAYOUTS_1 = {
     "bf16 selective": "--bf16 --hidden-dropout 0 --attention-dropout 0 "
     "--recompute-granularity selective",
     "bf16 full recompute": "--bf16 --recompute-granularity full --attention-dropout 0",
+    "bf16 full recompute uniform 2": "--bf16 --recompute-granularity full "
+    "--recompute-num-layers 2 --attention-dropout 0",
+    "bf16 full recompute block 1": "--bf16 --recompute-granularity full "
+    "--recompute-method block --recompute-num-layers 1 --attention-dropout 0",
     # the other CPU kernel choices (zerotron.kernels.chooser), whose buffers differ
     "fp32 linear=torch": "--hidden-dropout 0 --attention-dropout 0 --kernels linear=torch",
     "bf16 attention=sdpa": "--bf16 --hidden-dropout 0 --attention-dropout 0 "
@@ -61,6 +65,10 @@ LAYOUTS_2 = {
     "pp2 bf16 1f1b": "--pipeline-model-parallel-size 2 --bf16 --attention-dropout 0",
     "pp2 vpp2 interleaved": "--pipeline-model-parallel-size 2 --num-layers 4 "
     "--num-layers-per-virtual-pipeline-stage 1 --hidden-dropout 0 --attention-dropout 0",
+    # counted per stage: the first of each stage's two layers recomputed, the second kept
+    "pp2 full recompute block 1": "--pipeline-model-parallel-size 2 --num-layers 4 --bf16 "
+    "--recompute-granularity full --recompute-method block --recompute-num-layers 1 "
+    "--attention-dropout 0",
 }
 
 

@@ -29,8 +29,11 @@ Two accountings, side by side:
     (``e·sbh`` for the QKV and the first MLP projection) where Megatron keeps the shard and
     gathers again in backward;
   * selective recompute checkpoints SDPA itself: q, k, v and the output stay, the rest goes;
-  * full recompute keeps each layer's input (``recompute_method`` uniform, one layer per unit);
-    backward then rebuilds one layer's activations at a time (:func:`recompute_workspace`).
+  * full recompute keeps each checkpointed unit's input (:func:`chunk_layers_bytes`:
+    ``recompute_method`` uniform, a unit of ``recompute_num_layers`` layers, by default one;
+    block, the first ``recompute_num_layers`` layers of each pipeline chunk on their own, the
+    rest keeping everything); backward then rebuilds one unit's activations at a time
+    (:func:`recompute_workspace`).
 
 Pipeline: the activations a stage holds at once are counted by zerotron's own schedules
 (:func:`~zerotron.pipeline.schedules.activations_in_flight`), not by the paper's factor: a
@@ -67,6 +70,8 @@ class ActivationCase:
     tp: int = 1
     sequence_parallel: bool = False
     recompute: str = "none"  # "none" | "selective" | "full"
+    recompute_method: str = "uniform"  # full: "uniform" units of layers, or "block"
+    recompute_num_layers: int | None = None  # full: None = 1 (uniform) / every layer (block)
     precision: str = "bf16"
     device: str = "cuda"  # "cuda" | "cpu": which kernels zerotron picks
     hidden_dropout: float = 0.1
@@ -144,9 +149,32 @@ def tp_comm_bytes(case: ActivationCase) -> int:
     return case.e * (sbh + sbh // case.tp)
 
 
-def recompute_workspace(case: ActivationCase) -> int:
-    """Full recompute: the one layer whose activations backward rebuilds at a time."""
-    return layer_bytes(case, recompute="none") if case.recompute == "full" else 0
+def chunk_layers_bytes(case: ActivationCase, layers: int) -> int:
+    """What ``layers`` consecutive transformer layers (one pipeline chunk's, or the model's)
+    keep for one micro-batch. Full recompute counts per chunk, as zerotron's stages and
+    Megatron's do: ``uniform`` keeps one input per unit of ``recompute_num_layers`` layers,
+    ``block`` the inputs of the first ``recompute_num_layers`` layers and everything of the
+    rest."""
+    if case.recompute != "full":
+        return layers * layer_bytes(case)
+    n = case.recompute_num_layers
+    if case.recompute_method == "block":
+        kept = min(layers, layers if n is None else n)
+        return kept * layer_bytes(case) + (layers - kept) * layer_bytes(case, recompute="none")
+    return -(-layers // (n or 1)) * layer_bytes(case)  # one input per unit
+
+
+def recompute_workspace(case: ActivationCase, layers: int = 1) -> int:
+    """Full recompute: what backward rebuilds at once, one checkpointed unit of a chunk of
+    ``layers`` layers (``uniform``: up to ``recompute_num_layers`` layers; ``block``: one)."""
+    if case.recompute != "full":
+        return 0
+    n = case.recompute_num_layers
+    if case.recompute_method == "block":
+        unit = 0 if n == 0 else 1
+    else:
+        unit = min(layers, n or 1)
+    return unit * layer_bytes(case, recompute="none")
 
 
 def embedding_bytes(case: ActivationCase) -> int:

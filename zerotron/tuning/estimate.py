@@ -150,6 +150,8 @@ class Layout:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     # Optional refinements (defaults: zerotron's own).
+    recompute_method: str = "uniform"  # full recompute: "uniform" units or "block" (per chunk)
+    recompute_num_layers: int | None = None  # its count (None: 1 for uniform, all for block)
     device: str = "cuda"  # "cuda" | "cpu": which kernels run (attention, fused loss)
     optimizer: str = "adam"  # its states per parameter: zero_memory.OPTIMIZER_STATES
     ddp_bucket_size: int | None = None  # ZeRO-0 data parallel (None: Megatron's default)
@@ -172,6 +174,7 @@ class Layout:
         """The layout of a resolved config (data-parallel size and micro-batches derived);
         ``kernels``: the CPU kernel choices the run makes (default: the defaults)."""
         par, m, z = cfg.parallel, cfg.model, cfg.zero
+        full = m.recompute_granularity == "full"
         return cls(
             device=device,
             kernels=kernels or KernelChoices(),
@@ -191,6 +194,8 @@ class Layout:
             micro_batch_size=cfg.training.micro_batch_size or 1,
             num_microbatches=cfg.training.num_micro_batches or 1,
             recompute=m.recompute_granularity or "none",
+            recompute_method=(m.recompute_method or "uniform") if full else "uniform",
+            recompute_num_layers=m.recompute_num_layers if full else None,
             precision=cfg.precision.params_dtype,
             offload_optimizer=z.offload_optimizer_device or "none",
             offload_param=z.offload_param_device or "none",
@@ -263,7 +268,7 @@ def estimate(
     kind = "interleaved" if layout.vpp > 1 else "1f1b"
     held = act.stage_in_flight(kind, layout.pp, layout.num_microbatches, layout.vpp, pipeline_rank)
     layers_per_chunk = shape.num_layers // (layout.pp * layout.vpp)
-    activations = held * layers_per_chunk * act.layer_bytes(case)
+    activations = held * act.chunk_layers_bytes(case, layers_per_chunk)
     # The embedding lives in the first chunk of the first stage, the head in the last chunk of
     # the last stage: as many of them as the schedule holds of those chunks.
     p, m, v = layout.pp, layout.num_microbatches, layout.vpp
@@ -283,7 +288,7 @@ def estimate(
         comm_buffers=states.comm_buffers + act.tp_comm_bytes(case),
         loss_workspace=loss,
         host=states.host,
-        recompute_workspace=act.recompute_workspace(case),
+        recompute_workspace=act.recompute_workspace(case, layers_per_chunk),
     )
 
 
@@ -300,6 +305,8 @@ def activation_case(shape: ModelShape, layout: Layout) -> act.ActivationCase:
         tp=layout.tp,
         sequence_parallel=layout.sequence_parallel,
         recompute=layout.recompute,
+        recompute_method=layout.recompute_method,
+        recompute_num_layers=layout.recompute_num_layers,
         precision=layout.precision,
         device=layout.device,
         hidden_dropout=shape.hidden_dropout,
@@ -375,6 +382,7 @@ def check(shape: ModelShape, layout: Layout) -> None:
         )
     choices = {
         "recompute": (layout.recompute, RECOMPUTE, "--recompute-granularity"),
+        "recompute_method": (layout.recompute_method, ("uniform", "block"), "--recompute-method"),
         "precision": (layout.precision, PRECISIONS, "--bf16 / --fp16"),
         "offload_optimizer": (layout.offload_optimizer, OFFLOAD, "offload_optimizer.device"),
         "offload_param": (layout.offload_param, OFFLOAD, "offload_param.device"),

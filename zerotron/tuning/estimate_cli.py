@@ -268,7 +268,12 @@ def _describe(layout: Layout, lines: bool = False) -> Any:
     parts.append(f"zero{layout.zero_stage} {layout.precision}")
     parts.append(f"mbs{layout.micro_batch_size}×{layout.num_microbatches}")
     if layout.recompute != "none":
-        parts.append(f"{layout.recompute} recompute")
+        unit = layout.recompute_num_layers
+        block = layout.recompute_method == "block"
+        if layout.recompute == "full" and (block or unit not in (None, 1)):
+            parts.append(f"full recompute ({layout.recompute_method} {unit or 'all'})")
+        else:
+            parts.append(f"{layout.recompute} recompute")
     if layout.offload_optimizer != "none" or layout.offload_param != "none":
         parts.append(f"offload {layout.offload_optimizer}/{layout.offload_param}")
     return parts if lines else " ".join(parts)
