@@ -181,6 +181,37 @@ def test_pipeline_stages_recompute_with_dropout_as_without(data_prefix):
     assert (none, per_layer, first_only) == (0, ITERS * 4 * 2, ITERS * 4)
 
 
+def _pp2_compile_rank(rank: int, data: str) -> dict[str, tuple[dict[int, float], int]]:
+    """pp2 (1F1B, 4 micro-batches a step) eager, then with --compile: the losses, and how many
+    graphs dynamo compiled during the run."""
+    from torch._dynamo.utils import counters
+
+    from zerotron.distributed.state import destroy_model_parallel
+
+    shape = ("--micro-batch-size", "1", "--pipeline-model-parallel-size", 2)
+    out = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        for name, flags in (("eager", ()), ("compiled", ("--compile",))):
+            before = counters["stats"]["unique_graphs"]
+            losses = _pretrain(2, data, *shape, *flags).losses
+            out[name] = (losses, counters["stats"]["unique_graphs"] - before)
+            destroy_model_parallel()
+    return out
+
+
+def test_pipeline_stages_compile_as_eager(data_prefix):
+    runs = run_ranks(_pp2_compile_rank, 2, data_prefix, timeout=400)
+    (eager, none), (compiled, graphs) = runs[1]["eager"], runs[1]["compiled"]  # the last stage's
+    assert sorted(eager) == list(range(1, ITERS + 1))
+    assert sorted(compiled) == sorted(eager)
+    assert all(abs(compiled[i] - eager[i]) <= 1e-5 * abs(eager[i]) for i in eager), (
+        eager,
+        compiled,
+    )
+    assert none == 0 and graphs > 0  # the compiled run ran compiled chunks
+    assert runs[0]["compiled"][1] > 0  # on the first stage too
+
+
 def _dp2_tp2_rank(rank: int, data: str, root: str, *extra: str) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):
         s = _pretrain(4, data, "--tensor-model-parallel-size", 2, "--save", root, *extra)

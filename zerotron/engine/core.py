@@ -101,7 +101,8 @@ class Engine(DeepSpeedSurface, nn.Module):
         state_fitter: fits loaded checkpoints to the model (default
             :class:`~zerotron.checkpoint.fit.StateFitter`: exact shapes; a GPT's builder passes
             ``VocabPadding`` so that checkpoints with another vocabulary padding load).
-        compile: run the module's forward through ``torch.compile``.
+        compile: run the module's forward through ``torch.compile``; under a pipeline, each
+            of this rank's chunks is compiled in place (``nn.Module.compile``).
         timers: optional ``timers(name).start()/stop()`` (:class:`~zerotron.engine.timers.Timers`).
         data_parallel: averages gradients over the data-parallel group (built before the
             optimizer, see :mod:`zerotron.parallel.data_parallel`); None for one replica.
@@ -154,9 +155,9 @@ class Engine(DeepSpeedSurface, nn.Module):
                 fix="build PipelineRuntime with num_microbatches = gradient_accumulation_steps",
             )
         if pipeline is not None and compile:
-            raise UnsupportedError(
-                "torch.compile of pipeline stages", where="Engine", fix="drop --compile"
-            )
+            # Each chunk compiled in place (its own graphs; the runtime calls the chunks).
+            for chunk in pipeline.modules:
+                chunk.compile()
         self.optimizer_part = optimizer_part(optimizer)
         """The optimizer as the Engine calls it (:mod:`zerotron.engine.optimizers`)."""
         data_parallel = self.optimizer_part.data_parallel(data_parallel)
@@ -183,7 +184,7 @@ class Engine(DeepSpeedSurface, nn.Module):
         self.device = torch.device(device) if device is not None else _module_device(model)
         apply_process_settings(self.device, get_world_size())  # e.g. glibc's kept heap (CPU)
         # Compile the call, not the module: state-dict keys and parameters stay the module's.
-        self._forward = torch.compile(model) if compile else model
+        self._forward = torch.compile(model) if compile and pipeline is None else model
 
         self._sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
         self.repartition_zero_checkpoints = True

@@ -42,7 +42,7 @@ from zerotron.distributed.init import get_rank, get_world_size, init_distributed
 from zerotron.distributed.state import ParallelState, initialize_model_parallel, state
 from zerotron.engine import run_metrics
 from zerotron.engine.timers import Timers
-from zerotron.errors import CheckpointError, ConfigError, DistributedError, UnsupportedError
+from zerotron.errors import CheckpointError, ConfigError, DistributedError
 from zerotron.fileio import check_writable_dir
 from zerotron.kernels import KernelShape, choose_kernels
 from zerotron.kernels.chooser import parse_forced
@@ -69,19 +69,6 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
     return preemption.EXIT_CODE
-
-
-def _check_supported(cfg: Config) -> None:
-    p, m = cfg.parallel, cfg.model
-    # Tensor parallelism is the layers' call: they raise UnsupportedError while they lack it.
-    if p.pipeline_model_parallel_size == 1:
-        return
-    if m.compile:
-        raise UnsupportedError(
-            "torch.compile of pipeline stages is not implemented yet",
-            where="--compile",
-            fix="drop --compile, or use --pipeline-model-parallel-size 1",
-        )
 
 
 def _check_output_dirs(cfg: Config) -> None:
@@ -245,7 +232,6 @@ _SPLIT_FIX = {
 
 def pretrain(cfg: Config) -> TrainSummary:
     """Run ``cfg`` to the end (or exit interval); return the losses and where things went."""
-    _check_supported(cfg)
     _check_output_dirs(cfg)
     ps = _init_parallel(cfg)
     for w in cfg.warnings:
