@@ -47,7 +47,7 @@ step() {
 	"$py" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
 	lscpu | grep -E '^(Model name|CPU\(s\)|Flags)'
 } >"$out/machine.txt" 2>&1
-cat "$out/machine.txt" | cut -c1-300
+cut -c1-300 "$out/machine.txt"
 
 if ls .whl/*.whl >/dev/null 2>&1; then
 	"$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu-site .whl/*.whl

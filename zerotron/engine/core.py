@@ -154,10 +154,6 @@ class Engine(DeepSpeedSurface, nn.Module):
                 where="Engine",
                 fix="build PipelineRuntime with num_microbatches = gradient_accumulation_steps",
             )
-        if pipeline is not None and compile:
-            # Each chunk compiled in place (its own graphs; the runtime calls the chunks).
-            for chunk in pipeline.modules:
-                chunk.compile()
         self.optimizer_part = optimizer_part(optimizer)
         """The optimizer as the Engine calls it (:mod:`zerotron.engine.optimizers`)."""
         data_parallel = self.optimizer_part.data_parallel(data_parallel)
@@ -184,7 +180,11 @@ class Engine(DeepSpeedSurface, nn.Module):
         self.device = torch.device(device) if device is not None else _module_device(model)
         apply_process_settings(self.device, get_world_size())  # e.g. glibc's kept heap (CPU)
         # Compile the call, not the module: state-dict keys and parameters stay the module's.
+        # Under a pipeline the runtime calls the chunks: each is compiled in place instead.
         self._forward = torch.compile(model) if compile and pipeline is None else model
+        if compile and pipeline is not None:
+            for chunk in pipeline.modules:
+                chunk.compile()
 
         self._sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
         self.repartition_zero_checkpoints = True
