@@ -182,8 +182,8 @@ def test_key_in_wrong_section(tmp_path):
 
 def test_unsupported_flags_say_so(tmp_path):
     with pytest.raises(UnsupportedError) as e:
-        parse("--use-flash-attn")
-    assert e.value.what.startswith("--use-flash-attn is not supported: ")
+        parse("--swiglu")
+    assert e.value.what.startswith("--swiglu is not supported: SwiGLU is not implemented")
     with pytest.raises(UnsupportedError, match="--num-experts 8 is not supported: mixture"):
         parse("--num-experts", "8")
     with pytest.raises(UnsupportedError, match="WSD is not supported"):
@@ -191,7 +191,7 @@ def test_unsupported_flags_say_so(tmp_path):
     # The value that asks for what zerotron does anyway is fine.
     assert parse("--context-parallel-size", "1").parallel.data_parallel_size == 1
     # The same names in a file.
-    path = write(tmp_path, "c.yaml", "num_layers: 2\nuse_flash_attn: true\n")
+    path = write(tmp_path, "c.yaml", "num_layers: 2\nswiglu: true\n")
     with pytest.raises(UnsupportedError) as e:
         parse("--config", path)
     assert e.value.where == f"{path}:2"
@@ -200,6 +200,35 @@ def test_unsupported_flags_say_so(tmp_path):
 def test_ignored_flag_warns():
     cfg = parse("--use-mcore-models", "--no-bias-gelu-fusion")
     assert len(cfg.warnings) == 2 and "--use-mcore-models has no effect" in cfg.warnings[0]
+
+
+def test_tp_comm_overlap_warns_that_the_column_parallel_backward_overlaps_anyway():
+    cfg = parse("--tensor-model-parallel-size", "2", "--tp-comm-overlap", world_size=2)
+    assert len(cfg.warnings) == 1
+    assert cfg.warnings[0].startswith("--tp-comm-overlap has no effect in zerotron (the column")
+
+
+@pytest.mark.parametrize(
+    ("kernels", "forced"),
+    [((), "attention=sdpa"), (("--kernels", "linear=torch"), "linear=torch,attention=sdpa")],
+)
+def test_use_flash_attn_forces_sdpa_attention(kernels, forced):
+    """Megatron-LM's flash-attn switch is SDPA's own kernels (flash on CUDA and on the CPU):
+    the CPU kernel choice ``attention=sdpa``, added to what --kernels forces."""
+    cfg = parse("--use-flash-attn", *kernels)
+    assert cfg.model.use_flash_attn and cfg.model.kernels == forced and cfg.warnings == []
+
+
+def test_use_flash_attn_in_a_file_forces_sdpa_attention(tmp_path):
+    path = write(tmp_path, "c.yaml", "use_flash_attn: true\nkernels: attention=sdpa\n")
+    assert parse("--config", path).model.kernels == "attention=sdpa"
+
+
+def test_use_flash_attn_against_another_forced_attention_is_refused():
+    with pytest.raises(ConfigError) as e:
+        parse("--use-flash-attn", "--kernels", "attention=math16")
+    assert e.value.where == "model.use_flash_attn"
+    assert e.value.what.endswith("but kernels forces attention=math16")
 
 
 def test_megatrons_distributed_optimizer_flags_start_as_zero_1():

@@ -4,6 +4,7 @@ and never measured again; forcing each candidate runs exactly that path."""
 
 import dataclasses
 import json
+import shlex
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 import zerotron.cli
 import zerotron.training.kernels_cli
 from tests.test_kernel_policy import config, loss_and_grads
+from zerotron.config import parse_megatron_args
 from zerotron.errors import ConfigError
 from zerotron.kernels import chooser, measure, onednn, upcast
 from zerotron.kernels.attention_cpu import sdpa_math_16bit
@@ -23,6 +25,10 @@ from zerotron.models.gpt import _core_attention
 
 FP32 = KernelShape(hidden=64, heads=4, seq=32, micro_batch=2, vocab=100, dtype="fp32", threads=1)
 BF16 = KernelShape(hidden=64, heads=4, seq=32, micro_batch=2, vocab=100, dtype="bf16", threads=1)
+USE_FLASH_ATTN = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --lr 1e-3 --train-iters 1 --bf16 --use-flash-attn"
+)
 # seconds each candidate takes on the fake clock: torch and 4096 columns are the fastest
 COSTS = {"onednn": 3, "torch": 2, "math16": 1, "sdpa": 4, 1024: 5, 2048: 4, 4096: 1, 8192: 2}
 COSTS |= {"native": 6, "fp32": 1}  # matmul16: fp32 wins; attention: fp32 ties math16 (first)
@@ -180,6 +186,15 @@ def test_the_flag_wins_over_the_environment(monkeypatch):
     monkeypatch.setenv(chooser.ENV, "attention=math16")
     chosen = FakeMachine().choose(BF16, forced="attention=sdpa")
     assert chosen.choices.attention == "sdpa" and chosen.how["attention"] == "forced"
+
+
+def test_megatrons_use_flash_attn_reaches_the_chooser_as_forced_sdpa():
+    """``zerotron pretrain --use-flash-attn``: the run's attention is SDPA's, not measured."""
+    cfg = parse_megatron_args(shlex.split(USE_FLASH_ATTN))
+    fake = FakeMachine()
+    chosen = fake.choose(BF16, forced=cfg.model.kernels)
+    assert chosen.choices.attention == "sdpa" and chosen.how["attention"] == "forced"
+    assert not kernel_policy("cpu").attention_16bit and not kernel_policy("cpu").attention_fp32
 
 
 def test_an_off_switch_forces_the_plain_twin(monkeypatch):

@@ -6,7 +6,8 @@ that show the numbers.
 what the inputs left empty:
 
 * ``ffn_hidden_size`` (4h), ``max_position_embeddings`` (seq_length),
-  ``recompute_method`` / ``recompute_num_layers`` (uniform, 1);
+  ``recompute_method`` / ``recompute_num_layers`` (uniform, 1), ``kernels`` (``attention=sdpa``
+  added by ``use_flash_attn``);
 * ``data_parallel_size`` (world / (tp·pp)), ``virtual_pipeline_model_parallel_size``,
   ``pipeline_schedule`` (1f1b, or interleaved with virtual stages);
 * ``global_batch_size`` / ``micro_batch_size`` / ``num_micro_batches`` (any two give the third,
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from zerotron.config.sections import SchedulerConfig, Section, flag
+from zerotron.config.sections import ModelConfig, SchedulerConfig, Section, flag
 from zerotron.errors import ConfigError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -216,6 +217,8 @@ def _resolve_model(cfg: Config) -> None:
             fix=f"set --max-position-embeddings to at least {m.seq_length}, or shorten "
             "--seq-length",
         )
+    if m.use_flash_attn:
+        _force_sdpa_attention(m)
     if m.recompute_granularity != "full":
         for name in ("recompute_method", "recompute_num_layers"):
             if getattr(m, name) is not None:
@@ -233,6 +236,22 @@ def _resolve_model(cfg: Config) -> None:
             where="model.recompute_num_layers",
             fix=f"set --recompute-num-layers to at most {m.num_layers}",
         )
+
+
+def _force_sdpa_attention(m: ModelConfig) -> None:
+    """``--use-flash-attn`` (Megatron-LM's flash-attn package) as the kernel choice
+    ``attention=sdpa``: SDPA runs its FlashAttention kernels wherever it has them."""
+    items = [item.strip() for item in (m.kernels or "").split(",") if item.strip()]
+    attention = [item for item in items if item.partition("=")[0].strip() == "attention"]
+    other = [item for item in attention if item.partition("=")[2].strip() != "sdpa"]
+    if other:
+        raise ConfigError(
+            f"use_flash_attn asks for SDPA's attention kernels, but kernels forces {other[0]}",
+            where="model.use_flash_attn",
+            fix="drop --use-flash-attn, or the attention choice from --kernels",
+        )
+    if not attention:
+        _fill(m, kernels=",".join([*items, "attention=sdpa"]))
 
 
 def _resolve_parallel(cfg: Config) -> None:

@@ -45,7 +45,7 @@ class Keys(NamedTuple):
     nested: dict[str, dict[str, Any]]
     """section -> field -> value, for every key the schema has"""
     unknown: dict[tuple[str, ...], Any]
-    """key paths as written (e.g. ``("model", "use-flash-attn")``) the schema does not have"""
+    """key paths as written (e.g. ``("model", "swiglu")``) the schema does not have"""
     origin: dict[tuple[str, str], str]
     """(section, field) -> where the value was written, for error messages"""
 

@@ -85,11 +85,6 @@ _PROFILE = (
     "(docs/profiling.md)"
 )
 UNSUPPORTED: dict[str, Known] = {
-    "--use-flash-attn": Known(
-        False,
-        "attention is torch's scaled_dot_product_attention, which picks a FlashAttention "
-        "kernel by itself where the GPU has one; remove the flag",
-    ),
     "--num-experts": Known(True, "mixture-of-experts models are not implemented", ("0",)),
     "--expert-model-parallel-size": Known(True, "expert parallelism is not implemented", ("1",)),
     "--context-parallel-size": Known(
@@ -121,7 +116,6 @@ UNSUPPORTED: dict[str, Known] = {
     ),
     "--fp8-format": Known(True, "FP8 training is not implemented; use --bf16 or --fp16"),
     "--use-torch-fsdp2": Known(False, "FSDP2 is not used (ZeRO stage 3 is the same idea)"),
-    "--tp-comm-overlap": Known(False, "TP communication/GEMM overlap is not implemented"),
     "--rampup-batch-size": Known(True, "batch-size ramp-up is not implemented"),
     "--train-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
     "--valid-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
@@ -174,6 +168,12 @@ IGNORED: dict[str, Known] = {
         False,
         "the distributed optimizer's (ZeRO-1's) parameter all-gathers run bucketed and "
         "concurrent at the end of its step, not overlapped with the next forward",
+    ),
+    "--tp-comm-overlap": Known(
+        False,
+        "the column-parallel backward always overlaps its all-reduce (reduce-scatter with "
+        "--sequence-parallel) with the weight-gradient matmul, as Megatron's async all-reduce "
+        "does; Transformer Engine's userbuffer GEMM overlap is not implemented",
     ),
     "--log-throughput": Known(False, "tokens/s and TFLOP/s are always logged"),
     "--timing-log-level": Known(True, "the timers line is always logged"),

@@ -52,3 +52,9 @@ class ModelConfig(Section):
         "'linear=torch,attention=sdpa,loss_chunk=4096' (wins over $ZEROTRON_KERNELS; "
         "zerotron.kernels.chooser).",
     )
+    use_flash_attn: bool = Field(
+        False,
+        description="Attention by scaled_dot_product_attention's own kernels, its "
+        "FlashAttention ones where the device has them (CUDA, the CPU): on the CPU the same as "
+        "kernels 'attention=sdpa'; on CUDA SDPA is what runs anyway.",
+    )
