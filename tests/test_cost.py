@@ -3,6 +3,8 @@ step computed by hand from the closed forms."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from zerotron.pipeline import build_schedule, simulate
@@ -23,6 +25,28 @@ def test_step_flops_without_recompute_is_the_72_form():
     B, s, l, h, V = 3072, 2048, 128, 25600, 51200  # noqa: E741
     want = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
     assert step_flops(NARAYANAN_1T, B, "none") == pytest.approx(want, rel=1e-12)
+
+
+def _block(layout: Layout, n: int) -> Layout:
+    return dataclasses.replace(layout, recompute_method="block", recompute_num_layers=n)
+
+
+@pytest.mark.parametrize("pp,vpp", [(1, 1), (2, 1), (2, 2)])
+def test_block_recompute_runs_one_more_forward_of_its_layers_per_chunk(pp, vpp):
+    """Block recompute of N layers: N per pipeline chunk run forward again, the others not."""
+    lay = Layout(pp=pp, vpp=vpp, dp=2, num_microbatches=4, recompute="full")
+    got = predict(TINY, _block(lay, 1), _free_comm()).flops
+    B, chunks = 2 * 4, pp * vpp
+    assert got == step_flops(TINY, B) + B * chunks * cost.layer_forward_flops(TINY, 1)
+
+
+def test_block_recompute_of_every_layer_costs_what_uniform_does():
+    lay = Layout(pp=2, dp=2, num_microbatches=4, recompute="full")
+    c = _free_comm()
+    assert predict(TINY, _block(lay, 4), c) == dataclasses.replace(
+        predict(TINY, lay, c), layout=_block(lay, 4)
+    )
+    assert predict(TINY, _block(lay, 3), c).step_time < predict(TINY, lay, c).step_time
 
 
 def _free_comm(**kw) -> Cluster:

@@ -37,10 +37,12 @@ TABLE_1 = [
 CALIBRATION_ROW = 6  # 145.6B
 IDS = [f"{row[0]}B" for row in TABLE_1]
 
-# What Megatron-LM offered in 2021: TP inside a node, PP, full recompute; no ZeRO, no SP.
+# What Megatron-LM offered in 2021: TP inside a node, PP, full recompute of every layer; no
+# ZeRO, no SP, no block recompute.
 SPACE_2021 = SearchSpace(
     zero_stages=(0,),
     recompute=("full",),
+    recompute_blocks=False,
     sequence_parallel=(False,),
     max_virtual_stages=1,
     tp_within_node=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -174,6 +175,50 @@ def test_layouts_as_fast_collapse_to_the_one_with_least_memory(full_80gb):
         t = k.cost.step_time
         same = [o for o in result.ranked if abs(o.cost.step_time - t) <= 1e-6 * t]
         assert k.memory.total == min(o.memory.total for o in same)
+
+
+def _block(layout: Layout, n: int) -> Layout:
+    return replace(layout, recompute_method="block", recompute_num_layers=n)
+
+
+def test_block_recompute_keeps_the_fewest_layers_that_fit():
+    """Where recomputing one layer per chunk does not fit, the planner keeps the block layout
+    with the fewest recomputed layers that does (every N's estimate checked), faster than
+    recomputing every layer."""
+    shape = ModelShape.gpt2("124M", seq_length=1024)
+    c = _small_cluster(6.5)
+    space = SearchSpace(
+        zero_stages=(1,), recompute=("full",), tp=(1,), pp=(1,), sequence_parallel=(False,)
+    )
+    result = plan(shape, c, 32, space, top=0)
+    base = Layout(dp=4, micro_batch_size=8, recompute="full", zero_stage=1)
+    fits = [n for n in range(1, 12) if estimate(shape, _block(base, n)).fits(c.gpu_memory)]
+    assert 1 < fits[0] < 11  # the bisection has work to do
+    ranked = {k.layout: k.cost.step_time for k in result.ranked}
+    kept = [lay for lay in ranked if replace(lay, recompute_num_layers=1) == _block(base, 1)]
+    assert kept == [_block(base, fits[0])]
+    assert _block(base, 1) in [k.layout for k in result.rejected]
+    assert ranked[kept[0]] < ranked[base]
+
+
+def test_block_recompute_can_be_left_out():
+    assert any(lay.recompute_method == "block" for lay in _all())
+    assert not any(lay.recompute_method == "block" for lay in _all(recompute_blocks=False))
+
+
+BLOCK_ARGS = ["--model", "124M", "--gpus-per-node", "4", "--gpu-memory", "6.5GB"]
+BLOCK_ARGS += ["--recompute", "full", "--zero-stages", "1", "--global-batch-size", "32"]
+
+
+def test_cli_names_block_recompute(capsys):
+    assert main(BLOCK_ARGS) == 0
+    assert "full (block " in capsys.readouterr().out
+
+
+def test_cli_leaves_block_recompute_out_when_asked(capsys):
+    assert main([*BLOCK_ARGS, "--no-recompute-blocks"]) == 0
+    out = capsys.readouterr().out
+    assert "fastest layouts that fit" in out and "block" not in out
 
 
 def test_cli_refuses_a_zero_bandwidth():

@@ -11,10 +11,12 @@ What a step costs, on the slowest pipeline stage (the last: it holds the LM head
 
 - **Compute** at a calibrated fraction of peak (:data:`EFFICIENCY`): each micro-batch's forward
   FLOPs on the rank (its layers' matmuls and attention, the LM head on the last stage), backward
-  twice that, full recompute one more forward of the layers, selective recompute one more
-  attention core. Summed over a step these are Narayanan et al. 2021's (arXiv 2104.04473, eq. 3)
-  ``F = 96·B·s·l·h²·(1 + s/6h + V/16lh)`` with full recompute and ``72·B·s·l·h²·(1 + s/6h +
-  V/12lh)`` without (:func:`step_flops`; tests check both). Plus the memory-bound work at the
+  twice that, full recompute one more forward of the layers it recomputes (all of them with
+  ``uniform`` units, the first ``recompute_num_layers`` of each chunk with ``block``), selective
+  recompute one more attention core. Summed over a step these are Narayanan et al. 2021's
+  (arXiv 2104.04473, eq. 3) ``F = 96·B·s·l·h²·(1 + s/6h + V/16lh)`` with full recompute of
+  every layer and ``72·B·s·l·h²·(1 + s/6h + V/12lh)`` without (:func:`step_flops`; tests check
+  both). Plus the memory-bound work at the
   GPU's memory bandwidth: each layer's activations as Korthikanti et al. 2022 count them
   (:func:`activation_bytes`: written once forward, read and their gradients written backward;
   the attention scores only where attention materializes them) and the loss's fp32 logits
@@ -146,12 +148,33 @@ def recompute_flops(shape: ModelShape, b: int, recompute: str) -> float:
     return 0.0
 
 
-def step_flops(shape: ModelShape, global_batch: int, recompute: str = "none", tp: int = 1) -> float:
-    """FLOPs of one step over all ranks: forward, backward (2×) and what ``recompute`` adds.
-    With ``"full"`` this is Narayanan et al.'s 96·B·s·l·h²(1 + s/6h + V/16lh), with ``"none"``
-    72·B·s·l·h²(1 + s/6h + V/12lh) (ffn = 4h, V the padded vocabulary)."""
-    per_layer = 3 * layer_forward_flops(shape, 1) + recompute_flops(shape, 1, recompute)
-    return global_batch * (shape.num_layers * per_layer + 3 * head_forward_flops(shape, 1, tp))
+def recomputed_layers(layout: Layout, layers: int) -> int:
+    """How many of a chunk's ``layers`` run their forward again in backward: every one under
+    selective recompute (its attention core) and under full recompute with ``uniform`` units
+    (whatever their size), the first ``recompute_num_layers`` with ``block``; none without."""
+    if layout.recompute == "none":
+        return 0
+    n = layout.recompute_num_layers
+    if layout.recompute == "full" and layout.recompute_method == "block" and n is not None:
+        return min(layers, n)
+    return layers
+
+
+def step_flops(
+    shape: ModelShape,
+    global_batch: int,
+    recompute: str = "none",
+    tp: int = 1,
+    recomputed: int | None = None,
+) -> float:
+    """FLOPs of one step over all ranks: forward, backward (2×) and what ``recompute`` adds
+    to ``recomputed`` of the layers (default all of them). With ``"full"`` on every layer this
+    is Narayanan et al.'s 96·B·s·l·h²(1 + s/6h + V/16lh), with ``"none"`` 72·B·s·l·h²(1 + s/6h +
+    V/12lh) (ffn = 4h, V the padded vocabulary)."""
+    redo = shape.num_layers if recomputed is None else recomputed
+    layers = shape.num_layers * 3 * layer_forward_flops(shape, 1)
+    layers += redo * recompute_flops(shape, 1, recompute)
+    return global_batch * (layers + 3 * head_forward_flops(shape, 1, tp))
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,14 +293,17 @@ def predict(
         layout.recompute, 0.0
     )
     worst = None
+    parts = layout.pp * layout.vpp
+    redo_all = parts * recomputed_layers(layout, shape.num_layers // parts)
     for pp_rank in sorted({0, layout.pp - 1}):
         flops = extra = 0.0
-        layers = 0
+        layers = redo = 0
         head_time = 0.0
         for n, _, post in chunk_layers(shape, layout, pp_rank):
-            layers += n
+            r = recomputed_layers(layout, n)
+            layers, redo = layers + n, redo + r
             flops += n * layer_forward_flops(shape, b) / tp
-            extra += n * recompute_flops(shape, b, layout.recompute) / tp
+            extra += r * recompute_flops(shape, b, layout.recompute) / tp
             if post:
                 flops += head_forward_flops(shape, b, tp) / tp
                 head_time = loss_bytes(shape, layout) / c.hbm_bandwidth
@@ -292,7 +318,7 @@ def predict(
                 per[t.phase] += sec / m
                 inline[t.group] += sec
         fwd_math = flops / rate + layers * act_fwd + head_time
-        bwd_math = (2 * flops + extra) / rate + layers * (2 * act_fwd + act_extra) + head_time
+        bwd_math = (2 * flops + extra) / rate + layers * 2 * act_fwd + redo * act_extra + head_time
         # one micro-batch through one model chunk (the stage's chunks averaged)
         tf = (fwd_math + per["forward"]) / v
         tb = (bwd_math + per["backward"]) / v
@@ -304,7 +330,7 @@ def predict(
             compute=m * (fwd_math + bwd_math),
             bubble=makespan - busy,
             comm={k: inline[k] + step[k] for k in step},
-            flops=step_flops(shape, _global_batch(layout), layout.recompute, tp),
+            flops=step_flops(shape, _global_batch(layout), layout.recompute, tp, redo_all),
             model_flops=step_flops(shape, _global_batch(layout), "none", tp),
             crosses=crosses,
         )

@@ -11,17 +11,23 @@ micro-batch × recompute, keeping only what zerotron would run: tp divides the h
 MLP width), pp·vpp divides the layers, the global batch splits into whole micro-batches per
 data-parallel rank, interleaving needs a multiple of pp micro-batches, ZeRO 2 and 3 are not
 combined with pipelining (as in DeepSpeed and zerotron's engine), sequence parallelism needs
-tp > 1 and a sequence divisible by tp. :func:`plan` asks the estimator
-(:func:`~zerotron.tuning.estimate.estimate`) whether each fits the GPU's memory, predicts every
-layout's step (:func:`~zerotron.tuning.cost.predict`), ranks those that fit by step time (ties:
-less memory first), and says why each runner-up lost to the best: the part of its step that
-grew the most, or "does not fit".
+tp > 1 and a sequence divisible by tp. Recompute is none, selective or full, and full also in
+Megatron's ``block`` method, which recomputes only the first N layers of each chunk and keeps
+everything of the rest: where a layout does not fit without recompute, the planner keeps the
+block layout with the fewest N that fit (N = 1 first, then a bisection over N), the fastest of
+that family.
+
+:func:`plan` asks the estimator (:func:`~zerotron.tuning.estimate.estimate`) whether each fits
+the GPU's memory, predicts every layout's step (:func:`~zerotron.tuning.cost.predict`), ranks
+those that fit by step time (ties: less memory first), and says why each runner-up lost to the
+best: the part of its step that grew the most, or "does not fit".
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 
@@ -46,6 +52,7 @@ class SearchSpace:
     precision: str = "bf16"
     tp_within_node: bool = False  # True: never let a TP group span nodes
     flash_attention: bool = True  # False: attention materializes its scores (Megatron 2021)
+    recompute_blocks: bool = True  # with "full": also block recompute of as few layers as fit
 
 
 @dataclass
@@ -186,7 +193,7 @@ def _variants(
         for sp in dict.fromkeys(sps):
             for zero in stages:
                 for rc in space.recompute:
-                    yield Layout(
+                    layout = Layout(
                         tp=tp,
                         pp=pp,
                         dp=dp,
@@ -198,6 +205,32 @@ def _variants(
                         recompute=rc,
                         precision=space.precision,
                     )
+                    yield layout
+                    if rc == "full" and space.recompute_blocks and per_stage // vpp > 1:
+                        # the fastest of its family; plan() moves on to more layers if needed
+                        yield replace(layout, recompute_method="block", recompute_num_layers=1)
+
+
+def _block_that_fits(
+    shape: ModelShape,
+    layout: Layout,
+    device_bytes: int,
+    memory: Callable[[Layout], MemoryBreakdown],
+) -> Layout | None:
+    """The block-recompute layout of ``layout``'s family with the fewest recomputed layers per
+    chunk that fits (memory falls and time grows with their number), more than ``layout``'s and
+    fewer than the chunk's (recomputing all of them is the ``uniform`` layout); None if none."""
+    chunk = shape.num_layers // (layout.pp * layout.vpp)
+    lo, hi = (layout.recompute_num_layers or 1) + 1, chunk - 1
+    found = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        trial = replace(layout, recompute_num_layers=mid)
+        if memory(trial).fits(device_bytes):
+            found, hi = trial, mid - 1
+        else:
+            lo = mid + 1
+    return found
 
 
 MemoryFn = Callable[[ModelShape, Layout], MemoryBreakdown]
@@ -235,7 +268,15 @@ def plan(
         cost = predict(shape, layout, c, flash_attention=flash, bubble=exact)
         heap.append((cost.step_time, i, exact, cost, layout))
     heapq.heapify(heap)
+    serial = itertools.count(len(heap))  # unique second keys for layouts pushed later
     memo: dict[Layout, MemoryBreakdown] = {}
+
+    def memory_of(layout: Layout) -> MemoryBreakdown:
+        key = memory_key(layout)
+        if key not in memo:
+            memo[key] = memory(shape, key)
+        return memo[key]
+
     fitting: list[float] = []  # step times of the fitting layouts found, sorted
     while heap:
         time, i, exact, cost, layout = heapq.heappop(heap)
@@ -246,16 +287,24 @@ def plan(
             cost = predict(shape, layout, c, flash_attention=flash)
             heapq.heappush(heap, (cost.step_time, i, True, cost, layout))
             continue
-        key = memory_key(layout)
-        if key not in memo:
-            memo[key] = memory(shape, key)
-        cand = Candidate(layout, memo[key], cost, memo[key].fits(c.gpu_memory))
+        if layout.recompute_method == "block" and layout.recompute_num_layers == 1:
+            plain = replace(
+                layout, recompute="none", recompute_method="uniform", recompute_num_layers=None
+            )
+            if memory_of(plain).fits(c.gpu_memory):
+                continue  # it fits without recompute, which is faster: no block is needed
+        cand = Candidate(layout, memory_of(layout), cost, memory_of(layout).fits(c.gpu_memory))
         if cand.fits:
             result.ranked.append(cand)
             if not any(_same(cost.step_time, t) for t in fitting):
                 bisect.insort(fitting, cost.step_time)  # the top counts distinct times
         else:
             result.rejected.append(cand)
+            if layout.recompute_method == "block":
+                block = _block_that_fits(shape, layout, c.gpu_memory, memory_of)
+                if block is not None:  # slower than this one: it keeps the heap's order
+                    more = predict(shape, block, c, flash_attention=flash)
+                    heapq.heappush(heap, (more.step_time, next(serial), True, more, block))
     result.ranked.sort(key=lambda k: (k.cost.step_time, k.memory.total))
     result.ranked = [k for group in _tie_groups(result.ranked) for k in group]
     result.rejected.sort(key=lambda k: k.cost.step_time)
@@ -267,6 +316,14 @@ def plan(
         for cand in result.ranked[1:]:
             cand.why = why_slower(cand, best)
     return result
+
+
+def recompute_label(layout: Layout) -> str:
+    """``none``, ``selective``, ``full`` (every layer), or ``full (block N)``: the first N
+    layers of each chunk (``--recompute-method block --recompute-num-layers N``)."""
+    if layout.recompute == "full" and layout.recompute_method == "block":
+        return f"full (block {layout.recompute_num_layers})"
+    return layout.recompute
 
 
 def memory_key(layout: Layout) -> Layout:
@@ -301,8 +358,9 @@ def why_slower(cand: Candidate, best: Candidate) -> str:
         )
     if part == "compute":
         more = a.compute / b.compute - 1
-        if lay.recompute != "none" and lay.recompute != best.layout.recompute:
-            return f"{lay.recompute} recompute: {more:+.1%} compute"
+        label = recompute_label(lay)
+        if lay.recompute != "none" and label != recompute_label(best.layout):
+            return f"{label} recompute: {more:+.1%} compute"
         return f"slowest stage computes {more:+.1%} more"
     crossing = a.crosses.get(part, False)
     names = {

@@ -20,7 +20,7 @@ from zerotron.errors import ConfigError
 from zerotron.tuning.cost import GPUS, Cluster, cluster
 from zerotron.tuning.estimate import GPT2_SIZES, GPT2_VOCAB, RECOMPUTE, ModelShape
 from zerotron.tuning.estimate_cli import parse_size
-from zerotron.tuning.plan import GB, Plan, SearchSpace, plan
+from zerotron.tuning.plan import GB, Plan, SearchSpace, plan, recompute_label
 
 
 def _csv(kind, allowed, flag: str):
@@ -77,6 +77,11 @@ def build_parser():
         "--zero-stages", type=_csv(int, (0, 1, 2, 3), "--zero-stages"), default=(0, 1, 2, 3)
     )
     s.add_argument("--recompute", type=_csv(str, RECOMPUTE, "--recompute"), default=RECOMPUTE)
+    s.add_argument(
+        "--no-recompute-blocks",
+        action="store_true",
+        help="full recompute of every layer only (not also --recompute-method block)",
+    )
     s.add_argument("--no-sequence-parallel", action="store_true")
     s.add_argument("--max-micro-batch-size", type=int, default=64)
     s.add_argument("--max-virtual-stages", type=int, default=8)
@@ -257,7 +262,7 @@ def _row(i: int, cand) -> list[str]:
         _layout_name(lay),
         str(lay.zero_stage),
         f"{lay.micro_batch_size}×{lay.num_microbatches}",
-        lay.recompute,
+        recompute_label(lay),
         f"{cost.step_time:.3f}",
         f"{cost.tflops_per_gpu:.1f}",
         f"{cand.memory.total / GB:.1f} GB",
@@ -276,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     space = SearchSpace(
         zero_stages=args.zero_stages,
         recompute=args.recompute,
+        recompute_blocks=not args.no_recompute_blocks,
         sequence_parallel=(False,) if args.no_sequence_parallel else (False, True),
         max_micro_batch_size=args.max_micro_batch_size,
         max_virtual_stages=args.max_virtual_stages,
