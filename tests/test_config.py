@@ -202,6 +202,93 @@ def test_ignored_flag_warns():
     assert len(cfg.warnings) == 2 and "--use-mcore-models has no effect" in cfg.warnings[0]
 
 
+# The flags of Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (2026), but its
+# --step-batch-size-schedule, with placeholder paths.
+GPT3_EXAMPLE = shlex.split(
+    "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
+    "--max-position-embeddings 2048 --attention-backend auto --micro-batch-size 1 "
+    "--global-batch-size 1536 --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 "
+    "--adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 "
+    "--lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000 "
+    "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --data-path d_text_document "
+    "--vocab-file v.json --merge-file m.txt --split 949,50,1 --log-interval 100 "
+    "--save-interval 10000 --eval-interval 1000 --save ckpt --load ckpt --eval-iters 10 "
+    "--tensorboard-dir tb"
+)
+
+
+def test_megatron_lms_gpt3_example_parses_as_written():
+    cfg = parse_megatron_args(GPT3_EXAMPLE, world_size=128)
+    assert (cfg.parallel.data_parallel_size, cfg.training.num_micro_batches) == (1, 1536)
+    assert cfg.model.attention_backend == "auto" and cfg.warnings == []
+
+
+def test_batch_size_ramp_up_is_refused_saying_what_happens_without_it():
+    with pytest.raises(UnsupportedError) as e:
+        parse("--step-batch-size-schedule", "0:16 2.4B:320")
+    assert e.value.what.endswith("every step trains on --global-batch-size")
+
+
+def test_a_megatron_lm_flag_zerotron_lacks_names_its_option_group(tmp_path):
+    with pytest.raises(UnsupportedError) as e:
+        parse("--moe-router-topk", "2")
+    assert e.value.what.startswith(
+        "--moe-router-topk 2 is not supported: one of Megatron-LM's 'transformer configuration' "
+        "options that zerotron does not implement"
+    )
+    path = write(tmp_path, "c.yaml", "num_layers: 2\nmoe_router_topk: 2\n")
+    with pytest.raises(UnsupportedError) as e:
+        parse("--config", path)
+    assert e.value.where == f"{path}:2"
+
+
+def test_a_misspelt_flag_is_still_unknown_and_suggests_only_implemented_flags():
+    with pytest.raises(ConfigError) as e:
+        parse("--moe-router-topkk", "2")
+    assert not isinstance(e.value, UnsupportedError)
+    assert e.value.what == "unknown flag --moe-router-topkk" and "moe" not in e.value.fix
+
+
+def test_zerotron_reads_each_megatron_lm_flag_it_knows_as_megatron_lm_does():
+    """A flag zerotron implements, refuses or ignores takes a value exactly when Megatron-LM's
+    does (else the next flag would be swallowed, or a value left over)."""
+    from zerotron.config.megatron_lm_flags import FLAGS
+
+    ours = {s: a.nargs != 0 for a in build_parser()._actions for s in a.option_strings}
+    differ = {f: takes for f, (takes, _) in FLAGS.items() if ours[f] != takes}
+    assert differ == {} and len(FLAGS) > 800
+
+
+def test_megatron_logging_and_kernel_switches_are_accepted_with_warnings():
+    cfg = parse("--manual-gc", "--log-params-norm", "--cross-entropy-loss-fusion")
+    assert [w.split()[0] for w in cfg.warnings] == [
+        "--manual-gc",
+        "--log-params-norm",
+        "--cross-entropy-loss-fusion",
+    ]
+
+
+def test_attention_backend_flash_forces_sdpa_attention():
+    assert parse("--attention-backend", "flash").model.kernels == "attention=sdpa"
+
+
+@pytest.mark.parametrize("backend", ["fused", "unfused", "local"])
+def test_transformer_engines_attention_backends_warn(backend):
+    cfg = parse("--attention-backend", backend)
+    assert cfg.model.kernels is None
+    assert cfg.warnings == [
+        f"attention_backend {backend!r} has no effect in zerotron (attention is SDPA or the "
+        "kernel the chooser picks, docs/kernels.md); ignored"
+    ]
+
+
+def test_kv_channels_must_be_the_head_width():
+    assert parse("--kv-channels", "16").model.kv_channels == 16  # 64 / 4 heads
+    with pytest.raises(UnsupportedError) as e:
+        parse("--kv-channels", "32")
+    assert e.value.where == "model.kv_channels" and e.value.fix.endswith("set it to 16")
+
+
 def test_tp_comm_overlap_warns_that_the_column_parallel_backward_overlaps_anyway():
     cfg = parse("--tensor-model-parallel-size", "2", "--tp-comm-overlap", world_size=2)
     assert len(cfg.warnings) == 1

@@ -72,6 +72,19 @@ def base_ckpt(data_prefix, tmp_path_factory) -> Path:
     return save
 
 
+def test_validation_perplexity_goes_to_tensorboard_when_asked(data_prefix, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(data_prefix, "--train-iters", 4, "--tensorboard-dir", tmp_path / "tb",
+        "--log-validation-ppl-to-tensorboard")  # fmt: skip
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("lm loss validation")]
+    ppl = [(e.step, e.value) for e in events.Scalars("lm loss validation ppl")]
+    assert [step for step, _ in loss] == [step for step, _ in ppl] == [4]
+    assert ppl[0][1] == pytest.approx(math.exp(loss[0][1]), rel=1e-6)
+
+
 # ---- exact resume ---------------------------------------------------------------------------
 
 

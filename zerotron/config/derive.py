@@ -217,8 +217,24 @@ def _resolve_model(cfg: Config) -> None:
             fix=f"set --max-position-embeddings to at least {m.seq_length}, or shorten "
             "--seq-length",
         )
-    if m.use_flash_attn:
+    if m.use_flash_attn or m.attention_backend == "flash":
         _force_sdpa_attention(m)
+    elif m.attention_backend != "auto":
+        _warn(
+            cfg,
+            f"attention_backend {m.attention_backend!r} has no effect in zerotron (attention is "
+            "SDPA or the kernel the chooser picks, docs/kernels.md); ignored",
+        )
+    heads = m.num_attention_heads
+    if m.kv_channels is not None and m.hidden_size is not None and heads:
+        width = m.hidden_size // heads
+        if m.kv_channels != width:
+            raise UnsupportedError(
+                f"kv_channels {m.kv_channels} differs from hidden_size / num_attention_heads = "
+                f"{width}: attention heads other than that wide are not implemented",
+                where="model.kv_channels",
+                fix=f"drop --kv-channels, or set it to {width}",
+            )
     if m.recompute_granularity != "full":
         for name in ("recompute_method", "recompute_num_layers"):
             if getattr(m, name) is not None:
@@ -246,9 +262,11 @@ def _force_sdpa_attention(m: ModelConfig) -> None:
     other = [item for item in attention if item.partition("=")[2].strip() != "sdpa"]
     if other:
         raise ConfigError(
-            f"use_flash_attn asks for SDPA's attention kernels, but kernels forces {other[0]}",
+            f"use_flash_attn (or attention_backend flash) asks for SDPA's attention kernels, "
+            f"but kernels forces {other[0]}",
             where="model.use_flash_attn",
-            fix="drop --use-flash-attn, or the attention choice from --kernels",
+            fix="drop --use-flash-attn / --attention-backend flash, or the attention choice "
+            "from --kernels",
         )
     if not attention:
         _fill(m, kernels=",".join([*items, "attention=sdpa"]))

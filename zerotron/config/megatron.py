@@ -8,10 +8,11 @@ schema's default; every flag defaults to ``argparse.SUPPRESS`` so only the flags
 override the file.
 
 Megatron-LM has hundreds of flags. The ones zerotron implements are listed by ``--help``; the
-common ones it knows but does not implement raise :class:`UnsupportedError` saying so (not
-"unknown flag"); a few that only tune Megatron's CUDA kernels are accepted and ignored, with a
-warning in :attr:`Config.warnings`; anything else is an unknown flag and the error suggests the
-closest valid one.
+common ones it knows but does not implement raise :class:`UnsupportedError` saying why; those
+that only tune Megatron's CUDA kernels, overlap or logging are accepted and ignored, with a
+warning in :attr:`Config.warnings`; every other flag of Megatron-LM's parser (the generated
+table :mod:`zerotron.config.megatron_lm_flags`) raises :class:`UnsupportedError` naming its
+option group. Anything else is an unknown flag and the error suggests the closest valid one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from zerotron.config.deepspeed import deepspeed_keys
 from zerotron.config.deepspeed_table import DEEPSPEED_DEFAULTS
 from zerotron.config.files import Locate, read_config_file
 from zerotron.config.keys import nest_keys, normalize_key, unknown_key_error
+from zerotron.config.megatron_lm_flags import FLAGS as MEGATRON_LM_FLAGS
 from zerotron.config.megatron_table import (
     ALIASES,
     IGNORED,
@@ -40,6 +42,7 @@ from zerotron.config.megatron_table import (
     UNSUPPORTED,
     UNSUPPORTED_CHOICES,
     Known,
+    not_implemented,
 )
 from zerotron.config.schema import Config
 from zerotron.config.sections import FIELD_SECTION, SECTIONS, check_choice, flag
@@ -194,6 +197,10 @@ def build_parser() -> ArgumentParser:
         parser.add_argument(name, action=_Refuse, known=known, help=argparse.SUPPRESS)
     for name, known in IGNORED.items():
         parser.add_argument(name, action=_Ignore, known=known, help=argparse.SUPPRESS)
+    taken = {s for action in parser._actions for s in action.option_strings}
+    for name in MEGATRON_LM_FLAGS.keys() - taken:
+        known = not_implemented(name)
+        parser.add_argument(name, action=_Refuse, known=known, help=argparse.SUPPRESS)
     return parser
 
 
@@ -309,8 +316,8 @@ def _screen_unknown(unknown: dict[tuple[str, ...], Any], locate: Locate) -> list
     notes = []
     for path, value in unknown.items():
         name = flag(normalize_key(path[-1]))
-        if name in UNSUPPORTED:
-            known = UNSUPPORTED[name]
+        if name in UNSUPPORTED or (name not in IGNORED and not_implemented(name)):
+            known = UNSUPPORTED.get(name) or not_implemented(name)
             if value is not None and value is not False:
                 text = None if value is True else " ".join(map(str, _as_list(value)))
                 _refuse(name, text, known, locate(path))

@@ -141,10 +141,46 @@ UNSUPPORTED: dict[str, Known] = {
     "--model-parallel-size": Known(
         True, "removed from Megatron-LM; use --tensor-model-parallel-size"
     ),
+    "--step-batch-size-schedule": Known(
+        True,
+        "batch-size ramp-up is not implemented; without the flag every step trains on "
+        "--global-batch-size",
+    ),
+    "--exit-signal": Known(
+        True,
+        "--exit-signal-handler (--save-on-signal) saves on SIGTERM or SIGUSR1, not others",
+        ("SIGTERM", "SIGUSR1"),
+    ),
 }
 """Megatron (and DeepSpeed-Megatron) flags zerotron knows but does not implement."""
 
+
+def not_implemented(name: str) -> Known | None:
+    """The refusal of a flag of Megatron-LM's parser (:data:`~zerotron.config.megatron_lm_flags.
+    FLAGS`) that zerotron neither implements nor ignores, naming its option group; None for a
+    flag Megatron-LM does not have (a typo: an unknown flag)."""
+    from zerotron.config.megatron_lm_flags import FLAGS
+
+    if name not in FLAGS:
+        return None
+    takes_value, group = FLAGS[name]
+    return Known(
+        takes_value,
+        f"one of Megatron-LM's {group!r} options that zerotron does not implement; "
+        f"`{PROG} --help` lists the flags it does",
+    )
+
+
 _NO_KERNELS = "zerotron has no fused kernels to switch"
+_OWN_LOSS = "the output layer's loss is zerotron's own (fused and chunked on the CPU)"
+_OVERLAP = "zerotron's data-parallel buckets keep their own order and overlap"
+_P2P = "pipeline sends and receives are posted as zerotron's schedule plans them"
+_GC = "Python's garbage collector runs as usual"
+_TORCH_CKPT = "checkpoints use Megatron's torch layout, which these torch_dist options do not tune"
+_LOGGED = (
+    "zerotron logs loss, learning rate, loss scale, grad norm, tokens/s, TFLOP/s and memory, "
+    "and TensorBoard gets loss, learning rate, loss scale, grad norm and validation loss"
+)
 IGNORED: dict[str, Known] = {
     "--use-mcore-models": Known(False, "zerotron has one GPT implementation"),
     "--use-legacy-models": Known(False, "zerotron has one GPT implementation"),
@@ -175,8 +211,71 @@ IGNORED: dict[str, Known] = {
         "--sequence-parallel) with the weight-gradient matmul, as Megatron's async all-reduce "
         "does; Transformer Engine's userbuffer GEMM overlap is not implemented",
     ),
+    "--tp-comm-overlap-cfg": Known(True, "Transformer Engine's userbuffer overlap is not used"),
+    "--tp-comm-bootstrap-backend": Known(
+        True, "Transformer Engine's userbuffer overlap is not used"
+    ),
+    "--cross-entropy-loss-fusion": Known(False, _OWN_LOSS),
+    "--cross-entropy-fusion-impl": Known(True, _OWN_LOSS),
+    "--fp16-lm-cross-entropy": Known(False, "the cross entropy is computed in fp32"),
+    "--no-rope-fusion": Known(False, _NO_KERNELS),
+    "--no-bias-swiglu-fusion": Known(False, _NO_KERNELS),
+    "--disable-jit-fuser": Known(False, _NO_KERNELS),
+    "--apply-query-key-layer-scaling": Known(
+        False, "it only rescales fp16 attention scores; softmax runs inside the attention kernel"
+    ),
+    "--add-qkv-bias": Known(False, f"linear layers always have biases: {_GPT2}"),
+    "--grad-reduce-in-bf16": Known(
+        False,
+        "bf16 gradients are all-reduced in bf16 already, unless "
+        "--accumulate-allreduce-grads-in-fp32",
+    ),
+    "--ddp-average-in-collective": Known(
+        False, "data-parallel gradients are averaged by the all-reduce itself already"
+    ),
+    "--ddp-num-buckets": Known(True, "buckets are sized by --ddp-bucket-size"),
+    "--no-align-grad-reduce": Known(False, _OVERLAP),
+    "--no-align-param-gather": Known(False, _OVERLAP),
+    "--overlap-param-gather-with-optimizer-step": Known(False, _OVERLAP),
+    "--ddp-pad-buckets-for-high-nccl-busbw": Known(False, _OVERLAP),
+    "--no-overlap-p2p-communication": Known(False, _P2P),
+    "--overlap-p2p-communication-warmup-flush": Known(False, _P2P),
+    "--use-ring-exchange-p2p": Known(False, _P2P),
+    "--defer-embedding-wgrad-compute": Known(False, _OVERLAP),
+    "--wgrad-deferral-limit": Known(True, _OVERLAP),
+    "--manual-gc": Known(False, _GC),
+    "--manual-gc-interval": Known(True, _GC),
+    "--no-manual-gc-eval": Known(False, _GC),
+    "--disable-manual-gc-eval": Known(False, _GC),
+    "--no-mmap-bin-files": Known(False, "the .bin files are always memory-mapped"),
+    "--no-create-attention-mask-in-dataloader": Known(
+        False, "a mask is built only for --reset-attention-mask; attention is causal otherwise"
+    ),
+    "--num-dataset-builder-threads": Known(True, "the dataset index is built on one thread"),
+    "--dataloader-defer-npy-index-mmap": Known(False, "the index is memory-mapped at once"),
+    "--dataloader-fast-cache-load": Known(False, "the index cache is always read whole"),
+    "--ckpt-fully-parallel-save": Known(False, _TORCH_CKPT),
+    "--no-ckpt-fully-parallel-save": Known(False, _TORCH_CKPT),
+    "--ckpt-fully-parallel-load": Known(False, _TORCH_CKPT),
+    "--ckpt-assume-constant-structure": Known(False, _TORCH_CKPT),
+    "--async-strategy": Known(True, "--async-save writes from a background thread"),
+    "--use-persistent-ckpt-worker": Known(False, "--async-save writes from a background thread"),
     "--log-throughput": Known(False, "tokens/s and TFLOP/s are always logged"),
     "--timing-log-level": Known(True, "the timers line is always logged"),
+    "--timing-log-option": Known(True, "the timers line is always logged"),
+    "--no-barrier-with-level-1-timing": Known(False, "the timers line is always logged"),
+    "--log-params-norm": Known(False, _LOGGED),
+    "--log-num-zeros-in-grad": Known(False, _LOGGED),
+    "--log-timers-to-tensorboard": Known(False, _LOGGED),
+    "--log-memory-to-tensorboard": Known(False, _LOGGED),
+    "--log-world-size-to-tensorboard": Known(False, _LOGGED),
+    "--log-device-memory-used": Known(False, _LOGGED),
+    "--log-memory-interval": Known(True, _LOGGED),
+    "--log-progress": Known(False, _LOGGED),
+    "--log-energy": Known(False, _LOGGED),
+    "--tensorboard-log-interval": Known(True, "TensorBoard is written every --log-interval"),
+    "--tensorboard-queue-size": Known(True, "TensorBoard's writer keeps its own queue"),
+    "--logging-level": Known(True, "zerotron's output has one level"),
     "--empty-unused-memory-level": Known(True, "the CUDA cache is left to PyTorch"),
 }
 """Megatron flags that only tune what zerotron does not have; accepted with a warning."""

@@ -52,8 +52,13 @@ def eval_line(prefix: str, losses: dict[str, float]) -> str:
     s = f" {prefix} |"
     for name, value in losses.items():
         s += f" {name} value: {value:.6E} |"
-        s += f" {name} PPL: {math.exp(min(20.0, value)):.6E} |"
+        s += f" {name} PPL: {perplexity(value):.6E} |"
     return s
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), the loss capped at 20 as Megatron-LM caps it (a diverged run stays finite)."""
+    return math.exp(min(20.0, loss))
 
 
 def memory_line(device: torch.device, after_iterations: int) -> str:

@@ -227,6 +227,9 @@ def train(
                 out.print(log.RULE + "\n" + line + "\n" + log.RULE)
                 if writer is not None:
                     writer.add_scalar("lm loss validation", value, state.iteration)
+                    if t.log_validation_ppl_to_tensorboard:
+                        ppl = log.perplexity(value)
+                        writer.add_scalar("lm loss validation ppl", ppl, state.iteration)
                 if metrics is not None:
                     _write_eval(metrics, state.iteration, value, "valid")
                 interval.start = time.perf_counter()  # evaluation is not training time

@@ -52,6 +52,15 @@ class ModelConfig(Section):
         "'linear=torch,attention=sdpa,loss_chunk=4096' (wins over $ZEROTRON_KERNELS; "
         "zerotron.kernels.chooser).",
     )
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = Field(
+        "auto",
+        description="Megatron-LM's attention implementation: 'flash' is use_flash_attn; 'auto' "
+        "lets the kernel chooser pick; Transformer Engine's 'fused', 'unfused' and 'local' have "
+        "no counterpart (a warning).",
+    )
+    kv_channels: Int | None = Field(
+        None, gt=0, description="Width of an attention head: hidden_size / num_attention_heads."
+    )
     use_flash_attn: bool = Field(
         False,
         description="Attention by scaled_dot_product_attention's own kernels, its "

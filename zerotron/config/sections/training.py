@@ -46,6 +46,9 @@ class TrainingConfig(Section):
     eval_iters: Int = Field(100, ge=0, description="Iterations per evaluation (0: none).")
     log_interval: Int = Field(100, gt=0, description="Iterations between log lines.")
     tensorboard_dir: str | None = Field(None, description="Write TensorBoard events here.")
+    log_validation_ppl_to_tensorboard: bool = Field(
+        False, description="Also write the validation perplexity ('lm loss validation ppl')."
+    )
     memory_breakdown_step: Int | None = Field(
         None,
         gt=0,
