@@ -125,7 +125,10 @@ def test_wandb_logs_each_event_at_its_step(monkeypatch):
         engine.backward(nn.functional.mse_loss(engine(torch.ones(MICRO, 8)), torch.zeros(MICRO, 1)))
         engine.step()
     engine.destroy()
-    assert calls[0] == ("init", {"project": "p", "group": "g", "entity": "t"})
+    assert calls[0] == (
+        "init",
+        {"project": "p", "group": "g", "entity": "t", "name": None, "dir": None},
+    )
     assert [c[0] for c in calls] == ["init", "log", "log", "finish"]
     assert calls[2] == ("log", {"Train/Samples/lr": engine.get_lr()[0]}, MICRO * GAS)
     assert set(calls[1][1]) == {"Train/Samples/train_loss"}  # fp32: no loss scale

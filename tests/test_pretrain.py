@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,27 @@ def test_validation_perplexity_goes_to_tensorboard_when_asked(data_prefix, tmp_p
     ppl = [(e.step, e.value) for e in events.Scalars("lm loss validation ppl")]
     assert [step for step, _ in loss] == [step for step, _ in ppl] == [4]
     assert ppl[0][1] == pytest.approx(math.exp(loss[0][1]), rel=1e-6)
+
+
+def test_megatrons_wandb_flags_log_each_step(data_prefix, tmp_path, monkeypatch):
+    """--wandb-project turns W&B on, as in Megatron-LM; the run's name, entity and directory
+    reach wandb.init, and every step's loss (DeepSpeed's event names) reaches wandb.log."""
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw))
+    fake.log = lambda data, step: calls.append(("log", data, step))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    summary = run(data_prefix, "--train-iters", 2, "--wandb-project", "p", "--wandb-exp-name",
+                  "n", "--wandb-entity", "e", "--wandb-save-dir", tmp_path)  # fmt: skip
+    assert calls[0] == (
+        "init",
+        {"project": "p", "group": None, "entity": "e", "name": "n", "dir": str(tmp_path)},
+    )
+    losses = {c[2]: c[1]["Train/Samples/train_loss"] for c in calls
+              if c[0] == "log" and "Train/Samples/train_loss" in c[1]}  # fmt: skip
+    assert losses == pytest.approx({4: summary.losses[1], 8: summary.losses[2]}, rel=1e-6)
+    assert calls[-1] == ("finish",)
 
 
 # ---- exact resume ---------------------------------------------------------------------------

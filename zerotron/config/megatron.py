@@ -216,6 +216,8 @@ def parse_megatron_args(argv: Sequence[str], world_size: int = 1) -> Config:
     for Megatron features zerotron does not implement; ``--help`` raises SystemExit(0).
     """
     given = vars(build_parser().parse_args(list(argv)))
+    if "wandb_project" in given:  # Megatron-LM logs to W&B when a project is named
+        given.setdefault("wandb_enabled", True)
     notes = given.pop("_notes", [])
     given.pop("local_rank", None)
     given.pop("deepspeed", None)

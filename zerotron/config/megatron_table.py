@@ -28,6 +28,7 @@ ALIASES = {
     "offload_optimizer_device": ("--zero-offload-optimizer",),
     "offload_param_device": ("--zero-offload-param",),
     "save_on_signal": ("--exit-signal-handler",),
+    "wandb_team": ("--wandb-entity",),
 }
 """Other Megatron spellings of a flag (newer Megatron renamed --layernorm-epsilon)."""
 

@@ -126,9 +126,16 @@ def _import_wandb() -> Any:
 class WandbMonitor:
     """Events to Weights & Biases (``wandb.log(..., step=step)``)."""
 
-    def __init__(self, project: str, group: str | None, team: str | None):
+    def __init__(
+        self,
+        project: str,
+        group: str | None,
+        team: str | None,
+        name: str | None = None,
+        save_dir: str | None = None,
+    ):
         self.wandb = _import_wandb()
-        self.wandb.init(project=project, group=group, entity=team)
+        self.wandb.init(project=project, group=group, entity=team, name=name, dir=save_dir)
 
     def write_events(self, events: Sequence[Event]) -> None:
         for name, value, step in events:
@@ -191,7 +198,13 @@ class MonitorMaster:
             )
         if monitor.wandb_enabled:
             writers.append(
-                WandbMonitor(monitor.wandb_project, monitor.wandb_group, monitor.wandb_team)
+                WandbMonitor(
+                    monitor.wandb_project,
+                    monitor.wandb_group,
+                    monitor.wandb_team,
+                    monitor.wandb_exp_name,
+                    monitor.wandb_save_dir,
+                )
             )
         return cls(writers)
 

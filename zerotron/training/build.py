@@ -44,6 +44,7 @@ from zerotron.engine.builder import (
     build_torch_optimizer,
     default_device,
 )
+from zerotron.engine.monitors import MonitorMaster
 from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
 from zerotron.models.gpt_stage import TIED_COPY, GPTStage, build_gpt_stages
 from zerotron.optim import get_param_groups
@@ -250,6 +251,7 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         pipeline=pipeline,
         autotuning=cfg.autotuning,
         flops_profiler=cfg.flops_profiler,
+        monitor=MonitorMaster.from_config(cfg.monitor),
         profile_steps=cfg.monitor.profile_steps,
         profile_dir=cfg.monitor.profile_dir or cfg.training.metrics_dir or cfg.checkpoint.save,
     )

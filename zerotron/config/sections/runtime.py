@@ -94,7 +94,13 @@ class MonitorConfig(Section):
     wandb_enabled: bool = Field(False, description="Log to Weights & Biases.")
     wandb_group: str | None = Field(None, description="W&B group.")
     wandb_team: str | None = Field(None, description="W&B team (entity).")
-    wandb_project: str = Field("deepspeed", description="W&B project.")
+    wandb_project: str = Field(
+        "deepspeed",
+        description="W&B project (Megatron's --wandb-project on the command line also turns "
+        "W&B on).",
+    )
+    wandb_exp_name: str | None = Field(None, description="W&B run name.")
+    wandb_save_dir: str | None = Field(None, description="Directory of W&B's local files.")
     csv_monitor_enabled: bool = Field(False, description="Write metrics to CSV files.")
     csv_monitor_output_path: str = Field("", description="Directory of the CSV files.")
     csv_monitor_job_name: str = Field(
