@@ -7,7 +7,7 @@ what the inputs left empty:
 
 * ``ffn_hidden_size`` (4h), ``max_position_embeddings`` (seq_length),
   ``recompute_method`` / ``recompute_num_layers`` (uniform, 1), ``kernels`` (``attention=sdpa``
-  added by ``use_flash_attn``);
+  added by ``use_flash_attn`` or ``attention_backend`` flash);
 * ``data_parallel_size`` (world / (tp·pp)), ``virtual_pipeline_model_parallel_size``,
   ``pipeline_schedule`` (1f1b, or interleaved with virtual stages);
 * ``global_batch_size`` / ``micro_batch_size`` / ``num_micro_batches`` (any two give the third,
