@@ -5,8 +5,8 @@ The fixtures under tests/fixtures/deepspeed_ckpt/ were written by DeepSpeed 0.19
 them, and what DeepSpeed's ``zero_to_fp32`` returned for checkpoints zerotron saved):
 
 - zerotron's compat engine (``import zerotron as deepspeed``) loads each DeepSpeed checkpoint
-  (ZeRO 1, 2, 3 fp32, ZeRO 2 bf16; two data-parallel ranks) and continues with DeepSpeed's
-  losses;
+  (ZeRO 1, 2, 3 fp32, ZeRO 2 bf16, ZeRO 2 and 3 fp16; two data-parallel ranks) and continues
+  with DeepSpeed's losses (and in fp16 its loss scales);
 - zerotron's ZeRO saves (stages 1-3, two ranks) hold what DeepSpeed's ``zero_to_fp32`` reads,
   and it reads the weights zerotron saved (the recorded hashes);
 - loading is ``weights_only`` with an allow-list: another type is refused, naming it.
@@ -47,10 +47,18 @@ FP32_RTOL = 1e-5
 # squared error by about 3e-4 relative. 1e-3 allows a few such flips and still fails a load that
 # drops the Adam moments (7.8e-3 relative on the first step after the load).
 BF16_RTOL = 1e-3
-CROSS = {"zero2_fp32_into_zero3": ("zero2_fp32", 3)}  # DeepSpeed's stage 2 -> zerotron stage 3
+# fp16: zerotron's and DeepSpeed's fp16 steps round differently (from the same start the two
+# runs part by up to 1.8e-3 relative within 6 steps); after the load they agree within 1.7e-4
+# over the 3 steps, where a load without the Adam moments is off by up to 7.4e-3.
+FP16_RTOL = 1e-3
+# DeepSpeed's checkpoint -> zerotron at another stage (and precision)
+CROSS = {
+    "zero2_fp32_into_zero3": ("zero2_fp32", 3, "fp32"),
+    "zero3_fp16_into_zero1": ("zero3_fp16", 1, "fp16"),
+}
 
 
-def _train(engine: Any, steps: range, rank: int) -> list[float]:
+def _train(engine: Any, steps: range, rank: int, scales: list | None = None) -> list[float]:
     losses = []
     for step in steps:
         x, y = tiny.batch(step, rank)
@@ -58,34 +66,38 @@ def _train(engine: Any, steps: range, rank: int) -> list[float]:
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.item()))
+        if scales is not None:
+            scales.append(float(engine.cur_scale))
     return losses
 
 
-def _engine(stage: int, bf16: bool) -> Any:
+def _engine(stage: int, precision: str) -> Any:
     import zerotron as deepspeed  # DeepSpeed's API, zerotron's engine
 
     model = tiny.build_model()
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=tiny.config(stage, bf16)
+        model=model, model_parameters=model.parameters(), config=tiny.config(stage, precision)
     )
     return engine
 
 
 def _two_ranks(rank: int, save_root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    cases = {c: (c, s, b) for c, (s, b) in tiny.CASES.items()}
-    cases.update({name: (src, stage, False) for name, (src, stage) in CROSS.items()})
-    for name, (src, stage, bf16) in cases.items():
-        engine = _engine(stage, bf16)
+    cases = {c: (c, s, p) for c, (s, p) in tiny.CASES.items()}
+    cases.update({name: (src, stage, prec) for name, (src, stage, prec) in CROSS.items()})
+    for name, (src, stage, precision) in cases.items():
+        engine = _engine(stage, precision)
         path, client = engine.load_checkpoint(str(FIXTURES / src))
+        scales: list[float] = []
         out[name] = {
             "path": path,
             "global_steps": engine.global_steps,
             "global_samples": engine.global_samples,
-            "losses": _train(engine, range(tiny.SAVE_STEP, tiny.TOTAL_STEPS), rank),
+            "losses": _train(engine, range(tiny.SAVE_STEP, tiny.TOTAL_STEPS), rank, scales),
+            "loss_scales": scales,
         }
     for stage in tiny.SAVE_STAGES:
-        _engine(stage, False).save_checkpoint(f"{save_root}/zero{stage}", tag="global_step0")
+        _engine(stage, "fp32").save_checkpoint(f"{save_root}/zero{stage}", tag="global_step0")
     return out
 
 
@@ -103,7 +115,7 @@ def _recorded(case: str) -> dict[str, Any]:
 
 
 @GROUP
-@pytest.mark.parametrize("case", [c for c, (_, bf16) in tiny.CASES.items() if not bf16])
+@pytest.mark.parametrize("case", [c for c, (_, p) in tiny.CASES.items() if p == "fp32"])
 def test_fp32_continues_with_deepspeeds_losses(two_ranks, case):
     results, _ = two_ranks
     want = _recorded(case)["continued"]
@@ -119,6 +131,29 @@ def test_bf16_continues_with_deepspeeds_losses(two_ranks):
     for rank in range(tiny.DP):
         got = results[rank]["zero2_bf16"]["losses"]
         assert got == pytest.approx(want[rank], rel=BF16_RTOL, abs=0), rank
+
+
+@GROUP
+@pytest.mark.parametrize("case", ["zero2_fp16", "zero3_fp16"])
+def test_fp16_continues_with_deepspeeds_losses(two_ranks, case):
+    results, _ = two_ranks
+    want = _recorded(case)["continued"]
+    for rank in range(tiny.DP):
+        got = results[rank][case]["losses"]
+        assert got == pytest.approx(want[rank], rel=FP16_RTOL, abs=0), (case, rank)
+
+
+@GROUP
+@pytest.mark.parametrize(
+    "case,source", [("zero2_fp16", "zero2_fp16"), ("zero3_fp16_into_zero1", "zero3_fp16")]
+)
+def test_fp16_continues_with_deepspeeds_loss_scale(two_ranks, case, source):
+    """The dynamic loss scale and its counters come back: the scale doubles when DeepSpeed's
+    did (a fresh scaler would start again at 2^8 and double a step later)."""
+    results, _ = two_ranks
+    want = _recorded(source)["continued_loss_scales"]
+    for rank in range(tiny.DP):
+        assert results[rank][case]["loss_scales"] == want, (case, rank)
 
 
 @GROUP

@@ -197,6 +197,9 @@ class DeepSpeedCheckpoint:
     """Optimizer state that is one value for all elements (Adam's ``step``)."""
     param_groups: list[dict[str, Any]] = field(default_factory=list)
     """The torch optimizer's groups as saved (hyperparameters; ``params`` indices)."""
+    loss_scaler: dict[str, Any] | None = None
+    """fp16 checkpoints: the loss scaler's attributes (``cur_scale``, ``cur_iter``,
+    ``last_overflow_iter``, ``cur_hysteresis``, ``dynamic``, ...); None otherwise."""
 
     @property
     def client_state(self) -> dict[str, Any]:
@@ -244,6 +247,9 @@ def read_deepspeed_checkpoint(
     # optimizer files are read even for the weights alone
     osds = [osd] + [load_deepspeed_file(tag_dir / f)[OSD] for f in optim_files[1:]]
     _consolidate(ckpt, osds, shapes, stage)
+    scaler = osd.get("loss_scaler")
+    if any(t.dtype == torch.float16 for t in module.values()) and hasattr(scaler, "__dict__"):
+        ckpt.loss_scaler = dict(vars(scaler))  # fp16 weights: DeepSpeed trained in fp16
     if stage == 3:
         # DeepSpeed restores stage-3 weights from the fp32 masters, in the model's dtype
         for name, master in ckpt.masters.items():

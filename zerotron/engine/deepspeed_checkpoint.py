@@ -57,7 +57,8 @@ def load_deepspeed_checkpoint(
 
     Weights, fp32 masters and Adam moments are put together from every rank's file and cut for
     this engine, so its ZeRO stage (1-3) and data-parallel size may differ from DeepSpeed's;
-    the scheduler's position and the step counters follow. DeepSpeed saves no RNG state.
+    the scheduler's position, the step counters and (fp16 into fp16) the loss scale and its
+    counters follow. DeepSpeed saves no RNG state.
     """
     from zerotron.engine.checkpoint_io import _loosely, clear_modified, reload_masters
 
@@ -104,6 +105,9 @@ def load_deepspeed_checkpoint(
         refuse_non_finite(state, where, "optimizer")
         part.load_optimizer_state(state, engine.module, [], lambda s: None, where)
         clear_modified(engine.module)  # the masters came from the file, not from the weights
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        if scaler is not None and ckpt.loss_scaler is not None:  # fp16 into fp16
+            scaler.load_state_dict(ckpt.loss_scaler)
     elif want_optimizer and ckpt.model_states.get("optimizer") is not None:
         raise CheckpointError(
             "the checkpoint holds a DeepSpeed optimizer state without ZeRO (stage 0), which "
