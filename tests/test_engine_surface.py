@@ -262,6 +262,49 @@ def test_is_gradient_accumulation_boundary_names_the_current_micro_batch():
     assert seen == [(False, False), (True, True)] * 2
 
 
+def test_set_train_batch_size_changes_the_micro_batches_of_the_next_steps():
+    """One step at GAS 2, then set_train_batch_size to 3 micro-batches a step: two more steps
+    of 3 micro-batches each, as torch's AdamW over the same micro-batches steps them."""
+    data = batches(2 + 3 + 3)
+    resized = engine_for(config(gradient_clipping=0.0))  # the reference below does not clip
+    for x, y in data[:2]:
+        micro_batch(resized, x, y)
+    resized.set_train_batch_size(3 * MICRO)
+    assert (resized.gradient_accumulation_steps(), resized.train_batch_size()) == (3, 3 * MICRO)
+    steps = []
+    for x, y in data[2:]:
+        micro_batch(resized, x, y)
+        steps.append(resized.was_step_applied())
+    assert steps == [False, False, True] * 2
+    # the reference: the same optimizer steps by hand, each over its own micro-batches
+    ref = Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for chunk in (data[:2], data[2:5], data[5:]):
+        for x, y in chunk:
+            (nn.functional.mse_loss(ref(x), y) / len(chunk)).backward()
+        opt.step()
+        opt.zero_grad()
+    got = params_of(resized)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_set_train_micro_batch_size_keeps_the_accumulation():
+    engine = engine_for(config())
+    engine.set_train_micro_batch_size(2)
+    assert engine.train_micro_batch_size_per_gpu() == 2 and engine.train_batch_size() == 2 * GAS
+
+
+def test_the_batch_size_cannot_change_inside_an_accumulation():
+    engine = engine_for(config())
+    x, y = batches(1)[0]
+    micro_batch(engine, x, y)
+    with pytest.raises(ConfigError, match="middle of a gradient accumulation .1 of 2"):
+        engine.set_train_batch_size(4 * MICRO)
+    with pytest.raises(ConfigError, match="not a positive multiple of"):
+        engine_for(config()).set_train_batch_size(MICRO + 1)
+
+
 def test_set_gradient_accumulation_boundary_lets_one_step_close_the_accumulation():
     """DeepSpeed's example: boundary False for the first micro-batches, True for the last,
     one step() at the end: the same parameters as the counted loop."""

@@ -285,7 +285,19 @@ def _shapes_rank(rank, m):
     variable = PipelineRuntime(stages, "1f1b", m, variable_seq_lengths=True)
     for fn, step, s in CALLS[4:]:
         call(getattr(variable, fn), step, s)
+    # set_num_microbatches (the engine's set_train_batch_size): m, then 2m, a step each
+    out["resized"] = {"losses": [], "ledgers": []}
+    resized = PipelineRuntime(stages, "1f1b", m)
+    for step, count in RESIZED:
+        resized.set_num_microbatches(count)
+        with ledger.capture() as cap:
+            loss = resized.train_step(iter(microbatches(step, count)))
+        out["resized"]["losses"].append(None if loss is None else loss.item())
+        out["resized"]["ledgers"].append(cap.summary())
     return out
+
+
+RESIZED = [(7, 2), (8, 4), (9, 4)]  # (data seed, micro-batches) of each step after resizing
 
 
 # (method, data seed, sequence length) of each call; the first four on a fixed-shape runtime
@@ -319,6 +331,18 @@ def test_shapes_are_sent_once_unless_variable_seq_lengths():
             assert r["ledgers"][i] == want, f"rank {rank}, call {i}"
     err = results[0]["error"]
     assert err is not None and "micro-batch 0, chunk 0 has shape [2, 8, 64]" in err, err
+    # more micro-batches a step: the new schedule runs them all, and announces shapes again
+    with torch.no_grad():
+        ref = [
+            torch.stack([mb_loss(model, b) for b in microbatches(step, count)]).mean().item()
+            for step, count in RESIZED
+        ]
+    assert results[0]["resized"]["losses"] == [None] * len(RESIZED)
+    _close(results[1]["resized"]["losses"], ref, "resized losses")
+    for rank, r in enumerate(results):
+        for i, ((_, count), headers) in enumerate(zip(RESIZED, (True, True, False))):
+            want = _expected_p2p(rank, 2, 1, count, True, act_bytes=B * S * H * 4, headers=headers)
+            assert r["resized"]["ledgers"][i] == want, f"rank {rank}, resized step {i}"
     assert "announced [2, 16, 64] torch.float32" in err and "variable_seq_lengths=True" in err
     assert "stage 0" in err
 

@@ -202,8 +202,8 @@ def load_deepspeed_config(
     """A validated Config from a DeepSpeed config; returns ``(config, resolved_dict)``.
 
     ``overrides`` are flat schema fields that win over the file (flags). DeepSpeed's defaults
-    apply where it differs from Megatron's (gradient_clipping 0, steps_per_print 10, initial
-    loss scale 2**16).
+    apply where it differs from Megatron's (steps_per_print 10, initial loss scale 2**16, the
+    ZeRO bucket sizes; gradient_clipping is 1.0 in both since DeepSpeed 0.19.3).
     """
     keys = deepspeed_keys(
         source,

@@ -110,6 +110,7 @@ class DeepSpeedSurface:
 
     def _init_deepspeed_surface(self) -> None:
         self._step_applied = False
+        self._micro_base = 0  # micro_steps when the accumulation size last changed
         self._boundary_override: bool | None = None
         self._micro_boundary = False
         self._backward_since_step = False
@@ -133,6 +134,46 @@ class DeepSpeedSurface:
 
     def train_batch_size(self) -> int:
         return self._micro_batch_size * self._gas * self.data_parallel_size
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Train on ``train_batch_size`` samples a step from the next step on, by changing the
+        gradient accumulation steps (the micro-batch size stays; DeepSpeed's). Call it between
+        optimizer steps, on every rank."""
+        unit = self._micro_batch_size * self.data_parallel_size
+        if train_batch_size < 1 or train_batch_size % unit:
+            raise ConfigError(
+                f"train batch size {train_batch_size} is not a positive multiple of "
+                f"train_micro_batch_size_per_gpu {self._micro_batch_size} × data-parallel size "
+                f"{self.data_parallel_size} = {unit}",
+                where="set_train_batch_size",
+                fix=f"use a multiple of {unit}",
+            )
+        self._resize(gas=train_batch_size // unit, micro=self._micro_batch_size)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Run micro-batches of ``micro_batch_size`` samples from the next step on, keeping the
+        gradient accumulation steps (so the train batch size changes; DeepSpeed's)."""
+        if micro_batch_size < 1:
+            raise ConfigError(
+                f"micro batch size must be positive, got {micro_batch_size}",
+                where="set_train_micro_batch_size",
+            )
+        self._resize(gas=self._gas, micro=micro_batch_size)
+
+    def _resize(self, gas: int, micro: int) -> None:
+        done = self._micro_in_accumulation()
+        if done or self._backward_since_step:
+            raise ConfigError(
+                "the batch size cannot change in the middle of a gradient accumulation "
+                f"({done} of {self._gas} micro-batches done)",
+                where="set_train_batch_size",
+                fix="change it after engine.step() ended an accumulation",
+            )
+        self._micro_base = self.micro_steps  # accumulations of the new size count from here
+        self._gas, self._micro_batch_size = gas, micro
+        if self.pipeline is not None:
+            self.pipeline.set_num_microbatches(gas)
+        self.tput_timer.batch_size = self.train_batch_size()
 
     @property
     def local_rank(self) -> int:
@@ -254,13 +295,18 @@ class DeepSpeedSurface:
         if self._boundary_override is not None:
             return self._boundary_override
         if self._backward_since_step:
-            return self.micro_steps % self._gas == 0
-        return (self.micro_steps + 1) % self._gas == 0
+            return self._micro_in_accumulation() == 0
+        return (self._micro_in_accumulation() + 1) % self._gas == 0
 
     def _next_backward_is_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self._gas == 0
+        return (self._micro_in_accumulation() + 1) % self._gas == 0
+
+    def _micro_in_accumulation(self) -> int:
+        """Micro-batches done in the current accumulation (since the last resize, the counts
+        are of the new size)."""
+        return (self.micro_steps - self._micro_base) % self._gas
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the micro-step count: the next backwards reduce (and ``step()`` steps) as

@@ -146,17 +146,26 @@ class PipelineRuntime:
         self.kind = schedule_kind
         self.num_stages = st.pp_size
         self.stage = st.pp_rank
-        self.num_microbatches = num_microbatches
         self.loss_fn = loss_fn
         self._peers = st.pp.ranks  # pipeline stage -> global rank
-        schedule = build_schedule(schedule_kind, self.num_stages, num_microbatches, self.num_chunks)
-        check_schedule(schedule)  # a bad schedule is an error here, not a hang at the first step
-        self.actions: list[Action] = schedule[self.stage]
-        self._eval_actions = _forward_only(self.actions)
         self.freed_bytes = 0  # output storage released after sends, over the runtime's life
         self.variable_seq_lengths = variable_seq_lengths
+        self.set_num_microbatches(num_microbatches)
+
+    def set_num_microbatches(self, num_microbatches: int) -> None:
+        """Run ``num_microbatches`` micro-batches a step from the next step on (every stage
+        must make the same change between the same two steps): the schedule is built again.
+        The same number again changes nothing."""
+        if num_microbatches == getattr(self, "num_microbatches", None):
+            return
+        schedule = build_schedule(self.kind, self.num_stages, num_microbatches, self.num_chunks)
+        check_schedule(schedule)  # a bad schedule is an error here, not a hang at the first step
+        self.num_microbatches = num_microbatches
+        self.actions: list[Action] = schedule[self.stage]
+        self._eval_actions = _forward_only(self.actions)
         # Activation shapes of the first step of each kind (True: training, False: eval), as
-        # announced and as received; later steps of that kind send no headers.
+        # announced and as received; later steps of that kind send no headers (until the
+        # micro-batches change: the next steps announce theirs again).
         self._shapes: dict[bool, _Shapes] = {}
 
     # ---- public steps ----------------------------------------------------------------------
