@@ -288,16 +288,18 @@ def _shapes_rank(rank, m):
     # set_num_microbatches (the engine's set_train_batch_size): m, then 2m, a step each
     out["resized"] = {"losses": [], "ledgers": []}
     resized = PipelineRuntime(stages, "1f1b", m)
-    for step, count in RESIZED:
-        resized.set_num_microbatches(count)
+    for step, count, s in RESIZED:
+        resized.set_num_microbatches(count, shapes_change=s != S)
         with ledger.capture() as cap:
-            loss = resized.train_step(iter(microbatches(step, count)))
+            loss = resized.train_step(iter(microbatches(step, count, s)))
         out["resized"]["losses"].append(None if loss is None else loss.item())
         out["resized"]["ledgers"].append(cap.summary())
     return out
 
 
-RESIZED = [(7, 2), (8, 4), (9, 4)]  # (data seed, micro-batches) of each step after resizing
+# (data seed, micro-batches, sequence length) of each step of a resized runtime: the last one
+# changes its micro-batches' shape and says so
+RESIZED = [(7, 2, S), (8, 4, S), (9, 4, S), (10, 4, S // 2)]
 
 
 # (method, data seed, sequence length) of each call; the first four on a fixed-shape runtime
@@ -334,14 +336,14 @@ def test_shapes_are_sent_once_unless_variable_seq_lengths():
     # more micro-batches a step: the new schedule runs them all, and announces shapes again
     with torch.no_grad():
         ref = [
-            torch.stack([mb_loss(model, b) for b in microbatches(step, count)]).mean().item()
-            for step, count in RESIZED
+            torch.stack([mb_loss(model, b) for b in microbatches(step, count, s)]).mean().item()
+            for step, count, s in RESIZED
         ]
     assert results[0]["resized"]["losses"] == [None] * len(RESIZED)
     _close(results[1]["resized"]["losses"], ref, "resized losses")
     for rank, r in enumerate(results):
-        for i, ((_, count), headers) in enumerate(zip(RESIZED, (True, True, False))):
-            want = _expected_p2p(rank, 2, 1, count, True, act_bytes=B * S * H * 4, headers=headers)
+        for i, ((_, count, s), headers) in enumerate(zip(RESIZED, (True, True, False, True))):
+            want = _expected_p2p(rank, 2, 1, count, True, act_bytes=B * s * H * 4, headers=headers)
             assert r["resized"]["ledgers"][i] == want, f"rank {rank}, resized step {i}"
     assert "announced [2, 16, 64] torch.float32" in err and "variable_seq_lengths=True" in err
     assert "stage 0" in err

@@ -170,9 +170,10 @@ class DeepSpeedSurface:
                 fix="change it after engine.step() ended an accumulation",
             )
         self._micro_base = self.micro_steps  # accumulations of the new size count from here
+        resized = micro != self._micro_batch_size
         self._gas, self._micro_batch_size = gas, micro
         if self.pipeline is not None:
-            self.pipeline.set_num_microbatches(gas)
+            self.pipeline.set_num_microbatches(gas, shapes_change=resized)
         self.tput_timer.batch_size = self.train_batch_size()
 
     @property

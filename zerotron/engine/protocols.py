@@ -54,8 +54,9 @@ class PipelinePart(Protocol):
     def eval_step(self, data_iterator: Iterator[Any] | None) -> Any:
         """Forward of every micro-batch; the loss on the last stage, else None."""
 
-    def set_num_microbatches(self, num_microbatches: int) -> None:
-        """Run that many micro-batches a step from the next step on."""
+    def set_num_microbatches(self, num_microbatches: int, shapes_change: bool = False) -> None:
+        """Run that many micro-batches a step from the next step on (``shapes_change``: their
+        activations change shape too)."""
 
 
 class Fitter(Protocol):

@@ -152,11 +152,12 @@ class PipelineRuntime:
         self.variable_seq_lengths = variable_seq_lengths
         self.set_num_microbatches(num_microbatches)
 
-    def set_num_microbatches(self, num_microbatches: int) -> None:
+    def set_num_microbatches(self, num_microbatches: int, shapes_change: bool = False) -> None:
         """Run ``num_microbatches`` micro-batches a step from the next step on (every stage
-        must make the same change between the same two steps): the schedule is built again.
-        The same number again changes nothing."""
-        if num_microbatches == getattr(self, "num_microbatches", None):
+        must make the same change between the same two steps): the schedule is built again,
+        and the next steps announce their activation shapes again. The same number again
+        changes nothing, unless ``shapes_change`` (say, the micro-batch size changed)."""
+        if num_microbatches == getattr(self, "num_microbatches", None) and not shapes_change:
             return
         schedule = build_schedule(self.kind, self.num_stages, num_microbatches, self.num_chunks)
         check_schedule(schedule)  # a bad schedule is an error here, not a hang at the first step
