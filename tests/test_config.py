@@ -202,12 +202,14 @@ def test_ignored_flag_warns():
     assert len(cfg.warnings) == 2 and "--use-mcore-models has no effect" in cfg.warnings[0]
 
 
-# The flags of Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (2026), but its
-# --step-batch-size-schedule, with placeholder paths.
+# The flags of Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (2026), with
+# placeholder paths.
 GPT3_EXAMPLE = shlex.split(
     "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
     "--max-position-embeddings 2048 --attention-backend auto --micro-batch-size 1 "
-    "--global-batch-size 1536 --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 "
+    "--global-batch-size 1536 "
+    "--step-batch-size-schedule '0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536' "
+    "--train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 "
     "--adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 "
     "--lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000 "
     "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --data-path d_text_document "
@@ -221,12 +223,48 @@ def test_megatron_lms_gpt3_example_parses_as_written():
     cfg = parse_megatron_args(GPT3_EXAMPLE, world_size=128)
     assert (cfg.parallel.data_parallel_size, cfg.training.num_micro_batches) == (1, 1536)
     assert cfg.model.attention_backend == "auto" and cfg.warnings == []
+    # 2.4B tokens are 1,171,875 samples of 2048
+    assert cfg.batch_ramp.steps[:2] == ((0, 16), (1_171_875, 320))
+    assert cfg.batch_ramp.final == 1536
 
 
-def test_batch_size_ramp_up_is_refused_saying_what_happens_without_it():
-    with pytest.raises(UnsupportedError) as e:
-        parse("--step-batch-size-schedule", "0:16 2.4B:320")
-    assert e.value.what.endswith("every step trains on --global-batch-size")
+def test_a_linear_ramp_follows_megatrons_formula():
+    """--rampup-batch-size 16 8 1000 up to 64: 16 + 8 * floor(c / (1000 / 6)) until 1000."""
+    cfg = parse("--global-batch-size", "64", "--rampup-batch-size", "16", "8", "1000")
+    ramp = cfg.batch_ramp
+    per_increment = 1000 / ((64 - 16) // 8)
+    for consumed in range(0, 1200, 7):
+        want = 64 if consumed > 1000 else 16 + 8 * int(consumed / per_increment)
+        assert ramp.size_at(consumed) == want, consumed
+
+
+def test_train_samples_under_a_ramp_count_steps_as_megatron():
+    cfg = parse_megatron_args([*without("--train-iters"), "--train-samples", "40",
+                               "--step-batch-size-schedule", "0:4 256:8"])  # fmt: skip
+    # 4 samples a step below 256 / 32 = 8 samples, then 8: 4, 8, 16, 24, 32, 40
+    assert (cfg.training.train_iters, cfg.training.global_batch_size) == (6, 8)
+
+
+def test_train_iters_under_a_ramp_give_its_samples():
+    cfg = parse("--global-batch-size", "8", "--rampup-batch-size", "4", "4", "8")
+    assert cfg.training.train_samples == 4 + 4 + 98 * 8  # 100 iterations
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--step-batch-size-schedule", "64:4 128:8"], "does not start at 0 tokens"),
+        (["--step-batch-size-schedule", "0:4 64"], "'64' is not THRESHOLD:SIZE"),
+        (["--step-batch-size-schedule", "0:6 64:8"], "reaches 6, not a multiple of"),
+        (["--global-batch-size", "4", "--step-batch-size-schedule", "0:4 64:8"],
+         "global_batch_size 4 is not the last size 8"),
+        (["--global-batch-size", "8", "--rampup-batch-size", "3", "2", "8"], "does not reach"),
+        (["--global-batch-size", "8", "--rampup-batch-size", "4", "4"], "takes 3 numbers"),
+    ],
+)  # fmt: skip
+def test_a_bad_batch_size_ramp_says_what_is_wrong(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(*flags)
 
 
 def test_a_megatron_lm_flag_zerotron_lacks_names_its_option_group(tmp_path):

@@ -108,6 +108,35 @@ def test_megatrons_wandb_flags_log_each_step(data_prefix, tmp_path, monkeypatch)
     assert calls[-1] == ("finish",)
 
 
+@pytest.mark.parametrize(
+    "ramp",
+    [
+        ("--step-batch-size-schedule", "0:4 512:8"),  # 512 tokens = 16 samples of 32
+        ("--rampup-batch-size", "4", "4", "16"),  # 4, then 8 from 16 samples on
+    ],
+)
+def test_a_batch_size_ramp_trains_as_engines_built_for_each_size(data_prefix, tmp_path, ramp):
+    """Batch size 4 for 16 samples, then 8, in one run (its engine built for 8, resized to 4,
+    then back to 8): the same losses, bit for bit, as a run built for 4 stopped after those 16
+    samples, then resumed into the ramp's second stretch by an engine built for 8. Every run
+    asks the dataset for the same 32 samples (its order depends on that); the LR is constant."""
+    flags = ["--lr-decay-style", "constant", "--save-interval", 1000]
+    ramped = run(data_prefix, *flags, "--train-iters", 6, "--global-batch-size", 8, *ramp,
+                 "--log-interval", 2)  # fmt: skip
+    assert sorted(ramped.losses) == list(range(1, 7))
+    assert ramped.state.consumed_train_samples == 4 * 4 + 2 * 8
+    sizes = [int(line.split("global batch size:")[1].split("|")[0]) for line in
+             ramped.interval_lines]  # fmt: skip
+    assert sizes == [4, 4, 8]  # the log lines of iterations 2, 4 and 6
+    first = run(data_prefix, *flags, "--train-iters", 8, "--exit-interval", 4,
+                "--save", tmp_path / "ckpt")  # fmt: skip
+    second = run(data_prefix, *flags, "--train-iters", 6, "--global-batch-size", 8, *ramp,
+                 "--load", tmp_path / "ckpt", "--use-checkpoint-opt-param-scheduler")  # fmt: skip
+    assert {**first.losses, **second.losses} == ramped.losses
+    assert second.valid_loss == ramped.valid_loss
+    assert second.state.consumed_valid_samples == ramped.state.consumed_valid_samples
+
+
 # ---- exact resume ---------------------------------------------------------------------------
 
 

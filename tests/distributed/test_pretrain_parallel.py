@@ -50,7 +50,17 @@ def _dp2_rank(rank: int, data: str, root: str) -> dict:
         whole = _pretrain(2, data, "--save", f"{root}/whole")
         first = _pretrain(2, data, "--save", f"{root}/parts", "--exit-interval", 3)
         second = _pretrain(2, data, "--load", f"{root}/parts", "--save", f"{root}/parts")
-    return {"whole": whole, "first": first, "second": second, "stdout": out.getvalue()}
+        ramped = _pretrain(2, data, *RAMP)
+    return {
+        "whole": whole,
+        "first": first,
+        "second": second,
+        "ramped": ramped,
+        "stdout": out.getvalue(),
+    }
+
+
+RAMP = ("--global-batch-size", 8, "--rampup-batch-size", 4, 4, 8)  # 4, 4, then 8
 
 
 DP2_RUN = pytest.mark.xdist_group("pretrain_dp2")  # one spawn for the tests that read it
@@ -102,6 +112,16 @@ def test_dp2_pretrain_equals_one_process(dp2, data_prefix, tmp_path):
 
 
 @DP2_RUN
+def test_dp2_batch_size_ramp_equals_one_process(dp2, data_prefix):
+    results, _ = dp2
+    single = _pretrain(1, data_prefix, *RAMP)
+    assert single.state.consumed_train_samples == 4 + 4 + (ITERS - 2) * 8
+    for r in results:
+        assert r["ramped"].losses == single.losses  # bitwise, every iteration, on every rank
+        assert r["ramped"].state.consumed_train_samples == single.state.consumed_train_samples
+
+
+@DP2_RUN
 def test_dp2_checkpoint_layout_and_exact_resume(dp2):
     results, root = dp2
     tag = root / "whole" / tag_for_iteration(ITERS)
@@ -126,18 +146,21 @@ def test_only_rank_0_logs(dp2):
     results, _ = dp2
     rank0, rank1 = results[0]["stdout"], results[1]["stdout"]
     line = " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
-    assert rank0.count(line) == 3  # one per run
-    assert rank0.count(" lm loss: ") == 2 * ITERS  # --log-interval 1, whole + parts runs
+    assert rank0.count(line) == 4  # one per run
+    assert rank0.count(" lm loss: ") == 3 * ITERS  # --log-interval 1: whole, parts, ramped
     assert "validation loss at the end of training" in rank0
     assert rank1 == ""  # data-parallel rank 1 prints nothing, not even the parameter count
 
 
 FULL = ("--recompute-granularity", "full", "--recompute-num-layers", "1")
+PP2_RAMP = ("--global-batch-size", "4", "--rampup-batch-size", "2", "2", "4")
 PP2_RECOMPUTE = {  # name -> flags; 4 layers: 2 per stage
     "no dropout": ("--hidden-dropout", "0", "--attention-dropout", "0"),
     "plain": (),
     "uniform": (*FULL, "--recompute-method", "uniform"),  # each layer its own unit
     "block": (*FULL, "--recompute-method", "block"),  # each stage's first layer only
+    # no dropout; 2 micro-batches a step, then 4: the schedule rebuilt between steps 2 and 3
+    "ramp": ("--hidden-dropout", "0", "--attention-dropout", "0", *PP2_RAMP),
 }
 
 
@@ -177,6 +200,11 @@ def test_pipeline_stages_recompute_with_dropout_as_without(data_prefix):
     assert plain != runs["no dropout"][0]  # dropout is on
     assert uniform == plain
     assert block == plain
+    # the batch-size ramp through a pipeline: one process's losses
+    with contextlib.redirect_stdout(io.StringIO()):
+        single = _pretrain(1, data_prefix, "--num-layers", "4", "--micro-batch-size", "1",
+                           *PP2_RAMP)  # fmt: skip
+    assert runs["ramp"][0] == single.losses
     # 5 steps x 4 micro-batches through the stage's 2 layers: both layers, or the first only
     assert (none, per_layer, first_only) == (0, ITERS * 4 * 2, ITERS * 4)
 

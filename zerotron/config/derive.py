@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from zerotron.config import batch_ramp
 from zerotron.config.sections import ModelConfig, SchedulerConfig, Section, flag
 from zerotron.errors import ConfigError, UnsupportedError
 
@@ -395,12 +396,33 @@ def _resolve_batch(cfg: Config) -> None:
     """global = micro × data-parallel × accumulation; any two give the third."""
     t = cfg.training
     dp = cfg.parallel.data_parallel_size
+    gbs_given = t.global_batch_size
+    if t.step_batch_size_schedule is not None:
+        if t.rampup_batch_size is not None:
+            raise ConfigError(
+                "rampup_batch_size and step_batch_size_schedule are both set",
+                where="training.rampup_batch_size",
+                fix="give the batch-size ramp once",
+            )
+        final = batch_ramp.step_schedule(t.step_batch_size_schedule, cfg.model.seq_length).final
+        if gbs_given not in (None, final):
+            raise ConfigError(
+                f"global_batch_size {gbs_given} is not the last size {final} of "
+                "step_batch_size_schedule",
+                where="training.global_batch_size",
+                fix=f"drop --global-batch-size or set it to {final}",
+            )
+        gbs_given = final
     mbs, gbs, nmb = batch_geometry(
-        t.micro_batch_size, t.global_batch_size, t.num_micro_batches, dp, MEGATRON_BATCH
+        t.micro_batch_size, gbs_given, t.num_micro_batches, dp, MEGATRON_BATCH
     )
     _fill(t, micro_batch_size=mbs, global_batch_size=gbs, num_micro_batches=nmb)
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
+    ramp = cfg.batch_ramp
+    if ramp is not None:
+        unit = f"micro_batch_size {mbs} × data_parallel_size {dp}"
+        batch_ramp.check_divisible(ramp, mbs * dp, unit, pp if vpp is not None else 1)
     if vpp is not None and nmb % pp:
         raise ConfigError(
             f"the interleaved schedule needs num_micro_batches {nmb} (global_batch_size "
@@ -435,10 +457,15 @@ def _resolve_length(cfg: Config) -> None:
             where="training.train_iters",
             fix="give the length of training once: --train-iters or --train-samples",
         )
+    ramp = cfg.batch_ramp
     if t.train_samples is not None:
         _check_unused(cfg, "sample-based", lr_decay_iters=None, lr_warmup_iters=0)
         if s.lr_warmup_fraction is not None and s.lr_warmup_samples:
             raise _both_warmups("lr_warmup_samples", s.lr_warmup_samples, s)
+        if ramp is not None:  # Megatron steps the ramp until the samples are reached
+            _fill(t, train_iters=ramp.iterations_for(t.train_samples))
+            _fill(s, lr_decay_samples=s.lr_decay_samples or t.train_samples)
+            return _check_schedule_lengths(cfg)
         iters = t.train_samples // gbs  # Megatron rounds down
         if iters == 0:
             raise ConfigError(
@@ -458,7 +485,8 @@ def _resolve_length(cfg: Config) -> None:
         _check_unused(cfg, "iteration-based", lr_decay_samples=None, lr_warmup_samples=0)
         if s.lr_warmup_fraction is not None and s.lr_warmup_iters:
             raise _both_warmups("lr_warmup_iters", s.lr_warmup_iters, s)
-        _fill(t, train_samples=t.train_iters * gbs)
+        samples = t.train_iters * gbs if ramp is None else ramp.samples_after(t.train_iters)
+        _fill(t, train_samples=samples)
         decay_iters = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
         _fill(
             s,
@@ -468,6 +496,11 @@ def _resolve_length(cfg: Config) -> None:
         )
     else:
         return
+    _check_schedule_lengths(cfg)
+
+
+def _check_schedule_lengths(cfg: Config) -> None:
+    t, s = cfg.training, cfg.scheduler
     decay, warmup = cfg.lr_decay_steps, cfg.lr_warmup_steps
     if t.train_iters and s.lr_decay_style != "constant" and decay == 0:
         raise ConfigError(

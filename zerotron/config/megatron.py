@@ -89,7 +89,8 @@ def _argument(name: str, info: FieldInfo) -> dict[str, Any]:
         choices = typing.get_args(base)
         kwargs.update(type=_choice(name, choices), metavar="{" + ",".join(choices) + "}")
     elif typing.get_origin(base) is list:
-        kwargs.update(nargs="*", metavar="PATH")
+        numbers = _base_type(typing.get_args(base)[0]) is int
+        kwargs.update(nargs="*", metavar="N" if numbers else "PATH")
     elif base is int:
         kwargs.update(type=_int, metavar="N")
     elif base is float:

@@ -117,7 +117,6 @@ UNSUPPORTED: dict[str, Known] = {
     ),
     "--fp8-format": Known(True, "FP8 training is not implemented; use --bf16 or --fp16"),
     "--use-torch-fsdp2": Known(False, "FSDP2 is not used (ZeRO stage 3 is the same idea)"),
-    "--rampup-batch-size": Known(True, "batch-size ramp-up is not implemented"),
     "--train-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
     "--valid-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
     "--test-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
@@ -141,11 +140,6 @@ UNSUPPORTED: dict[str, Known] = {
     "--warmup": Known(True, "removed from Megatron-LM; use --lr-warmup-fraction"),
     "--model-parallel-size": Known(
         True, "removed from Megatron-LM; use --tensor-model-parallel-size"
-    ),
-    "--step-batch-size-schedule": Known(
-        True,
-        "batch-size ramp-up is not implemented; without the flag every step trains on "
-        "--global-batch-size",
     ),
     "--exit-signal": Known(
         True,

@@ -69,6 +69,7 @@ class _Interval:
         self.skipped = 0
         self.nans = 0
         self.iterations = 0
+        self.samples = 0
         self.start = time.perf_counter()
 
 
@@ -92,7 +93,7 @@ def evaluate(run: Run, data_iter: Iterator, state: TrainState) -> float:
     total = 0.0
     for _ in range(t.eval_iters):
         total += float(run.engine.eval_batch(data_iter))
-        state.consumed_valid_samples += t.global_batch_size
+        state.consumed_valid_samples += run.engine.train_batch_size()  # the current size
     return total / t.eval_iters
 
 
@@ -140,7 +141,8 @@ def train(
     cfg, engine = run.cfg, run.engine
     t, c = cfg.training, cfg.checkpoint
     m = cfg.model
-    gbs = t.global_batch_size
+    ramp = cfg.batch_ramp  # None: every step trains on global_batch_size
+    samples_lr = not cfg.scheduler.lr_scheduler_type  # Megatron's schedule counts samples
     flops_per_token = model_flops_per_token(
         run.flops_params,
         m.num_layers,
@@ -159,10 +161,17 @@ def train(
     with _output(t.train_iters, state.iteration) as out:
         out.print(" training ...")
         while state.iteration < t.train_iters:
+            consumed = state.consumed_train_samples
+            gbs = t.global_batch_size if ramp is None else ramp.size_at(consumed)
+            if gbs != engine.train_batch_size():  # a step of the ramp (or a resume inside it)
+                engine.set_train_batch_size(gbs)
+                if samples_lr:
+                    engine.lr_increment = gbs
             with breakdown.around(state.iteration + 1):
                 loss = float(engine.train_batch(train_iter))
             state.iteration += 1
             state.consumed_train_samples += gbs
+            interval.samples += gbs
             if async_writer is not None:
                 async_writer.poll()  # commits a background save once every rank wrote it
             step = engine.last_step
@@ -184,7 +193,7 @@ def train(
                 per_iter = elapsed / interval.iterations
                 # No finite loss in the interval is not a loss of 0: say nan, as the step did.
                 lm = interval.loss_sum / interval.counted if interval.counted else math.nan
-                tokens = interval.iterations * gbs * m.seq_length
+                tokens = interval.samples * m.seq_length
                 if metrics is not None:
                     _write_step(metrics, engine, state, lm, interval, tokens / elapsed, per_iter)
                 line = log.iteration_line(

@@ -29,6 +29,18 @@ class TrainingConfig(Section):
         description="Gradient accumulation steps (DeepSpeed's gradient_accumulation_steps); "
         "derived from the batch sizes when not given.",
     )
+    rampup_batch_size: list[Int] | None = Field(
+        None,
+        description="START INCREMENT SAMPLES: the global batch size starts at START and grows "
+        "by INCREMENT over SAMPLES samples up to global_batch_size (Megatron-LM's linear "
+        "ramp-up).",
+    )
+    step_batch_size_schedule: str | None = Field(
+        None,
+        description="'THRESHOLD:SIZE ...': the global batch size from each THRESHOLD tokens on "
+        "(suffixes K, M, B, T; the first at 0), e.g. '0:16 2.4B:320'; the last size is "
+        "global_batch_size.",
+    )
     train_iters: Int | None = Field(
         None, ge=0, description="Iterations (optimizer steps) to train for over all runs."
     )
