@@ -222,7 +222,8 @@ def test_fp32_vocab_slices_equal_one_product(monkeypatch, chunk):
 def test_fp32_grad_x_does_not_depend_on_the_chunks(monkeypatch):
     """Each token's grad_x sums the same vocabulary slices in the same order whatever chunks the
     tokens are cut in (slices of a fixed column count): 8-, 13- and 39-token chunks and one
-    whole chunk give the same bits for it (and for the loss)."""
+    whole chunk give the same bits for it (and for the loss), where the GEMM's rows do not
+    depend on the row count (checked first), else the same within 1e-6."""
     monkeypatch.setattr(policy, "_choices", KernelChoices(loss_chunk=7))  # V = 50: 8 slices
     x, w, target = inputs(torch.float32)
     up = upstreams(target.shape)["uniform"]
@@ -233,8 +234,24 @@ def test_fp32_grad_x_does_not_depend_on_the_chunks(monkeypatch):
             return fused_linear_cross_entropy(x, w, t, vocab_size=V, chunk_size=chunk)
 
         runs.append(loss_and_grads(fused, x, w, target, up))
-    for loss, grad_x, _ in runs[1:]:
-        assert torch.equal(loss, runs[0][0]) and torch.equal(grad_x, runs[0][1])
+    if _rows_independent(x.reshape(-1, x.shape[-1]), w[:7], (8, 13)):
+        for loss, grad_x, _ in runs[1:]:
+            assert torch.equal(loss, runs[0][0]) and torch.equal(grad_x, runs[0][1])
+    else:  # this oneDNN's rows depend on how many are in the call: within an ulp or two
+        for loss, grad_x, _ in runs[1:]:
+            torch.testing.assert_close(loss, runs[0][0], rtol=1e-6, atol=0)
+            torch.testing.assert_close(grad_x, runs[0][1], rtol=1e-6, atol=1e-7)
+
+
+def _rows_independent(x: torch.Tensor, w: torch.Tensor, counts: tuple[int, ...]) -> bool:
+    """Whether the fp32 GEMM the fused loss runs (one vocabulary slice ``w``) gives each row of
+    ``x @ w.T`` the same bits whatever number of rows is in the call. oneDNN 3.12 (torch 2.13)
+    does here for 2 rows or more; oneDNN 3.10 (torch 2.11) does not once the inner dimension
+    is 24 or more."""
+    from zerotron.kernels.onednn import _mm_t_op
+
+    whole = _mm_t_op(x, w)
+    return all(torch.equal(_mm_t_op(x[:n], w), whole[:n]) for n in counts)
 
 
 def test_default_chunk_size_splits_evenly():

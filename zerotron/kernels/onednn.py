@@ -86,7 +86,11 @@ class _OneDNNLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         y = _mm_t_op(x, weight)
-        return y if bias is None else y.add_(bias)
+        if bias is None:
+            return y
+        # Out of place when traced: torch 2.11's compile gives zero gradients through an add_
+        # on the custom op's output (2.12 and 2.13 do not); inductor fuses the add either way.
+        return y + bias if torch.compiler.is_compiling() else y.add_(bias)
 
     @staticmethod
     def backward(ctx, grad_y):

@@ -33,6 +33,7 @@ checked before anything starts (:mod:`zerotron.launcher.node`). On top of the ag
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import shlex
@@ -89,7 +90,12 @@ def run(plan: LaunchPlan) -> int:
         monitor_interval=0.1,  # master_addr/port: the rendezvous gives them, per attempt
     )
     streams = RankStreams(log_dir=plan.log_dir, on_start=_Announcer(plan))
-    agent = LocalElasticAgent(spec, logs_specs=streams, shutdown_timeout=plan.shutdown_timeout)
+    # torch < 2.12's agent has no shutdown_timeout (it waits a fixed 30 s before SIGKILL); the
+    # Watchdog below kills what outlives plan.shutdown_timeout either way.
+    deadline: dict[str, float] = {}
+    if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters:
+        deadline["shutdown_timeout"] = plan.shutdown_timeout
+    agent = LocalElasticAgent(spec, logs_specs=streams, **deadline)
     where = f"node {plan.node_rank}, rendezvous at {plan.master_addr}"
     hangs = HangWatch(_reports_dir(plan), plan.watchdog_action, _say)
     try:
