@@ -30,6 +30,22 @@ def austen_path() -> str:
     return AUSTEN
 
 
+@pytest.fixture
+def fake_wandb(monkeypatch) -> list[tuple]:
+    """A stand-in ``wandb`` module; returns the list of its calls: ``("init", kwargs)``,
+    ``("log", data, step)``, ``("finish",)``."""
+    import sys
+    import types
+
+    calls: list[tuple] = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw))
+    fake.log = lambda data, step: calls.append(("log", data, step))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory) -> str:
     """The first 20 documents of data/austen.jsonl, tokenized with end-of-document tokens.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -112,13 +111,8 @@ def test_wandb_without_wandb_is_a_config_error(monkeypatch):
         zerotron.initialize(model=_mlp(), config=_config(wandb={"enabled": True}))
 
 
-def test_wandb_logs_each_event_at_its_step(monkeypatch):
-    calls = []
-    fake = types.ModuleType("wandb")
-    fake.init = lambda **kw: calls.append(("init", kw))
-    fake.log = lambda data, step: calls.append(("log", data, step))
-    fake.finish = lambda: calls.append(("finish",))
-    monkeypatch.setitem(sys.modules, "wandb", fake)
+def test_wandb_logs_each_event_at_its_step(fake_wandb):
+    calls = fake_wandb
     config = _config(wandb={"enabled": True, "project": "p", "group": "g", "team": "t"})
     engine, _, _, _ = zerotron.initialize(model=_mlp(), config=config)
     for _ in range(GAS):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -87,15 +85,10 @@ def test_validation_perplexity_goes_to_tensorboard_when_asked(data_prefix, tmp_p
     assert ppl[0][1] == pytest.approx(math.exp(loss[0][1]), rel=1e-6)
 
 
-def test_megatrons_wandb_flags_log_each_step(data_prefix, tmp_path, monkeypatch):
+def test_megatrons_wandb_flags_log_each_step(data_prefix, tmp_path, fake_wandb):
     """--wandb-project turns W&B on, as in Megatron-LM; the run's name, entity and directory
     reach wandb.init, and every step's loss (DeepSpeed's event names) reaches wandb.log."""
-    calls = []
-    fake = types.ModuleType("wandb")
-    fake.init = lambda **kw: calls.append(("init", kw))
-    fake.log = lambda data, step: calls.append(("log", data, step))
-    fake.finish = lambda: calls.append(("finish",))
-    monkeypatch.setitem(sys.modules, "wandb", fake)
+    calls = fake_wandb
     summary = run(data_prefix, "--train-iters", 2, "--wandb-project", "p", "--wandb-exp-name",
                   "n", "--wandb-entity", "e", "--wandb-save-dir", tmp_path)  # fmt: skip
     assert calls[0] == (
