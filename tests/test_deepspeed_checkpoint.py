@@ -47,9 +47,11 @@ FP32_RTOL = 1e-5
 # squared error by about 3e-4 relative. 1e-3 allows a few such flips and still fails a load that
 # drops the Adam moments (7.8e-3 relative on the first step after the load).
 BF16_RTOL = 1e-3
-# fp16: zerotron's and DeepSpeed's fp16 steps round differently (from the same start the two
-# runs part by up to 1.8e-3 relative within 6 steps); after the load they agree within 1.7e-4
-# over the 3 steps, where a load without the Adam moments is off by up to 7.4e-3.
+# fp16: on a step where the loss scale grows, DeepSpeed's ZeRO step updates the scale before it
+# unscales, so it divides that step's gradients by the new scale (twice the one backward used;
+# zerotron divides by the one backward used). From the same start the runs then part by up to
+# 1.8e-3 relative within 6 steps; after the load they agree within 1.7e-4 over the 3 steps,
+# where a load without the Adam moments is off by up to 7.4e-3.
 FP16_RTOL = 1e-3
 # DeepSpeed's checkpoint -> zerotron at another stage (and precision)
 CROSS = {
