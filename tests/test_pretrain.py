@@ -23,7 +23,7 @@ from zerotron.config import parse_megatron_args
 from zerotron.errors import CheckpointError, ConfigError
 from zerotron.training.build import lm_loss
 from zerotron.training.loop import TrainSummary
-from zerotron.training.pretrain import pretrain
+from zerotron.training.pretrain import checkpoint_args, pretrain
 
 REPO = Path(__file__).resolve().parent.parent
 GPT2_VOCAB = 50257
@@ -128,6 +128,46 @@ def test_a_batch_size_ramp_trains_as_engines_built_for_each_size(data_prefix, tm
     assert {**first.losses, **second.losses} == ramped.losses
     assert second.valid_loss == ramped.valid_loss
     assert second.state.consumed_valid_samples == ramped.state.consumed_valid_samples
+
+
+def _without_model_flags() -> list[str]:
+    out, skip = [], False
+    for a in TINY:
+        if skip:
+            skip = False
+        elif a in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+def test_use_checkpoint_args_resumes_without_the_model_flags(data_prefix, base_ckpt):
+    """Megatron's --use-checkpoint-args: the model's shape comes from the checkpoint, and the
+    run resumes exactly as one given the same shape by flags."""
+    flags = ["--train-iters", 8, "--load", base_ckpt]
+    ref = run(data_prefix, *flags)
+    argv = [*_without_model_flags(), "--data-path", data_prefix, "--use-checkpoint-args"]
+    cfg = parse_megatron_args([*argv, *map(str, flags)], checkpoint_args=checkpoint_args)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (2, 64, 4, 32)
+    assert pretrain(cfg).losses == ref.losses
+
+
+def test_use_checkpoint_args_leaves_what_the_command_line_gives(base_ckpt):
+    argv = [*_without_model_flags(), "--hidden-size", "128", "--load", str(base_ckpt)]
+    cfg = parse_megatron_args(
+        [*argv, "--use-checkpoint-args", "--train-iters", "8"], checkpoint_args=checkpoint_args
+    )
+    assert (cfg.model.hidden_size, cfg.model.num_layers) == (128, 2)
+
+
+def test_use_checkpoint_args_needs_a_load():
+    with pytest.raises(ConfigError, match="no --load is given"):
+        parse_megatron_args(
+            [*_without_model_flags(), "--use-checkpoint-args", "--train-iters", "8"],
+            checkpoint_args=checkpoint_args,
+        )
 
 
 # ---- exact resume ---------------------------------------------------------------------------

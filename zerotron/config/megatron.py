@@ -21,7 +21,7 @@ import argparse
 import os
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic.fields import FieldInfo
@@ -209,12 +209,20 @@ def build_parser() -> ArgumentParser:
 # Flags + file -> Config
 
 
-def parse_megatron_args(argv: Sequence[str], world_size: int = 1) -> Config:
+CheckpointArgs = Callable[[str], Mapping[str, Any]]
+"""``--use-checkpoint-args``: the --load directory -> flat schema values its checkpoint gives."""
+
+
+def parse_megatron_args(
+    argv: Sequence[str], world_size: int = 1, checkpoint_args: CheckpointArgs | None = None
+) -> Config:
     """Parse ``zerotron pretrain`` flags (and ``--config FILE``) into a validated Config.
 
-    ``world_size`` is the number of processes (the launcher's WORLD_SIZE). Raises
-    :class:`ConfigError` for bad or missing values and unknown flags, :class:`UnsupportedError`
-    for Megatron features zerotron does not implement; ``--help`` raises SystemExit(0).
+    ``world_size`` is the number of processes (the launcher's WORLD_SIZE). ``checkpoint_args``
+    reads what ``--use-checkpoint-args`` takes from the ``--load`` checkpoint (the training
+    layer gives it; the config layer reads no checkpoint). Raises :class:`ConfigError` for bad
+    or missing values and unknown flags, :class:`UnsupportedError` for Megatron features
+    zerotron does not implement; ``--help`` raises SystemExit(0).
     """
     given = vars(build_parser().parse_args(list(argv)))
     if "wandb_project" in given:  # Megatron-LM logs to W&B when a project is named
@@ -233,6 +241,7 @@ def parse_megatron_args(argv: Sequence[str], world_size: int = 1) -> Config:
         require=True,
         deepspeed_config=ds_path,
         deepspeed_unknown_keys=ds_unknown,
+        checkpoint_args=checkpoint_args,
     )
 
 
@@ -249,6 +258,7 @@ def _build(
     require: bool,
     deepspeed_config: str | None = None,
     deepspeed_unknown_keys: str | None = None,
+    checkpoint_args: CheckpointArgs | None = None,
 ) -> Config:
     nested: dict[str, dict[str, Any]] = {}
     origin: dict[tuple[str, str], str] = {}
@@ -273,11 +283,42 @@ def _build(
         origin[(section, name)] = flag(name)
     nested.setdefault("parallel", {})["world_size"] = world_size
     origin[("parallel", "world_size")] = "launcher"
+    _fill_from_checkpoint(nested, origin, checkpoint_args)
     if require:
         _check_required(nested, config_path)
     cfg = Config.from_dict(nested, origin=origin)
     cfg._warnings.extend(notes)
     return cfg
+
+
+def _fill_from_checkpoint(
+    nested: dict[str, dict[str, Any]],
+    origin: dict[tuple[str, str], str],
+    checkpoint_args: CheckpointArgs | None,
+) -> None:
+    """``--use-checkpoint-args``: the checkpoint's values where flags and file gave none."""
+    ckpt = nested.get("checkpoint", {})
+    if not ckpt.get("use_checkpoint_args"):
+        return
+    load = ckpt.get("load")
+    if not load:
+        raise ConfigError(
+            "use_checkpoint_args takes the model's shape from the --load checkpoint, but no "
+            "--load is given",
+            where="checkpoint.use_checkpoint_args",
+            fix="add --load DIR, or give the model flags and drop --use-checkpoint-args",
+        )
+    if checkpoint_args is None:
+        raise ConfigError(
+            "use_checkpoint_args is read by zerotron pretrain only",
+            where="checkpoint.use_checkpoint_args",
+            fix="give the model flags themselves here",
+        )
+    for name, value in checkpoint_args(load).items():
+        section = FIELD_SECTION[name]
+        if nested.setdefault(section, {}).get(name) is None:
+            nested[section][name] = value
+            origin[(section, name)] = f"the checkpoint in {load}"
 
 
 def _merge_deepspeed(

@@ -29,10 +29,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 
-from zerotron.checkpoint import read_latest_tag
+from zerotron.checkpoint import read_latest_tag, read_metadata, resolve_tag
 from zerotron.config import Config, parse_megatron_args
 from zerotron.data.gpt_dataset import build_train_valid_test_datasets
 from zerotron.data.mock import build_mock_datasets
@@ -53,10 +54,32 @@ from zerotron.training.loop import TrainState, TrainSummary, print_rank_0, train
 from zerotron.training.metrics import for_pretrain
 from zerotron.training.throughput import model_flops_per_token
 
+# What --use-checkpoint-args takes from a checkpoint's metadata.json ("model" entry).
+CHECKPOINT_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "seq_length",
+    "max_position_embeddings",
+    "layernorm_epsilon",
+)
+
+
+def checkpoint_args(load: str) -> dict[str, Any]:
+    """``--use-checkpoint-args``: the model's shape (:data:`CHECKPOINT_ARGS`) and tokenizer type
+    recorded by the checkpoint ``--load`` would load (the newest complete tag)."""
+    meta = read_metadata(load, resolve_tag(load))
+    model, tokenizer = meta.get("model") or {}, meta.get("tokenizer") or {}
+    out = {name: model[name] for name in CHECKPOINT_ARGS if model.get(name) is not None}
+    if tokenizer.get("type"):
+        out["tokenizer_type"] = tokenizer["type"]
+    return out
+
 
 def main(argv: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = parse_megatron_args(argv, world_size=world_size)
+    cfg = parse_megatron_args(argv, world_size=world_size, checkpoint_args=checkpoint_args)
     summary = pretrain(cfg)
     if summary.preempted is None:
         return 0

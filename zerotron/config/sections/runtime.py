@@ -27,6 +27,12 @@ class CheckpointConfig(Section):
     finetune: bool = Field(
         False, description="Load weights only (no optimizer, no RNG) and start at iteration 0."
     )
+    use_checkpoint_args: bool = Field(
+        False,
+        description="Take the model's shape (layers, hidden size, heads, FFN size, sequence "
+        "length, position embeddings, LayerNorm epsilon) and tokenizer type from the --load "
+        "checkpoint where neither the command line nor the config file gives them.",
+    )
     exit_on_missing_checkpoint: bool = Field(
         False, description="With --load, stop if no checkpoint is found instead of starting fresh."
     )
