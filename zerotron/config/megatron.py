@@ -11,7 +11,7 @@ Megatron-LM has hundreds of flags. The ones zerotron implements are listed by ``
 common ones it knows but does not implement raise :class:`UnsupportedError` saying why; those
 that only tune Megatron's CUDA kernels, overlap or logging are accepted and ignored, with a
 warning in :attr:`Config.warnings`; every other flag of Megatron-LM's parser (the generated
-table :mod:`zerotron.config.megatron_lm_flags`) raises :class:`UnsupportedError` naming its
+table ``megatron_lm_flags.tsv``) raises :class:`UnsupportedError` naming its
 option group. Anything else is an unknown flag and the error suggests the closest valid one.
 """
 
@@ -31,7 +31,6 @@ from zerotron.config.deepspeed import deepspeed_keys
 from zerotron.config.deepspeed_table import DEEPSPEED_DEFAULTS
 from zerotron.config.files import Locate, read_config_file
 from zerotron.config.keys import nest_keys, normalize_key, unknown_key_error
-from zerotron.config.megatron_lm_flags import FLAGS as MEGATRON_LM_FLAGS
 from zerotron.config.megatron_table import (
     ALIASES,
     IGNORED,
@@ -42,6 +41,7 @@ from zerotron.config.megatron_table import (
     UNSUPPORTED,
     UNSUPPORTED_CHOICES,
     Known,
+    megatron_lm_flags,
     not_implemented,
 )
 from zerotron.config.schema import Config
@@ -199,7 +199,7 @@ def build_parser() -> ArgumentParser:
     for name, known in IGNORED.items():
         parser.add_argument(name, action=_Ignore, known=known, help=argparse.SUPPRESS)
     taken = {s for action in parser._actions for s in action.option_strings}
-    for name in MEGATRON_LM_FLAGS.keys() - taken:
+    for name in megatron_lm_flags().keys() - taken:
         known = not_implemented(name)
         parser.add_argument(name, action=_Refuse, known=known, help=argparse.SUPPRESS)
     return parser
