@@ -49,23 +49,39 @@ class BatchRamp:
     def iterations_for(self, samples: int) -> int:
         """Steps until at least ``samples`` are consumed (Megatron's count for
         ``--train-samples``)."""
-        iterations = consumed = 0
-        while consumed < samples:
-            consumed += self.size_at(consumed)
-            iterations += 1
-        return iterations
+        return self._walk(samples=samples)[0]
 
     def samples_after(self, iterations: int) -> int:
         """Samples consumed by the first ``iterations`` steps."""
-        consumed = 0
-        for _ in range(iterations):
-            consumed += self.size_at(consumed)
-        return consumed
+        return self._walk(iterations=iterations)[1]
+
+    def _walk(self, samples: int | None = None, iterations: int | None = None) -> tuple[int, int]:
+        """``(steps, samples consumed)`` when ``samples`` are reached or ``iterations`` are done,
+        a stretch of one size at a time (a step's size is the one at the samples before it)."""
+        steps = consumed = 0
+        ends = [first for first, _ in self.steps[1:]] + [None]
+        for (_, size), end in zip(self.steps, ends):
+            if samples is not None:
+                end = samples if end is None else min(end, samples)
+            if end is not None and consumed >= end:
+                continue  # overshot into a later stretch (or done)
+            n = -(-(end - consumed) // size) if end is not None else iterations - steps
+            if iterations is not None:
+                n = min(n, iterations - steps)
+            steps, consumed = steps + n, consumed + n * size
+        return steps, consumed
 
 
-def linear_ramp(start: int, increment: int, samples: int, final: int) -> BatchRamp:
-    """``--rampup-batch-size START INCREMENT SAMPLES`` up to ``final``."""
+def linear_ramp(values: Sequence[int], final: int) -> BatchRamp:
+    """``--rampup-batch-size START INCREMENT SAMPLES`` (``values``) up to ``final``."""
     where = "training.rampup_batch_size"
+    if len(values) != 3:
+        raise ConfigError(
+            f"rampup_batch_size takes 3 numbers (START INCREMENT SAMPLES), got {len(values)}",
+            where=where,
+            fix="e.g. --rampup-batch-size 32 32 1000000",
+        )
+    start, increment, samples = (int(v) for v in values)
     if min(start, increment, samples) < 1:
         raise ConfigError(
             f"rampup_batch_size {start} {increment} {samples}: every number must be positive",
@@ -148,15 +164,3 @@ def check_divisible(ramp: BatchRamp, unit: int, what: str, pp_for_interleaving: 
                 where="training.global_batch_size",
                 fix=f"ramp through multiples of {unit * pp_for_interleaving}",
             )
-
-
-def as_steps(values: Sequence[int]) -> tuple[int, int, int]:
-    """``--rampup-batch-size``'s three numbers."""
-    if len(values) != 3:
-        raise ConfigError(
-            f"rampup_batch_size takes 3 numbers (START INCREMENT SAMPLES), got {len(values)}",
-            where="training.rampup_batch_size",
-            fix="e.g. --rampup-batch-size 32 32 1000000",
-        )
-    start, increment, samples = (int(v) for v in values)
-    return start, increment, samples

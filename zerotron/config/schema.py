@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from zerotron.config.batch_ramp import BatchRamp, as_steps, linear_ramp, step_schedule
+from zerotron.config.batch_ramp import BatchRamp, linear_ramp, step_schedule
 from zerotron.config.derive import derive
 from zerotron.config.keys import nest_keys, unknown_key_error, validation_error
 from zerotron.config.sections import (
@@ -166,7 +166,7 @@ class Config(BaseModel):
         if t.step_batch_size_schedule is not None:
             return step_schedule(t.step_batch_size_schedule, self.model.seq_length or 1)
         if t.rampup_batch_size is not None and t.global_batch_size is not None:
-            return linear_ramp(*as_steps(t.rampup_batch_size), t.global_batch_size)
+            return linear_ramp(t.rampup_batch_size, t.global_batch_size)
         return None
 
     @property
