@@ -93,6 +93,12 @@ def gpt_config(cfg: Config, padded_vocab_size: int, orig_vocab_size: int) -> GPT
     )
 
 
+def lr_increment(cfg: Config, global_batch_size: int) -> int:
+    """What a step of ``global_batch_size`` samples advances the LR scheduler by: Megatron's
+    schedule counts samples, DeepSpeed's (``lr_scheduler_type``) iterations."""
+    return 1 if cfg.scheduler.lr_scheduler_type else global_batch_size
+
+
 def lm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Megatron's GPT loss: per-token cross entropy averaged over the loss mask."""
     losses = model(
@@ -238,8 +244,7 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         micro_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.num_micro_batches,
         data_parallel_size=cfg.parallel.data_parallel_size,
-        # Megatron's schedule counts samples, DeepSpeed's iterations
-        lr_increment=1 if cfg.scheduler.lr_scheduler_type else t.global_batch_size,
+        lr_increment=lr_increment(cfg, t.global_batch_size),
         checkpoint_metadata=metadata,
         state_fitter=VocabPadding(
             keys=(*VOCAB_PADDED_KEYS, TIED_COPY),

@@ -27,7 +27,7 @@ from zerotron.engine.timers import Timers
 from zerotron.errors import ConfigError, TrainingError
 from zerotron.progress import Progress
 from zerotron.training import log
-from zerotron.training.build import Run
+from zerotron.training.build import Run, lr_increment
 from zerotron.training.memory_breakdown import MemoryBreakdownRecorder
 from zerotron.training.preemption import Preemption
 from zerotron.training.throughput import model_flops_per_token, tflops_per_second
@@ -142,7 +142,6 @@ def train(
     t, c = cfg.training, cfg.checkpoint
     m = cfg.model
     ramp = cfg.batch_ramp  # None: every step trains on global_batch_size
-    samples_lr = not cfg.scheduler.lr_scheduler_type  # Megatron's schedule counts samples
     flops_per_token = model_flops_per_token(
         run.flops_params,
         m.num_layers,
@@ -165,8 +164,7 @@ def train(
             gbs = t.global_batch_size if ramp is None else ramp.size_at(consumed)
             if gbs != engine.train_batch_size():  # a step of the ramp (or a resume inside it)
                 engine.set_train_batch_size(gbs)
-                if samples_lr:
-                    engine.lr_increment = gbs
+                engine.lr_increment = lr_increment(cfg, gbs)
             with breakdown.around(state.iteration + 1):
                 loss = float(engine.train_batch(train_iter))
             state.iteration += 1

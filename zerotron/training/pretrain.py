@@ -296,7 +296,7 @@ def pretrain(cfg: Config) -> TrainSummary:
             writer.close(commit=finished or ps.world_size == 1)
         if metrics is not None:
             metrics.close()
-        run.engine.monitor.close()  # the monitor section's writers (W&B finishes its run)
+        run.engine.destroy()  # closes the monitor section's writers (W&B finishes its run)
 
 
 def _metrics(run: Run, ps: ParallelState) -> run_metrics.RunMetrics | None:
