@@ -360,13 +360,12 @@ def _screen_unknown(unknown: dict[tuple[str, ...], Any], locate: Locate) -> list
     notes = []
     for path, value in unknown.items():
         name = flag(normalize_key(path[-1]))
-        if name in UNSUPPORTED or (name not in IGNORED and not_implemented(name)):
-            known = UNSUPPORTED.get(name) or not_implemented(name)
+        if name in IGNORED:
+            notes.append(_ignored_note(name, IGNORED[name]))
+        elif known := UNSUPPORTED.get(name) or not_implemented(name):
             if value is not None and value is not False:
                 text = None if value is True else " ".join(map(str, _as_list(value)))
                 _refuse(name, text, known, locate(path))
-        elif name in IGNORED:
-            notes.append(_ignored_note(name, IGNORED[name]))
         elif name not in ("--local-rank",):
             raise unknown_key_error(path, locate(path))
     return notes
