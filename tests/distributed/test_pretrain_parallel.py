@@ -262,3 +262,27 @@ def test_dp2_tp2_pretrain_matches_one_process(data_prefix, tmp_path, extra):
     assert meta["files"] == [model_file(0), model_file(1)]  # one per TP rank, from dp rank 0
     assert meta["layout"]["tensor_model_parallel_size"] == 2
     assert meta["layout"]["data_parallel_size"] == 2
+
+
+def _megatron_rank(rank: int, *flags: str) -> dict[int, float]:
+    from tests.test_pretrain_megatron import MCORE, MODEL, RUN
+
+    argv = [*MODEL, *RUN, "--load", str(MCORE), "--finetune", *flags]
+    with contextlib.redirect_stdout(io.StringIO()):
+        return pretrain(parse_megatron_args(argv, world_size=4)).losses
+
+
+def test_megatron_checkpoint_loads_into_tp2_pp2_as_into_one_process():
+    """Megatron-LM's tp2 pp2 checkpoint (megatron-core's files) into a tp2 pp2 run: every rank
+    cuts its part from the merged weights and trains as one process that loaded them (no
+    dropout: tensor-parallel ranks draw their masks from other streams than one process)."""
+    from tests.test_pretrain_megatron import MCORE
+    from tests.test_pretrain_megatron import run as run_one
+
+    no_dropout = ("--hidden-dropout", "0", "--attention-dropout", "0")
+    layout = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+    with contextlib.redirect_stdout(io.StringIO()):
+        single = run_one("--load", MCORE, "--finetune", *no_dropout)
+    for losses in run_ranks(_megatron_rank, 4, *layout, *no_dropout, timeout=240):
+        assert losses.keys() == single.losses.keys() == {1, 2, 3}
+        assert list(losses.values()) == pytest.approx(list(single.losses.values()), rel=1e-5)

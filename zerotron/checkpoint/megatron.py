@@ -44,12 +44,16 @@ from typing import Any
 import torch
 
 from zerotron.checkpoint import megatron_io as mio
+from zerotron.checkpoint.layout import METADATA_FILE
+from zerotron.checkpoint.load import read_latest_tag
 from zerotron.checkpoint.model import save_gpt
 from zerotron.checkpoint.reshard import (
     TIED_COPY,
     WORD_EMBEDDING,
     merge_model_shards,
+    split_model_state,
 )
+from zerotron.checkpoint.save_load import build_metadata
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.models.gpt import GPTConfig
 
@@ -328,7 +332,8 @@ def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, 
     ``path`` is a ``--save`` directory (its tracker picks the iteration), one ``iter_*``
     directory, or a ``torch_dist`` directory. ``info`` says what was found: ``format``
     (mcore, legacy, torch_dist), ``tensor_parallel``, ``pipeline_parallel``, ``iteration``,
-    ``checkpoint_version``.
+    ``checkpoint_version``, ``tokenizer`` (our metadata's entry) and the samples Megatron had
+    consumed (``consumed_train_samples``, ``consumed_valid_samples``, from its args).
     """
     tag = mio.tag_dir(path)
     if mio.is_torch_dist(tag):
@@ -372,6 +377,8 @@ def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, 
             "checkpoint_version": version,
         }
     info["tokenizer"] = tokenizer_of(args)
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        info[key] = int(args.get(key) or 0)
     _check_shapes(state, config, str(tag))
     return config, state, info
 
@@ -422,6 +429,73 @@ def _check_shapes(state: State, config: GPTConfig, where: str) -> None:
             where=where,
             fix="the checkpoint is incomplete, or its args are not the ones it was saved with",
         )
+
+
+def is_megatron_checkpoint(load_dir: str | os.PathLike) -> bool:
+    """Whether the tag a ``--load`` directory's tracker names holds a checkpoint Megatron-LM
+    wrote: megatron-core's ``torch_dist`` directory, or ``mp_rank_*`` files without zerotron's
+    metadata.json."""
+    tag = read_latest_tag(load_dir)
+    if tag is None or not (Path(load_dir) / tag).is_dir():
+        return False
+    path = Path(load_dir) / tag
+    return mio.is_torch_dist(path) or (
+        bool(mio.rank_dirs(path)) and not (path / METADATA_FILE).is_file()
+    )
+
+
+def megatron_model_args(path: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any]]:
+    """The model and the tokenizer entry (our metadata's) a Megatron-LM checkpoint's args
+    describe; reads one file (``common.pt``, or rank (0, 0)'s), not the weights."""
+    tag = mio.tag_dir(path)
+    if mio.is_torch_dist(tag):
+        file = tag / mio.COMMON_FILE
+    else:
+        file = mio.rank_dirs(tag).get((0, 0), tag / "mp_rank_00" / mio.MODEL_FILE)
+    if not file.is_file():
+        raise CheckpointError("the file with Megatron's args is missing", where=str(file))
+    loaded = mio.load_safe(file)
+    args = _args_dict(loaded.get("args") if isinstance(loaded, dict) else None, str(file))
+    return config_from_args(args, f"{file}: args"), tokenizer_of(args)
+
+
+def megatron_weights_for(
+    path: str | os.PathLike,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    *,
+    padded_vocab_size: int,
+    virtual_stages: int = 1,
+) -> tuple[State, dict[str, Any], dict[str, Any]]:
+    """One rank's weights of a Megatron-LM checkpoint, for a run of any layout: ``(weights of
+    rank (tp_rank, pp_rank) of a (tp_size, pp_size) run with padded_vocab_size embedding rows,
+    the metadata a zerotron checkpoint of this model would have, what was found)``.
+
+    Every file is read and merged (:func:`read_megatron`), then this rank's part is cut, so a
+    rank holds the whole model once while it loads.
+    """
+    config, state, info = read_megatron(path)
+    meta = build_metadata(
+        model_config=config.to_dict(),
+        vocab_size=config.orig_vocab_size,
+        padded_vocab_size=config.vocab_size,
+        tensor_model_parallel_size=info["tensor_parallel"],
+        pipeline_model_parallel_size=info["pipeline_parallel"],
+        tokenizer=info["tokenizer"],
+    )
+    weights = split_model_state(
+        state,
+        tp_rank,
+        tp_size,
+        pp_rank,
+        pp_size,
+        orig_vocab_size=config.orig_vocab_size,
+        padded_vocab_size=padded_vocab_size,
+        virtual_stages=virtual_stages,
+    )
+    return weights, meta, info
 
 
 def import_megatron(

@@ -92,10 +92,12 @@ def refuse_other_model(
     where: str,
     saved_layout: str,
     layout: str,
+    recorded_in: str = "the checkpoint's metadata.json has its model config and tokenizer",
 ) -> None:
     """Raise a :class:`CheckpointError` listing every difference between the model that saved
     the checkpoint (``meta``) and this run's (``model_config``, tokenizer ``vocab_size``); the
-    layouts name the conversion that was asked for."""
+    layouts name the conversion that was asked for; ``recorded_in`` says where the checkpoint's
+    model config is to be read."""
     saved_config = meta.get("model") or {}
     if not saved_config or model_config is None:
         return
@@ -119,8 +121,7 @@ def refuse_other_model(
         f"difference{'s' if len(diffs) != 1 else ''}; a change of layout is carried over, "
         f"from {saved_layout} to {layout}, a change of model is not):\n    " + "\n    ".join(lines),
         where=where,
-        fix=f"{model} (the checkpoint's metadata.json has its model config and tokenizer), "
-        "or start without --load",
+        fix=f"{model} ({recorded_in}), or start without --load",
     )
 
 

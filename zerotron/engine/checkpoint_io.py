@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from zerotron.checkpoint import (
     get_rng_state,
@@ -308,18 +308,7 @@ def load_engine_checkpoint(
             files, saved, meta, where, engine.repartition_zero_checkpoints
         )
         refuse_non_finite(opt_state, where, "optimizer")
-    model_config = engine.checkpoint_metadata.get("model")
-    weights = saved["model"] if strict else _loosely(engine, saved["model"])
-
-    def fit() -> list[str]:
-        if custom_load_fn is not None:
-            custom_load_fn(src=weights, dst=engine.module)
-            return []
-        return fitter.load_model_state(
-            engine.module, weights, meta=meta, model_config=model_config, where=where
-        )
-
-    refitted = part.load_module_state(engine.module, weights, fit, where)
+    refitted = fit_weights(engine, saved["model"], meta, where, strict, custom_load_fn)
     if load_module_only:
         reload_masters(engine)
         run_metrics.loaded(engine, where)
@@ -346,6 +335,44 @@ def load_engine_checkpoint(
     engine.global_samples = int(saved.get("global_samples", 0))
     run_metrics.loaded(engine, where)  # the metrics file's next "run" record: a resume
     return where, {k: v for k, v in saved.items() if k not in ENGINE_ENTRIES}
+
+
+def fit_weights(
+    engine: Engine,
+    weights: Mapping[str, Tensor],
+    meta: Mapping[str, Any],
+    where: str,
+    strict: bool = True,
+    custom_load_fn: Callable[..., None] | None = None,
+) -> list[str]:
+    """Put this rank's ``weights`` into the module through the engine's fitter (or
+    ``custom_load_fn(src=weights, dst=module)``) and its optimizer part (ZeRO stage 3 keeps
+    this rank's partition); returns the refitted keys. ``meta`` is the checkpoint's
+    metadata.json; not ``strict``, weights the checkpoint lacks keep the module's values."""
+    if not strict:
+        weights = _loosely(engine, weights)
+    model_config = engine.checkpoint_metadata.get("model")
+
+    def fit() -> list[str]:
+        if custom_load_fn is not None:
+            custom_load_fn(src=weights, dst=engine.module)
+            return []
+        return engine.state_fitter.load_model_state(
+            engine.module, weights, meta=meta, model_config=model_config, where=where
+        )
+
+    return engine.optimizer_part.load_module_state(engine.module, weights, fit, where)
+
+
+def load_weights(
+    engine: Engine, weights: Mapping[str, Tensor], meta: Mapping[str, Any], where: str
+) -> None:
+    """Load this rank's ``weights`` from any source (``meta``: what a zerotron checkpoint of
+    them would record); the masters follow, the optimizer state and counters are untouched."""
+    refuse_non_finite(weights, where, "model")
+    fit_weights(engine, weights, meta, where)
+    reload_masters(engine)
+    run_metrics.loaded(engine, where)
 
 
 def _loosely(engine: Engine, weights: Mapping[str, Any]) -> dict[str, Any]:

@@ -499,3 +499,13 @@ class Engine(DeepSpeedSurface, nn.Module):
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
             load_module_only, load_rng, load_module_strict, custom_load_fn,
         )  # fmt: skip
+
+    def load_weights(
+        self, weights: Mapping[str, Tensor], meta: Mapping[str, Any], where: str
+    ) -> None:
+        """Load this rank's weights read from elsewhere than a zerotron checkpoint (named as
+        the module names them; ``meta``: the metadata.json a zerotron checkpoint of them would
+        have, for the fitter). The masters follow the weights; the optimizer state and the
+        step counters are left as they are (see
+        :func:`~zerotron.engine.checkpoint_io.load_weights`)."""
+        checkpoint_io.load_weights(self, weights, meta, where)

@@ -10,7 +10,7 @@ checkpoint; :func:`load_deepspeed_checkpoint` then loads it in place of zerotron
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,26 +60,14 @@ def load_deepspeed_checkpoint(
     the scheduler's position, the step counters and (fp16 into fp16) the loss scale and its
     counters follow. DeepSpeed saves no RNG state.
     """
-    from zerotron.engine.checkpoint_io import _loosely, clear_modified, reload_masters
+    from zerotron.engine.checkpoint_io import clear_modified, fit_weights, reload_masters
 
     where = str(tag_dir)
     want_optimizer = load_optimizer_states and not load_module_only
     ckpt = read_deepspeed_checkpoint(tag_dir, optimizer=want_optimizer)
-    part, fitter = engine.optimizer_part, engine.state_fitter
-    weights: Mapping[str, Tensor] = ckpt.module
-    refuse_non_finite(weights, where, "model")
-    if not strict:  # the module's own values for what the checkpoint lacks
-        weights = _loosely(engine, weights)
-
-    def fit() -> list[str]:
-        if custom_load_fn is not None:
-            custom_load_fn(src=weights, dst=engine.module)
-            return []
-        return fitter.load_model_state(
-            engine.module, weights, meta={}, model_config=None, where=where
-        )
-
-    part.load_module_state(engine.module, weights, fit, where)
+    part = engine.optimizer_part
+    refuse_non_finite(ckpt.module, where, "model")
+    fit_weights(engine, ckpt.module, {}, where, strict, custom_load_fn)
     if load_module_only:
         reload_masters(engine)
         run_metrics.loaded(engine, where)

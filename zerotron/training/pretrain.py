@@ -29,11 +29,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
 
 import torch
 
-from zerotron.checkpoint import read_latest_tag, read_metadata, resolve_tag
 from zerotron.config import Config, parse_megatron_args
 from zerotron.data.gpt_dataset import build_train_valid_test_datasets
 from zerotron.data.mock import build_mock_datasets
@@ -43,38 +41,17 @@ from zerotron.distributed.init import get_rank, get_world_size, init_distributed
 from zerotron.distributed.state import ParallelState, initialize_model_parallel, state
 from zerotron.engine import run_metrics
 from zerotron.engine.timers import Timers
-from zerotron.errors import CheckpointError, ConfigError, DistributedError
+from zerotron.errors import ConfigError, DistributedError
 from zerotron.fileio import check_writable_dir
 from zerotron.kernels import KernelShape, choose_kernels
 from zerotron.kernels.chooser import parse_forced
 from zerotron.models.gpt import print_num_parameters
 from zerotron.training import preemption
 from zerotron.training.build import Run, build_run
+from zerotron.training.load import checkpoint_args, resume
 from zerotron.training.loop import TrainState, TrainSummary, print_rank_0, train
 from zerotron.training.metrics import for_pretrain
 from zerotron.training.throughput import model_flops_per_token
-
-# What --use-checkpoint-args takes from a checkpoint's metadata.json ("model" entry).
-CHECKPOINT_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "seq_length",
-    "max_position_embeddings",
-    "layernorm_epsilon",
-)
-
-
-def checkpoint_args(load: str) -> dict[str, Any]:
-    """``--use-checkpoint-args``: the model's shape (:data:`CHECKPOINT_ARGS`) and tokenizer type
-    recorded by the checkpoint ``--load`` would load (the newest complete tag)."""
-    meta = read_metadata(load, resolve_tag(load))
-    model, tokenizer = meta.get("model") or {}, meta.get("tokenizer") or {}
-    out = {name: model[name] for name in CHECKPOINT_ARGS if model.get(name) is not None}
-    if tokenizer.get("type"):
-        out["tokenizer_type"] = tokenizer["type"]
-    return out
 
 
 def main(argv: list[str]) -> int:
@@ -153,36 +130,6 @@ def _choose_kernels(run: Run) -> None:
         shape, run.engine.device, run.cfg.model.kernels, group=comm.world_group()
     )
     print_rank_0(f" {chosen.line()}")
-
-
-def _resume(run: Run, state: TrainState) -> None:
-    """Megatron's load: resume a run, or with --finetune take the weights only."""
-    c = run.cfg.checkpoint
-    if not c.load:
-        return
-    if read_latest_tag(c.load) is None:
-        if c.exit_on_missing_checkpoint:
-            raise CheckpointError(
-                "no checkpoint to load (no latest_checkpointed_iteration.txt or latest)",
-                where=c.load,
-                fix="check --load, or drop --exit-on-missing-checkpoint to start from scratch",
-            )
-        print_rank_0(f" WARNING: no checkpoint found in {c.load}; starting from random weights")
-        return
-    path, client = run.engine.load_checkpoint(
-        c.load,
-        load_optimizer_states=not (c.no_load_optim or c.finetune),
-        load_lr_scheduler_states=not (c.no_load_optim or c.finetune),
-        load_module_only=c.finetune,
-        load_rng=not (c.no_load_rng or c.finetune),
-    )
-    if not c.finetune:
-        state.iteration = int(client.get("iteration", run.engine.global_steps))
-        state.consumed_train_samples = int(client.get("consumed_train_samples", 0))
-        state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
-    else:
-        run.engine.global_steps = run.engine.global_samples = 0
-    print_rank_0(f"  successfully loaded checkpoint from {path} at iteration {state.iteration}")
 
 
 def _data_iterators(run: Run, state: TrainState, ps: ParallelState):
@@ -273,7 +220,7 @@ def pretrain(cfg: Config) -> TrainSummary:
     metrics = _metrics(run, ps)
     finished = False
     try:
-        _resume(run, state)
+        resume(run, state)
         train_iter, valid_iter, test_iter = _data_iterators(run, state, ps)
         print_rank_0(f"[after dataloaders are built] elapsed (s): {time.time() - start:.1f}")
         if not cfg.checkpoint.save_on_signal:

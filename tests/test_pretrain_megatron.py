@@ -1,0 +1,103 @@
+"""``zerotron pretrain --load`` of a checkpoint Megatron-LM wrote (megatron-core's files in
+tests/fixtures/megatron/: per-rank mcore and legacy files, and torch_dist, at tensor x pipeline
+parallel 2 x 2 or 1), in process on mock data.
+
+The reference is the conversion ``zerotron convert --from-megatron`` makes, whose logits
+tests/test_megatron_checkpoint.py checks against megatron-core's own: loading the Megatron
+checkpoint directly must train exactly as loading its conversion.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from zerotron.checkpoint.megatron import import_megatron
+from zerotron.config import parse_megatron_args
+from zerotron.errors import CheckpointError
+from zerotron.training.loop import TrainSummary
+from zerotron.training.pretrain import checkpoint_args, pretrain
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"
+MCORE = FIXTURES / "mcore_tp2pp2"
+
+# The fixtures' model (fixtures.json "config"); NullTokenizer with 59 ids (+ EOD) padded to 64.
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "59",
+    "--make-vocab-size-divisible-by", "32",
+]  # fmt: skip
+RUN = [
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
+    "--lr", "1e-3", "--mock-data", "--eval-iters", "0", "--log-interval", "1",
+    "--seed", "1234", "--num-workers", "0",
+]  # fmt: skip
+
+
+def run(*extra: object, model: list[str] = MODEL) -> TrainSummary:
+    return pretrain(parse_megatron_args([*model, *RUN, *map(str, extra)]))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """The mcore fixture converted by ``zerotron convert --from-megatron``."""
+    out = tmp_path_factory.mktemp("converted") / "ckpt"
+    import_megatron(MCORE, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(converted) -> TrainSummary:
+    return run("--load", converted, "--finetune")
+
+
+@pytest.mark.parametrize("layout", ["mcore_tp2pp2", "torch_dist_tp2pp2", "legacy_tp1"])
+def test_finetune_from_a_megatron_checkpoint_trains_as_from_its_conversion(reference, layout):
+    summary = run("--load", FIXTURES / layout, "--finetune")
+    assert sorted(summary.losses) == [1, 2, 3]
+    assert summary.losses == reference.losses  # bitwise
+
+
+def test_the_weights_are_megatrons_not_the_initial_ones(reference):
+    assert run().losses[1] != reference.losses[1]
+
+
+def test_no_load_optim_goes_on_from_megatrons_iteration_and_samples():
+    """The fixtures were saved at iteration 7 after 56 samples (Megatron's args: 7 x 8)."""
+    flags = ("--no-load-optim", "--no-load-rng", "--train-iters", 9, "--global-batch-size", 8)
+    summary = run("--load", MCORE, *flags)
+    assert sorted(summary.losses) == [8, 9]
+    assert summary.state.iteration == 9
+    assert summary.state.consumed_train_samples == 56 + 2 * 8
+
+
+@pytest.mark.parametrize("flags", [(), ("--no-load-optim",)], ids=["resume", "rng"])
+def test_megatrons_optimizer_or_rng_state_is_not_pretended(flags):
+    with pytest.raises(CheckpointError, match="written by Megatron-LM") as e:
+        run("--load", MCORE, *flags)
+    assert "--finetune" in e.value.fix and "--no-load-optim --no-load-rng" in e.value.fix
+
+
+def test_another_model_than_the_checkpoints_is_refused_naming_the_flag():
+    model = [a if a != "32" else "64" for a in MODEL]  # --hidden-size 64
+    with pytest.raises(CheckpointError, match="hidden_size: 32 in the checkpoint vs 64") as e:
+        run("--load", MCORE, "--finetune", model=model)
+    assert "--hidden-size 32" in e.value.fix
+
+
+def test_use_checkpoint_args_reads_megatrons_args(reference, converted):
+    argv = [*RUN, "--load", str(MCORE), "--finetune", "--use-checkpoint-args"]
+    cfg = parse_megatron_args(argv, checkpoint_args=checkpoint_args)
+    m, d = cfg.model, cfg.data
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size) == (
+        2,
+        32,
+        4,
+        128,
+    )
+    assert (m.seq_length, m.max_position_embeddings) == (16, 16)
+    assert (d.tokenizer_type, d.vocab_size) == ("NullTokenizer", 59)
+    # the default vocabulary padding (128 rows, not Megatron's 64): the real rows are the same
+    assert pretrain(cfg).losses == run("--load", converted, "--finetune", model=MODEL[:-2]).losses

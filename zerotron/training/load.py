@@ -1,0 +1,145 @@
+"""What ``--load`` gives ``zerotron pretrain``: a zerotron checkpoint (resume, or the weights
+alone with ``--finetune``), a checkpoint Megatron-LM wrote (its weights, from any layout into
+any layout), and the model shape ``--use-checkpoint-args`` reads from either.
+
+A Megatron-LM checkpoint is recognized by its files (``mp_rank_*`` without zerotron's
+metadata.json, or megatron-core's ``torch_dist`` directory). Its weights are read and cut for
+each rank as ``zerotron convert --from-megatron`` would convert them; Megatron's optimizer and
+RNG states are not read, so the run says which of Megatron's ways to start from weights alone it
+takes: ``--finetune`` (iteration 0) or ``--no-load-optim --no-load-rng`` (Megatron's iteration
+and consumed samples, a fresh optimizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerotron.checkpoint import read_latest_tag, read_metadata, resolve_tag
+from zerotron.checkpoint.megatron import (
+    is_megatron_checkpoint,
+    megatron_model_args,
+    megatron_weights_for,
+)
+from zerotron.checkpoint.relayout import refuse_other_model
+from zerotron.distributed.state import state as parallel_state
+from zerotron.errors import CheckpointError
+from zerotron.training.build import Run
+from zerotron.training.loop import TrainState, print_rank_0
+
+# What --use-checkpoint-args takes from a checkpoint's model config (metadata.json's "model"
+# entry, or Megatron's args).
+CHECKPOINT_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "seq_length",
+    "max_position_embeddings",
+    "layernorm_epsilon",
+)
+
+
+def checkpoint_args(load: str) -> dict[str, Any]:
+    """``--use-checkpoint-args``: the model's shape (:data:`CHECKPOINT_ARGS`) and tokenizer
+    (type; ``NullTokenizer``'s vocabulary size) recorded by the checkpoint ``--load`` would
+    load: zerotron's newest complete tag, or the args of Megatron-LM's."""
+    if is_megatron_checkpoint(load):
+        config, tokenizer = megatron_model_args(load)
+        model = config.to_dict()
+    else:
+        meta = read_metadata(load, resolve_tag(load))
+        model, tokenizer = meta.get("model") or {}, meta.get("tokenizer") or {}
+    out = {name: model[name] for name in CHECKPOINT_ARGS if model.get(name) is not None}
+    if tokenizer.get("type"):
+        out["tokenizer_type"] = tokenizer["type"]
+        if tokenizer["type"] == "NullTokenizer" and tokenizer.get("vocab_size") is not None:
+            out["vocab_size"] = tokenizer["vocab_size"]
+    return out
+
+
+def resume(run: Run, state: TrainState) -> None:
+    """Megatron's load: resume a run, or with --finetune take the weights only."""
+    c = run.cfg.checkpoint
+    if not c.load:
+        return
+    if read_latest_tag(c.load) is None:
+        if c.exit_on_missing_checkpoint:
+            raise CheckpointError(
+                "no checkpoint to load (no latest_checkpointed_iteration.txt or latest)",
+                where=c.load,
+                fix="check --load, or drop --exit-on-missing-checkpoint to start from scratch",
+            )
+        print_rank_0(f" WARNING: no checkpoint found in {c.load}; starting from random weights")
+        return
+    if is_megatron_checkpoint(c.load):
+        _load_megatron(run, state)
+        return
+    path, client = run.engine.load_checkpoint(
+        c.load,
+        load_optimizer_states=not (c.no_load_optim or c.finetune),
+        load_lr_scheduler_states=not (c.no_load_optim or c.finetune),
+        load_module_only=c.finetune,
+        load_rng=not (c.no_load_rng or c.finetune),
+    )
+    if not c.finetune:
+        state.iteration = int(client.get("iteration", run.engine.global_steps))
+        state.consumed_train_samples = int(client.get("consumed_train_samples", 0))
+        state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
+    else:
+        run.engine.global_steps = run.engine.global_samples = 0
+    print_rank_0(f"  successfully loaded checkpoint from {path} at iteration {state.iteration}")
+
+
+def _load_megatron(run: Run, state: TrainState) -> None:
+    """Megatron-LM's checkpoint in ``--load``: its weights, cut for this rank; with
+    ``--no-load-optim --no-load-rng`` also its iteration and consumed samples."""
+    c = run.cfg.checkpoint
+    if not c.finetune and not (c.no_load_optim and c.no_load_rng):
+        raise CheckpointError(
+            "the checkpoint was written by Megatron-LM: zerotron reads its weights, not "
+            "Megatron's optimizer and RNG states",
+            where=c.load,
+            fix="add --finetune to start from its weights at iteration 0, or --no-load-optim "
+            "--no-load-rng to go on from its iteration with a fresh optimizer",
+        )
+    ps = parallel_state()
+    vocab = run.engine.checkpoint_metadata["vocab"]
+    weights, meta, info = megatron_weights_for(
+        c.load,
+        ps.tp_rank,
+        ps.tp_size,
+        ps.pp_rank,
+        ps.pp_size,
+        padded_vocab_size=vocab["padded_size"],
+        virtual_stages=ps.virtual_pipeline_size or 1,
+    )
+    where = f"{c.load}/{read_latest_tag(c.load)}"
+    saved = f"Megatron-LM's tp{info['tensor_parallel']} pp{info['pipeline_parallel']}"
+    refuse_other_model(
+        meta,
+        run.engine.checkpoint_metadata.get("model"),
+        vocab["size"],
+        where,
+        saved_layout=saved,
+        layout=f"tp{ps.tp_size} pp{ps.pp_size}",
+        recorded_in="Megatron's args in the checkpoint hold its model; --use-checkpoint-args "
+        "takes it from them",
+    )
+    run.engine.load_weights(weights, meta, where)
+    if not c.finetune:
+        state.iteration = int(info["iteration"] or 0)  # a release checkpoint has none
+        state.consumed_train_samples = info["consumed_train_samples"]
+        state.consumed_valid_samples = info["consumed_valid_samples"]
+    run.engine.global_steps = state.iteration
+    run.engine.global_samples = state.consumed_train_samples
+    print_rank_0(
+        f"  loaded the weights of a Megatron-LM {info['format']} checkpoint (tensor parallel "
+        f"{info['tensor_parallel']}, pipeline parallel {info['pipeline_parallel']}, iteration "
+        f"{info['iteration']}) from {where}; "
+        + (
+            "starting at iteration 0 (--finetune)"
+            if c.finetune
+            else f"going on from iteration {state.iteration} (consumed samples "
+            f"{state.consumed_train_samples}) with a fresh optimizer"
+        )
+    )
