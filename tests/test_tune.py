@@ -173,6 +173,58 @@ def test_the_estimator_prunes_what_does_not_fit():
     assert all(e.estimated_bytes > device for e in pruned)
 
 
+def _block_estimates(tuner: PretrainTuner, point: dict) -> dict[int, int]:
+    """The estimator's total for each number of block-recomputed layers (1 .. 23 of 24)."""
+    from zerotron.tuning.tune_pretrain import estimated_bytes, point_flags
+
+    out = {}
+    for n in range(1, 24):
+        flags = point_flags({**point, "recompute_num_layers": n})
+        out[n] = estimated_bytes(parse_megatron_args([*TINY, *flags], world_size=2))
+    return out
+
+
+BLOCK_POINT = {"zero_stage": 1, "tp": 2, "pp": 1, "recompute": "block", "micro_batch_size": 1,
+               "gradient_accumulation_steps": 16, "recompute_num_layers": None}  # fmt: skip
+
+
+def test_a_block_recompute_point_recomputes_the_fewest_layers_that_fit():
+    estimates = _block_estimates(PretrainTuner(_pretrain_request(2**40), 2), BLOCK_POINT)
+    assert all(estimates[n] > estimates[n + 1] for n in range(1, 23))  # memory falls with n
+    device = (estimates[5] + estimates[6]) // 2  # 6 layers fit, 5 do not
+    exp, refused = PretrainTuner(_pretrain_request(device), 2).candidate(BLOCK_POINT)
+    assert refused is None
+    assert exp.settings["recompute_num_layers"] == 6 and exp.name.startswith("z1_tp2_pp1_rcblk6_")
+    assert exp.estimated_bytes == estimates[6]
+    cfg = parse_megatron_args(exp.script_args, world_size=2)
+    m = cfg.model
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == (
+        "full",
+        "block",
+        6,
+    )
+
+
+def test_a_block_recompute_point_that_never_fits_is_left_to_the_pruner():
+    tuner = PretrainTuner(_pretrain_request(1), 2)
+    exp, refused = tuner.candidate(BLOCK_POINT)
+    assert refused is None and exp.settings["recompute_num_layers"] == 23
+    assert space.prune([exp], tuner.device) == ([], [exp])
+
+
+def test_block_recompute_needs_two_layers_per_chunk():
+    req = _pretrain_request(2**40)
+    req.script_args = [a if a != "24" else "2" for a in req.script_args]  # 2 layers, pp 2
+    point = {**BLOCK_POINT, "tp": 1, "pp": 2, "zero_stage": 0}
+    assert "2 or more layers per chunk, not 1" in PretrainTuner(req, 2).candidate(point)[1]
+
+
+def test_an_unknown_recompute_choice_is_refused():
+    tuner = PretrainTuner(_pretrain_request(2**40), 2)
+    with pytest.raises(ConfigError, match="unknown recompute choice blocks"):
+        pretrain_points(tuner.cfg, 2, tuner.opts, recompute=["full", "blocks"])
+
+
 def test_an_experiment_drops_the_flags_it_sets_itself():
     args = ["--save", "ck", "--recompute-activations", "--recompute-granularity=full", "--lr", "1"]
     assert strip_flags(args) == ["--lr", "1"]

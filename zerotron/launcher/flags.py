@@ -407,8 +407,8 @@ def _autotuning_flags(p: ArgumentParser) -> None:
         type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
         metavar="LIST",
         default=None,
-        help="zerotron pretrain: recompute granularities to search, of none, selective, full "
-        "(default: all three)",
+        help="zerotron pretrain: recompute choices to search, of none, selective, full, block "
+        "(full recompute of the fewest layers per chunk that fit; default: all four)",
     )
     g.add_argument(
         "--experiment_time_limit",

@@ -20,7 +20,10 @@ from zerotron.errors import ConfigError
 from zerotron.tuning.experiments import Experiment
 
 ZERO_STAGES = (0, 1, 2, 3)
-RECOMPUTE = ("none", "selective", "full")
+# The pretrain tuner's recompute choices: Megatron's granularities, and "block": full recompute
+# of the fewest layers per pipeline chunk that fit (--recompute-method block), as the planner
+# proposes it.
+RECOMPUTE = ("none", "selective", "full", "block")
 
 # DeepSpeed's default tuning spaces for ZeRO's knobs (fast: false), per stage.
 ZERO_KNOBS: dict[int, dict[str, list[Any]]] = {

@@ -51,7 +51,10 @@ def point_flags(s: dict[str, Any]) -> list[str]:
         "--pipeline-model-parallel-size", str(s["pp"]),
         "--micro-batch-size", str(s["micro_batch_size"]),
     ]  # fmt: skip
-    if s["recompute"] != "none":
+    if s["recompute"] == "block":
+        flags += ["--recompute-granularity", "full", "--recompute-method", "block",
+                  "--recompute-num-layers", str(s["recompute_num_layers"])]  # fmt: skip
+    elif s["recompute"] != "none":
         flags += ["--recompute-granularity", s["recompute"]]
     return flags
 
@@ -79,6 +82,13 @@ def pretrain_points(
 ) -> list[dict[str, Any]]:
     """Every point of the space for the user's config ``cfg`` (a resolved Config)."""
     m, t = cfg.model, cfg.training
+    unknown = sorted(set(recompute or ()) - set(space.RECOMPUTE))
+    if unknown:
+        raise ConfigError(
+            f"unknown recompute choice {', '.join(unknown)}",
+            where="--recompute",
+            fix=f"choose from {', '.join(space.RECOMPUTE)}",
+        )
     stages = zero_stages or [cfg.zero.zero_stage]
     layouts = space.parallel_layouts(world, m.num_layers, m.num_attention_heads, tp_sizes, pp_sizes)
     points = []
@@ -106,11 +116,15 @@ def pretrain_points(
                             "gradient_accumulation_steps": gas,
                         }
                     )
+                    if rc == "block":  # PretrainTuner.candidate finds how many layers fit
+                        points[-1]["recompute_num_layers"] = None
     return points
 
 
 def point_name(s: dict[str, Any]) -> str:
-    rc = {"none": "", "selective": "_rcsel", "full": "_rcfull"}[s["recompute"]]
+    rc = {"none": "", "selective": "_rcsel", "full": "_rcfull", "block": "_rcblk"}[s["recompute"]]
+    if s["recompute"] == "block":
+        rc += str(s["recompute_num_layers"])
     return (
         f"z{s['zero_stage']}_tp{s['tp']}_pp{s['pp']}{rc}"
         f"_gas{s['gradient_accumulation_steps']}_tmbspg{s['micro_batch_size']}"
@@ -128,17 +142,50 @@ class PretrainTuner(Tuner):
         super().__init__(req, self.cfg.autotuning, nproc_per_node)
 
     def candidate(self, s: dict[str, Any]) -> tuple[Experiment, str | None]:
-        """The experiment of point ``s`` and, if its config is refused, why."""
-        from zerotron.config import parse_megatron_args
-
+        """The experiment of point ``s`` and, if its config is refused, why. A ``block``
+        point recomputes the fewest layers per chunk that fit (:meth:`_fewest_blocks`)."""
+        if s["recompute"] == "block":
+            s = {**s, "recompute_num_layers": 1}
+            chunk = self.cfg.model.num_layers // (s["pp"] * self._virtual_stages())
+            if chunk < 2:
+                exp = Experiment(point_name(s), f"z{s['zero_stage']}", s)
+                return exp, f"block recompute needs 2 or more layers per chunk, not {chunk}"
+            s["recompute_num_layers"] = self._fewest_blocks(s, chunk)
         args = [*self.base_args, *point_flags(s)]
         exp = Experiment(point_name(s), f"z{s['zero_stage']}", dict(s), script_args=args)
         try:
-            cfg = parse_megatron_args(args, world_size=self.req.world_size)
+            cfg = self._parse(args)
         except (ConfigError, SystemExit) as e:
             return exp, str(e).splitlines()[0] if str(e) else "refused by the config"
         exp.estimated_bytes = estimated_bytes(cfg)
         return exp, None
+
+    def _parse(self, args: list[str]) -> Any:
+        from zerotron.config import parse_megatron_args
+
+        return parse_megatron_args(args, world_size=self.req.world_size)
+
+    def _virtual_stages(self) -> int:
+        return self.cfg.parallel.virtual_pipeline_model_parallel_size or 1
+
+    def _fewest_blocks(self, s: dict[str, Any], chunk: int) -> int:
+        """The fewest recomputed layers per chunk (1 .. chunk - 1) whose estimate fits the
+        device (memory falls as they grow); ``chunk - 1`` when none does, for the pruner to
+        report. Recomputing all of them is the ``full`` point."""
+        lo, hi, found = 1, chunk - 1, chunk - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            try:
+                need = estimated_bytes(
+                    self._parse([*self.base_args, *point_flags({**s, "recompute_num_layers": mid})])
+                )
+            except (ConfigError, SystemExit):
+                return found  # candidate() reports the refusal
+            if need is None or need <= self.device:
+                found, hi = mid, mid - 1
+            else:
+                lo = mid + 1
+        return found
 
     def prepare_experiment(self, exp: Experiment, result_dir: Path, metric_path: Path) -> None:
         o = self.opts
