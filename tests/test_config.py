@@ -594,6 +594,63 @@ def test_blended_data_paths(tmp_path):
         parse("--data-path", "0.3", "A", "B")
 
 
+def test_per_split_data_paths():
+    d = parse("--train-data-path", "0.3", "A", "0.7", "B", "--valid-data-path", "V").data
+    assert (d.train_data_path, d.valid_data_path, d.test_data_path) == (
+        ["0.3", "A", "0.7", "B"],
+        ["V"],
+        None,
+    )
+    assert d.per_split and d.data_path is None
+    with pytest.raises(ConfigError, match="a blend alternates") as e:
+        parse("--valid-data-path", "0.3", "A", "B", "C")
+    assert e.value.where == "data.valid_data_path"
+
+
+def test_per_split_data_paths_and_data_path_are_one_or_the_other():
+    with pytest.raises(ConfigError, match="--train/valid/test-data-path and --data-path both"):
+        parse("--data-path", "A", "--test-data-path", "T")
+
+
+def test_data_args_path_holds_data_paths_value(tmp_path):
+    path = write(tmp_path, "data.txt", "0.25 /d/x_text_document\n0.75 /d/y\n")
+    assert parse("--data-args-path", path).data.blend == (
+        ["/d/x_text_document", "/d/y"],
+        [0.25, 0.75],
+    )
+    with pytest.raises(ConfigError, match="--data-args-path and --data-path both"):
+        parse("--data-args-path", path, "--data-path", "A")
+    with pytest.raises(ConfigError, match="cannot read it") as e:
+        parse("--data-args-path", str(tmp_path / "missing.txt"))
+    assert e.value.where == str(tmp_path / "missing.txt")
+
+
+def test_per_split_data_args_path_holds_the_three_paths(tmp_path):
+    path = write(tmp_path, "s.json", '{"train": "0.5 A 0.5 B", "valid": ["V"], "test": null}')
+    d = parse("--per-split-data-args-path", path).data
+    assert (d.train_data_path, d.valid_data_path, d.test_data_path) == (
+        ["0.5", "A", "0.5", "B"],
+        ["V"],
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"train": "A",\n "vaild": "V"}', "expected an object with the keys train, valid, test"),
+        ('{"train": "A",\n "valid": 3}', "'valid' is 3, not a path string or a list"),
+        ('{"train": "A",\n "valid" "V"}', "not JSON: Expecting ':' delimiter"),
+        ('{"train": "0.5 A B"}', "a blend needs a weight before every prefix"),
+    ],
+)
+def test_a_bad_per_split_data_args_file_says_where(tmp_path, text, match):
+    path = write(tmp_path, "s.json", text)
+    with pytest.raises(ConfigError, match=match) as e:
+        parse("--per-split-data-args-path", path)
+    assert e.value.where.startswith(path)
+
+
 def test_split_formats():
     assert parse("--split", "90/5/5").data.split_fractions == (0.9, 0.05, 0.05)
     assert parse("--split", "98,2").data.split_fractions == (0.98, 0.02, 0.0)

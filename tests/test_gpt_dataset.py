@@ -492,3 +492,49 @@ def test_dataset_info_prints_splits(tmp_path, capsys):
     info.main(["--data-path", "1", prefix, "3", prefix, "--split", "8,1,1", "--seq-length", "16"])
     out = capsys.readouterr().out
     assert "blend of 2 datasets" in out and "weight 0.7500" in out
+
+
+# --------------------------------------------------------------------------- per-split paths
+
+
+def test_per_split_paths_take_every_document_of_their_own_data(tmp_path):
+    """--train-data-path A --valid-data-path B (no test path): train serves A's documents, one
+    epoch every token once, as --data-path A --split 100,0,0 would; valid serves B's; no test."""
+    a_docs, b_docs = unique_docs([16] * 10, start=1), unique_docs([16] * 5, start=100_000)
+    a = write_corpus(tmp_path / "a", a_docs)
+    b = write_corpus(tmp_path / "b", b_docs)
+    train, valid, test = build_train_valid_test_datasets(
+        None, "969,30,1", (10, 5, 3), 16, 1234, per_split_paths=[[a], [b], None],
+        eod_token=EOD, cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    assert test is None
+    whole = build_train_valid_test_datasets(
+        [a], "100,0,0", (10, 0, 0), 16, 1234, eod_token=EOD, cache_dir=tmp_path / "cache2"
+    )[0]
+    assert all(torch.equal(train[i]["tokens"], whole[i]["tokens"]) for i in range(10))
+    served = np.sort(np.concatenate([train[i]["tokens"].numpy() for i in range(10)]))
+    assert np.array_equal(served, np.sort(np.concatenate(a_docs)))
+    served = np.sort(np.concatenate([valid[i]["tokens"].numpy() for i in range(5)]))
+    assert np.array_equal(served, np.sort(np.concatenate(b_docs)))
+
+
+def test_a_per_split_path_may_be_a_blend(tmp_path):
+    a = write_corpus(tmp_path / "a", unique_docs([20] * 30, start=1))
+    b = write_corpus(tmp_path / "b", unique_docs([15] * 40, start=100_000))
+    train, valid, _ = build_train_valid_test_datasets(
+        None, "969,30,1", (400, 40, 0), 8, 7, per_split_paths=[["0.25", a, "0.75", b], [a], None],
+        eod_token=EOD, cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    assert isinstance(train, BlendedDataset) and abs(train.counts()[0] - 100) < 1
+    assert all(int(valid[i]["tokens"][0]) < 100_000 for i in range(40))
+
+
+def test_a_per_split_path_without_tokens_names_its_flag(tmp_path):
+    a = write_corpus(tmp_path / "a", unique_docs([16] * 4))
+    empty = write_corpus(tmp_path / "e", [np.array([], dtype=np.int64)] * 3)
+    with pytest.raises(DataError, match="the valid data has no tokens") as e:
+        build_train_valid_test_datasets(
+            None, "1", (4, 2, 0), 8, 1, per_split_paths=[[a], [empty], None], eod_token=EOD,
+            cache_dir=tmp_path / "cache",
+        )  # fmt: skip
+    assert e.value.fix == "check --valid-data-path"

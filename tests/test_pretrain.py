@@ -130,6 +130,23 @@ def test_a_batch_size_ramp_trains_as_engines_built_for_each_size(data_prefix, tm
     assert second.state.consumed_valid_samples == ramped.state.consumed_valid_samples
 
 
+def test_per_split_data_paths_train_as_one_path_given_every_document(data_prefix, capsys):
+    """--train-data-path P trains on every document of P: as --data-path P --split 100,0,0;
+    --valid-data-path gives the validation data, and without it there is none."""
+    flags = [*TINY, "--train-iters", "4"]
+    whole = pretrain(parse_megatron_args([*flags, "--data-path", data_prefix, "--split", "100,0,0",
+                                          "--eval-iters", "0"]))  # fmt: skip
+    both = pretrain(parse_megatron_args([*flags, "--train-data-path", data_prefix,
+                                         "--valid-data-path", data_prefix]))  # fmt: skip
+    assert sorted(both.losses) == [1, 2, 3, 4]
+    assert both.losses == whole.losses  # bitwise
+    assert both.valid_loss is not None and math.isfinite(both.valid_loss)
+    capsys.readouterr()
+    alone = pretrain(parse_megatron_args([*flags, "--train-data-path", data_prefix]))
+    assert alone.losses == whole.losses and alone.valid_loss is None
+    assert " > no --valid-data-path: no validation data" in capsys.readouterr().out
+
+
 def _without_model_flags() -> list[str]:
     out, skip = [], False
     for a in TINY:

@@ -14,6 +14,8 @@ what the inputs left empty:
   :func:`batch_geometry`);
 * ``train_iters`` from ``train_samples`` and back, ``lr_decay_iters`` (train_iters),
   ``lr_decay_samples``, ``lr_warmup_samples``, ``start/end_weight_decay`` (weight_decay);
+* ``data_path`` or the per-split paths from the files that name them
+  (:mod:`zerotron.config.data_paths`);
 * ``overlap_comm`` (on at ZeRO stage 3), and the offload rules (a stage that partitions what
   is offloaded, a path for NVMe).
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zerotron.config import batch_ramp
+from zerotron.config.data_paths import resolve_data_paths
 from zerotron.config.sections import ModelConfig, SchedulerConfig, Section, flag
 from zerotron.errors import ConfigError, UnsupportedError
 
@@ -39,6 +42,7 @@ def derive(cfg: Config) -> None:
     """Check the inputs of ``cfg`` together and fill in every derived value (in place: only
     validation may write to a frozen Config)."""
     _check_precision(cfg)
+    resolve_data_paths(cfg.data, _fill)
     _resolve_model(cfg)
     _resolve_parallel(cfg)
     _resolve_batch(cfg)

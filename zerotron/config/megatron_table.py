@@ -119,9 +119,6 @@ UNSUPPORTED: dict[str, Known] = {
     ),
     "--fp8-format": Known(True, "FP8 training is not implemented; use --bf16 or --fp16"),
     "--use-torch-fsdp2": Known(False, "FSDP2 is not used (ZeRO stage 3 is the same idea)"),
-    "--train-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
-    "--valid-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
-    "--test-data-path": Known(True, "per-split data paths are not implemented; use --data-path"),
     "--dataloader-type": Known(
         True, "only Megatron's default single-pass sampler is implemented", ("single",)
     ),

@@ -16,6 +16,7 @@ import hashlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -304,12 +305,13 @@ def check_split(
 
 
 def build_train_valid_test_datasets(
-    data_path: Sequence[str] | str,
+    data_path: Sequence[str] | str | None,
     split: str,
     train_valid_test_num_samples: Sequence[int],
     seq_length: int,
     seed: int,
     *,
+    per_split_paths: Sequence[Sequence[str] | str | None] | None = None,
     eod_token: int,
     eod_mask_loss: bool = False,
     reset_position_ids: bool = False,
@@ -322,26 +324,24 @@ def build_train_valid_test_datasets(
     """Train, valid and test datasets (None where 0 samples are requested).
 
     ``data_path`` is Megatron's ``--data-path`` (one prefix or a weighted blend), ``split`` its
-    ``--split`` over documents, applied to each prefix of a blend. Each dataset serves exactly
-    the requested number of samples. Index files are built by the process with
-    ``is_builder=True`` and loaded by the others after ``barrier()``. With ``vocab_size``, every
-    token id of each dataset is checked to lie below it (a DataError naming the ``.bin`` and the
-    offset otherwise); every rank checks, so all stop with the same error instead of waiting.
+    ``--split`` over documents, applied to each prefix of a blend. ``per_split_paths`` instead
+    (Megatron's ``--train-data-path``, ``--valid-data-path``, ``--test-data-path``) gives each
+    split its own prefix or blend, every document of it, and ``data_path`` and ``split`` are
+    not used; a split without a path gets no dataset. Each dataset serves exactly the requested
+    number of samples. Index files are built by the process with ``is_builder=True`` and loaded
+    by the others after ``barrier()``. With ``vocab_size``, every token id of each dataset is
+    checked to lie below it (a DataError naming the ``.bin`` and the offset otherwise); every
+    rank checks, so all stop with the same error instead of waiting.
     """
-    from zerotron.data.blended_dataset import BlendedDataset
-
     if len(train_valid_test_num_samples) != 3:
         raise ConfigError("need three sample counts: train, valid, test")
-    path = parse_data_path(data_path)
-    indexed = [MMapIndexedDataset(p) for p in path.prefixes]
-    if vocab_size is not None:
-        for ds in indexed:
-            ds.check_token_ids(vocab_size)
-    doc_sizes = [document_sizes(ds) for ds in indexed]
-    ranges = [ib.split_ranges(split, ds.num_documents) for ds in indexed]
+    for split_i, n in enumerate(train_valid_test_num_samples):
+        if int(n) < 0:
+            raise ConfigError(f"negative number of {ib.SPLIT_NAMES[split_i]} samples: {n}")
     requested = [int(n) > 0 for n in train_valid_test_num_samples]
-    weights = blend_weights(path, indexed) if path.is_blend else None
     common = dict(
+        seq_length=seq_length,
+        seed=seed,
         eod_token=eod_token,
         eod_mask_loss=eod_mask_loss,
         reset_position_ids=reset_position_ids,
@@ -350,39 +350,86 @@ def build_train_valid_test_datasets(
         barrier=barrier,
         cache_dir=cache_dir,
     )
+    if per_split_paths is None:
+        if data_path is None:
+            raise ConfigError("no data path given", fix="--data-path PREFIX")
+        data = _Source(data_path, vocab_size, split)
+        return tuple(
+            data.dataset(i, int(n), requested, **common) if n else None
+            for i, n in enumerate(train_valid_test_num_samples)
+        )
+    if len(per_split_paths) != 3:
+        raise ConfigError("need three per-split data paths (train, valid, test; None for none)")
+    return tuple(
+        _Source(path, vocab_size).dataset(i, int(n), requested, **common)
+        if n and path is not None
+        else None
+        for i, (path, n) in enumerate(zip(per_split_paths, train_valid_test_num_samples))
+    )
 
-    def one(ds_i: int, split_i: int, num_samples: int) -> GPTDataset:
-        ds, (lo, hi) = indexed[ds_i], ranges[ds_i][split_i]
-        check_split(ds, split, split_i, (lo, hi), doc_sizes[ds_i], requested)
-        name = ib.SPLIT_NAMES[split_i]
-        return GPTDataset(ds, name, range(lo, hi), num_samples, seq_length, seed, **common)
 
-    out: list[torch.utils.data.Dataset | None] = []
-    for split_i, n in enumerate(train_valid_test_num_samples):
-        n = int(n)
-        if n < 0:
-            raise ConfigError(f"negative number of {ib.SPLIT_NAMES[split_i]} samples: {n}")
-        if n == 0:
-            out.append(None)
-        elif weights is None:
-            out.append(one(0, split_i, n))
-        else:
-            out.append(
-                BlendedDataset.build(
-                    lambda ds_i, count, s=split_i: one(ds_i, s, count),
-                    weights,
-                    n,
-                    name=ib.SPLIT_NAMES[split_i],
-                    description={
-                        "prefixes": [Path(p).name for p in path.prefixes],
-                        "fingerprints": [ib.fingerprint(d.sizes, d.doc_idx) for d in indexed],
-                        "split": split,
-                        "seq_length": seq_length,
-                        "seed": seed,
-                    },
-                    cache_dir=cache_dir if cache_dir is not None else indexed[0].prefix.parent,
-                    is_builder=is_builder,
-                    barrier=barrier,
+class _Source:
+    """One ``--data-path``-style value opened: its indexed datasets and blend weights; cut by
+    ``split`` into train/valid/test documents, or (``split`` None, a per-split path) used
+    whole."""
+
+    def __init__(
+        self, data_path: Sequence[str] | str, vocab_size: int | None, split: str | None = None
+    ):
+        self.path = parse_data_path(data_path)
+        self.indexed = [MMapIndexedDataset(p) for p in self.path.prefixes]
+        if vocab_size is not None:
+            for ds in self.indexed:
+                ds.check_token_ids(vocab_size)
+        self.split = split
+        self.doc_sizes = [document_sizes(ds) for ds in self.indexed]
+        self.weights = blend_weights(self.path, self.indexed) if self.path.is_blend else None
+
+    def _documents(self, ds_i: int, split_i: int, requested: Sequence[bool]) -> range:
+        ds = self.indexed[ds_i]
+        if self.split is None:
+            if self.doc_sizes[ds_i].sum() == 0:
+                name = ib.SPLIT_NAMES[split_i]
+                raise DataError(
+                    f"the {name} data has no tokens, but {name} samples are requested",
+                    where=str(ds.prefix),
+                    fix=f"check --{name}-data-path",
                 )
-            )
-    return tuple(out)
+            return range(0, ds.num_documents)
+        lo, hi = ib.split_ranges(self.split, ds.num_documents)[split_i]
+        check_split(ds, self.split, split_i, (lo, hi), self.doc_sizes[ds_i], requested)
+        return range(lo, hi)
+
+    def dataset(
+        self, split_i: int, n: int, requested: Sequence[bool], *, seq_length: int, seed: int,
+        cache_dir: str | os.PathLike | None, is_builder: bool,
+        barrier: Callable[[], None] | None, **masks: Any,
+    ) -> torch.utils.data.Dataset:  # fmt: skip
+        """Split ``split_i``'s dataset of ``n`` samples (blended when the path is a blend)."""
+        from zerotron.data.blended_dataset import BlendedDataset
+
+        name = ib.SPLIT_NAMES[split_i]
+        build = dict(cache_dir=cache_dir, is_builder=is_builder, barrier=barrier, **masks)
+
+        def one(ds_i: int, count: int) -> GPTDataset:
+            docs = self._documents(ds_i, split_i, requested)
+            return GPTDataset(self.indexed[ds_i], name, docs, count, seq_length, seed, **build)
+
+        if self.weights is None:
+            return one(0, n)
+        return BlendedDataset.build(
+            one,
+            self.weights,
+            n,
+            name=name,
+            description={
+                "prefixes": [Path(p).name for p in self.path.prefixes],
+                "fingerprints": [ib.fingerprint(d.sizes, d.doc_idx) for d in self.indexed],
+                "split": self.split if self.split is not None else "whole",
+                "seq_length": seq_length,
+                "seed": seed,
+            },
+            cache_dir=cache_dir if cache_dir is not None else self.indexed[0].prefix.parent,
+            is_builder=is_builder,
+            barrier=barrier,
+        )

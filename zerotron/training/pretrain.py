@@ -135,12 +135,12 @@ def _choose_kernels(run: Run) -> None:
 def _data_iterators(run: Run, state: TrainState, ps: ParallelState):
     cfg = run.cfg
     d, t = cfg.data, cfg.training
-    if not d.data_path and not d.mock_data:
+    if not (d.data_path or d.train_data_path or d.mock_data):
         raise ConfigError(
             "no training data",
-            where="--data-path",
-            fix="pass --data-path PREFIX (made by `zerotron preprocess`), --mock-data to train on "
-            "synthetic tokens, or --train-iters 0",
+            where="--train-data-path" if d.per_split else "--data-path",
+            fix="pass --data-path PREFIX (made by `zerotron preprocess`) or --train-data-path "
+            "PREFIX, --mock-data to train on synthetic tokens, or --train-iters 0",
         )
     masks = dict(
         eod_token=run.tokenizer.eod,
@@ -149,8 +149,10 @@ def _data_iterators(run: Run, state: TrainState, ps: ParallelState):
         reset_attention_mask=d.reset_attention_mask,
     )
     if d.mock_data:
-        if d.data_path:  # Megatron-LM builds the mock datasets and ignores the path too
-            print_rank_0(" WARNING: --data-path is ignored with --mock-data")
+        # Megatron-LM builds the mock datasets and ignores the paths too
+        for given, flags in ((d.data_path, "--data-path is"), (d.per_split, "--*-data-path are")):
+            if given:
+                print_rank_0(f" WARNING: {flags} ignored with --mock-data")
         datasets = build_mock_datasets(
             d.split,
             cfg.train_valid_test_num_samples,
@@ -160,12 +162,17 @@ def _data_iterators(run: Run, state: TrainState, ps: ParallelState):
             **masks,
         )
     else:
+        per_split = [d.train_data_path, d.valid_data_path, d.test_data_path]
+        for name, path in zip(("validation", "test"), per_split[1:]):
+            if d.per_split and path is None:
+                print_rank_0(f" > no --{name[:5]}-data-path: no {name} data")
         datasets = build_train_valid_test_datasets(
             d.data_path,
             d.split,
             cfg.train_valid_test_num_samples,
             cfg.model.seq_length,
             t.seed,
+            per_split_paths=per_split if d.per_split else None,
             **masks,
             cache_dir=d.data_cache_path,
             vocab_size=run.tokenizer.vocab_size,  # an id past it would fail in the embedding

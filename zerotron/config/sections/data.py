@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from zerotron.config.sections.base import Int, Section, check_choice
 from zerotron.errors import ConfigError
@@ -27,6 +27,11 @@ UNSUPPORTED_TOKENIZER_TYPES = (
 """Megatron-LM tokenizer types zerotron knows about but does not implement."""
 
 
+PER_SPLIT_FIELDS = ("train_data_path", "valid_data_path", "test_data_path")
+"""Megatron's per-split data paths, in split order."""
+PATH_FIELDS = ("data_path", *PER_SPLIT_FIELDS)
+
+
 class DataConfig(Section):
     """Tokenized data, its split, the tokenizer, the data loader."""
 
@@ -34,6 +39,27 @@ class DataConfig(Section):
         None,
         description="Dataset prefix, or a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...', or several "
         "prefixes weighted by their size.",
+    )
+    train_data_path: list[str] | None = Field(
+        None,
+        description="The training data alone, a prefix or a blend as --data-path, all its "
+        "documents; with --valid-data-path and --test-data-path in place of --data-path and "
+        "--split (Megatron's).",
+    )
+    valid_data_path: list[str] | None = Field(
+        None,
+        description="The validation data alone (see --train-data-path); none: no validation.",
+    )
+    test_data_path: list[str] | None = Field(
+        None, description="The test data alone (see --train-data-path); none: no test."
+    )
+    data_args_path: str | None = Field(
+        None, description="A text file holding --data-path's value (Megatron's)."
+    )
+    per_split_data_args_path: str | None = Field(
+        None,
+        description='A JSON file {"train": ..., "valid": ..., "test": ...} holding the three '
+        "per-split paths, each a string or a list as --data-path (Megatron's).",
     )
     mock_data: bool = Field(
         False,
@@ -66,7 +92,7 @@ class DataConfig(Section):
         None, description="Directory for index caches; next to the data when not given."
     )
 
-    @field_validator("data_path", mode="before")
+    @field_validator(*PATH_FIELDS, mode="before")
     @classmethod
     def _split_blend_string(cls, value: Any) -> Any:
         # A file may give the blend as one string "0.3 A 0.7 B", or numbers in a YAML list.
@@ -76,11 +102,11 @@ class DataConfig(Section):
             return [str(v) for v in value]
         return value
 
-    @field_validator("data_path")
+    @field_validator(*PATH_FIELDS)
     @classmethod
-    def _check_blend(cls, value: list[str] | None) -> list[str] | None:
+    def _check_blend(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
         if value is not None:
-            parse_data_path(value)
+            parse_data_path(value, where=f"data.{info.field_name}")
         return value
 
     @field_validator("split")
@@ -114,6 +140,11 @@ class DataConfig(Section):
         return self
 
     @property
+    def per_split(self) -> bool:
+        """The splits come from --train/valid/test-data-path (not --data-path and --split)."""
+        return any(getattr(self, f) is not None for f in PER_SPLIT_FIELDS)
+
+    @property
     def blend(self) -> tuple[list[str], list[float] | None] | None:
         """``(prefixes, weights)`` from data_path; weights None means 'by dataset size'."""
         return None if self.data_path is None else parse_data_path(self.data_path)
@@ -124,14 +155,16 @@ class DataConfig(Section):
         return parse_split(self.split)
 
 
-def parse_data_path(items: list[str]) -> tuple[list[str], list[float] | None]:
+def parse_data_path(
+    items: list[str], where: str = "data.data_path"
+) -> tuple[list[str], list[float] | None]:
     """Megatron's --data-path: ``[P]``, ``[W1, P1, W2, P2, ...]`` or ``[P1, P2, ...]``.
 
     Returns ``(prefixes, weights)``; weights is None when they are to come from dataset sizes.
     """
-    where = "data.data_path"
     if not items:
-        raise ConfigError("no dataset prefix given", where=where, fix="--data-path PREFIX")
+        flag = "--" + where.split(".")[-1].replace("_", "-")
+        raise ConfigError("no dataset prefix given", where=where, fix=f"{flag} PREFIX")
 
     def number(s: str) -> float | None:
         try:
