@@ -23,7 +23,9 @@ types DeepSpeed pickles into these files, each unpickled as a local stand-in (De
 imported); any other type is refused with a :class:`~zerotron.errors.CheckpointError` naming the
 file and the type.
 
-The other direction (zerotron's saves for DeepSpeed's ``zero_to_fp32``) is
+DeepSpeed's universal checkpoints (``ds_to_universal.py``'s output) are read by
+:mod:`zerotron.checkpoint.deepspeed_universal` into the same :class:`DeepSpeedCheckpoint`. The
+other direction (zerotron's saves for DeepSpeed's ``zero_to_fp32``) is
 :mod:`zerotron.checkpoint.deepspeed_view`. :func:`deepspeed_fp32_state_dict` is DeepSpeed's
 ``get_fp32_state_dict_from_zero_checkpoint`` on a DeepSpeed checkpoint.
 """
@@ -76,6 +78,7 @@ DS_MODEL_KEYS = frozenset(
         "checkpoint_parallel_dimensions",
         "ds_config",
         "ds_version",
+        "universal_checkpoint_info",
     }
 )
 
@@ -212,24 +215,14 @@ def read_deepspeed_checkpoint(
     """Read the DeepSpeed checkpoint in ``tag_dir`` (one model-parallel rank, ZeRO 0-3);
     with ``optimizer`` also every rank's optimizer file (ZeRO stages 1-3)."""
     tag_dir = Path(tag_dir)
-    if (tag_dir / MODEL_STATES).is_file():
-        model = load_deepspeed_file(tag_dir / MODEL_STATES)
-    else:
-        model = load_deepspeed_file(tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    _require(model, ("module", "param_shapes"), tag_dir / MODEL_STATES)
-    if int(model.get("mp_world_size", 1) or 1) != 1:
-        raise CheckpointError(
-            f"the checkpoint was saved with model parallel size {model['mp_world_size']}",
-            where=str(tag_dir),
-            fix="only DeepSpeed checkpoints of one model-parallel rank (mp_rank_00) load",
-        )
+    model = read_model_states(tag_dir)
     module = dict(model["module"])
     states = {k: v for k, v in model.items() if k != "module"}
     optim_files = _optim_files(tag_dir)
     if not optim_files:
         return DeepSpeedCheckpoint(tag_dir, 0, int(model.get("dp_world_size", 1)), module, states)
     first = load_deepspeed_file(tag_dir / optim_files[0])
-    osd = _require(first, (OSD,), tag_dir / optim_files[0])[OSD]
+    osd = require_entries(first, (OSD,), tag_dir / optim_files[0])[OSD]
     stage = int(osd.get("zero_stage", 0))
     count = osd.get(PARTITION_COUNT)
     dp = int(max(count) if isinstance(count, (list, tuple)) else count)
@@ -247,19 +240,51 @@ def read_deepspeed_checkpoint(
     # optimizer files are read even for the weights alone
     osds = [osd] + [load_deepspeed_file(tag_dir / f)[OSD] for f in optim_files[1:]]
     _consolidate(ckpt, osds, shapes, stage)
-    scaler = osd.get("loss_scaler")
-    if any(t.dtype == torch.float16 for t in module.values()) and hasattr(scaler, "__dict__"):
-        ckpt.loss_scaler = dict(vars(scaler))  # fp16 weights: DeepSpeed trained in fp16
+    ckpt.loss_scaler = fp16_loss_scaler(module, osd.get("loss_scaler"))
     if stage == 3:
-        # DeepSpeed restores stage-3 weights from the fp32 masters, in the model's dtype
-        for name, master in ckpt.masters.items():
-            dtype = module[name].dtype if name in module else master.dtype
-            module[name] = master.to(dtype)
-        _merge_frozen_stage3(tag_dir, model, module, dp)
+        weights_from_masters(module, ckpt.masters)  # as DeepSpeed restores stage-3 weights
+        merge_frozen_stage3(tag_dir, model, module, dp)
     return ckpt
 
 
-def _merge_frozen_stage3(
+def read_model_states(tag_dir: Path) -> dict[str, Any]:
+    """The (rank 0) model-states file of the DeepSpeed checkpoint in ``tag_dir``, checked to
+    be of one model-parallel rank with its module's state dict."""
+    path = tag_dir / MODEL_STATES
+    if not path.is_file():
+        path = tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    model = require_entries(load_deepspeed_file(path), ("module", "param_shapes"), path)
+    if int(model.get("mp_world_size", 1) or 1) != 1:
+        raise CheckpointError(
+            f"the checkpoint was saved with model parallel size {model['mp_world_size']}",
+            where=str(tag_dir),
+            fix="only DeepSpeed checkpoints of one model-parallel rank (mp_rank_00) load",
+        )
+    if not isinstance(model["module"], Mapping):
+        raise CheckpointError(
+            "the model-states file holds no module state dict (DeepSpeed's pipeline "
+            "checkpoints keep the weights in layer_XX-model_states.pt files)",
+            where=str(path),
+            fix="only DeepSpeed checkpoints without pipeline parallelism load",
+        )
+    return model
+
+
+def weights_from_masters(module: dict[str, Tensor], masters: Mapping[str, Tensor]) -> None:
+    """Set ``module``'s weights to the fp32 ``masters``, each in the dtype ``module`` saved it
+    in (what DeepSpeed does when it restores weights from its masters)."""
+    for name, master in masters.items():
+        module[name] = master.to(module[name].dtype if name in module else master.dtype)
+
+
+def fp16_loss_scaler(module: Mapping[str, Tensor], scaler: Any) -> dict[str, Any] | None:
+    """The loss scaler's attributes when DeepSpeed trained in fp16 (fp16 weights), else None."""
+    if any(t.dtype == torch.float16 for t in module.values()) and hasattr(scaler, "__dict__"):
+        return dict(vars(scaler))
+    return None
+
+
+def merge_frozen_stage3(
     tag_dir: Path, model: Mapping[str, Any], module: dict[str, Tensor], dp: int
 ) -> None:
     """Stage 3 keeps frozen parameters as ``ceil(n / dp)``-element fragments, one in each
@@ -293,7 +318,7 @@ def _optim_files(tag_dir: Path) -> list[str]:
     return [found[r] for r in sorted(found)]
 
 
-def _require(obj: Any, keys: Sequence[str], where: Path) -> dict[str, Any]:
+def require_entries(obj: Any, keys: Sequence[str], where: Path) -> dict[str, Any]:
     if not isinstance(obj, dict) or any(k not in obj for k in keys):
         have = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise CheckpointError(

@@ -190,6 +190,7 @@ def initialize(
     # checkpoint.keep_last (zerotron's) and checkpoint.writer.decoupled (a background writer)
     engine.checkpoint_keep_last = cfg.checkpoint.save_keep_last
     engine.checkpoint_writer = AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
+    engine.load_universal = cfg.checkpoint.load_universal  # DeepSpeed's universal checkpoints
     engine.config = resolved  # DeepSpeed's engine.config: the config dict (HF's Trainer reads it)
     loader = None
     if training_data is not None:

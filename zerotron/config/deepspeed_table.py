@@ -335,7 +335,7 @@ SPEC: dict[str, Any] = {
         "tag_validation": Leaf(
             "checkpoint_tag_validation", CHOICE("Ignore", "Warn", "Fail"), "Warn"
         ),
-        "load_universal": Refused("universal checkpoints are not implemented"),
+        "load_universal": Leaf("load_universal", BOOL, False),
         "parallel_write": Ignored("checkpoint files are written by one rank each"),
         # DeepSpeed's background ("decoupled") writer; zerotron's own writer does the same job.
         "writer": {

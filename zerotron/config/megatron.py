@@ -233,7 +233,7 @@ def parse_megatron_args(
     config_path = given.pop("config", None)
     ds_path = given.pop("deepspeed_config", None)
     ds_unknown = given.pop("deepspeed_unknown_keys", None)
-    return _build(
+    cfg = _build(
         given,
         config_path,
         world_size,
@@ -243,6 +243,14 @@ def parse_megatron_args(
         deepspeed_unknown_keys=ds_unknown,
         checkpoint_args=checkpoint_args,
     )
+    if cfg.checkpoint.load_universal:  # else --load would look for 'latest' and start afresh
+        raise UnsupportedError(
+            "zerotron pretrain does not load DeepSpeed's universal checkpoints; the DeepSpeed "
+            "API's engine.load_checkpoint does (a script with import zerotron as deepspeed)",
+            where="checkpoint.load_universal",
+            fix="remove load_universal from the config",
+        )
+    return cfg
 
 
 def load_config(path: str | os.PathLike, world_size: int = 1) -> Config:

@@ -22,6 +22,7 @@ NOT_FLAGS = {
     "num_micro_batches": "derived: global / (micro batch size x data-parallel size)",
     "lr_scheduler_params": "a mapping: give it in a --config or --deepspeed_config file",
     "autotuning_arg_mappings": "a mapping: give it in a --deepspeed_config file",
+    "load_universal": "DeepSpeed's universal checkpoints load through zerotron.initialize's engine",
 }
 """Schema fields that have no flag (a config file may still give them, to be checked)."""
 

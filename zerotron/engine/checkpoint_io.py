@@ -268,7 +268,7 @@ def load_engine_checkpoint(
     writer = getattr(engine, "checkpoint_writer", None)
     if writer is not None:
         writer.wait()  # a save still in flight is committed before anything is read
-    ds_dir = deepspeed_checkpoint.deepspeed_tag_dir(load_dir, tag)
+    ds_dir = deepspeed_checkpoint.deepspeed_tag_dir(load_dir, tag, engine.load_universal)
     if ds_dir is not None:  # a checkpoint DeepSpeed itself wrote
         return deepspeed_checkpoint.load_deepspeed_checkpoint(
             engine,

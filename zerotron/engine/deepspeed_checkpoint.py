@@ -1,8 +1,9 @@
 """DeepSpeed's checkpoints and an Engine: load one DeepSpeed saved, and make the Engine's ZeRO
 saves readable by DeepSpeed's ``zero_to_fp32``.
 
-The file formats are :mod:`zerotron.checkpoint.deepspeed_format`'s; this module moves their
-contents into and out of an Engine (its module, ZeRO optimizer, scheduler and counters).
+The file formats are :mod:`zerotron.checkpoint.deepspeed_format`'s (and
+:mod:`zerotron.checkpoint.deepspeed_universal`'s for universal checkpoints); this module moves
+their contents into and out of an Engine (its module, ZeRO optimizer, scheduler and counters).
 :func:`deepspeed_tag_dir` tells ``Engine.load_checkpoint`` that a directory holds a DeepSpeed
 checkpoint; :func:`load_deepspeed_checkpoint` then loads it in place of zerotron's own reader.
 """
@@ -22,6 +23,12 @@ from zerotron.checkpoint.deepspeed_format import (
     read_deepspeed_checkpoint,
     zero_state_from_full,
 )
+from zerotron.checkpoint.deepspeed_universal import (
+    UNIVERSAL_TRACKER,
+    is_universal_tag,
+    read_universal_checkpoint,
+    universal_tag,
+)
 from zerotron.checkpoint.deepspeed_view import deepspeed_view
 from zerotron.checkpoint.layout import zero_file
 from zerotron.checkpoint.state import refuse_non_finite
@@ -33,13 +40,50 @@ if TYPE_CHECKING:
     from zerotron.engine.core import Engine
 
 
-def deepspeed_tag_dir(load_dir: str | Path, tag: str | None) -> Path | None:
-    """The tag directory to load when it holds a checkpoint DeepSpeed wrote, else None."""
+def deepspeed_tag_dir(load_dir: str | Path, tag: str | None, universal: bool) -> Path | None:
+    """The tag directory to load when it holds a checkpoint DeepSpeed wrote, else None.
+
+    ``universal`` (the config's ``checkpoint.load_universal``), as in DeepSpeed: the tag comes
+    from ``latest_universal`` and must hold a universal checkpoint. Without it a universal tag
+    is refused, where DeepSpeed would load its weights and silently drop the optimizer state.
+    """
+    if universal:
+        return _universal_tag_dir(load_dir, tag)
     tag = deepspeed_tag(load_dir, tag)
     if tag is None:
         return None
     tag_dir = Path(load_dir) / tag
+    if is_universal_tag(tag_dir):
+        raise CheckpointError(
+            "this is a DeepSpeed universal checkpoint (ds_to_universal.py's output) and "
+            "checkpoint.load_universal is not set",
+            where=str(tag_dir),
+            fix='set "checkpoint": {"load_universal": true} in the DeepSpeed config, as '
+            "DeepSpeed needs too",
+        )
     return tag_dir if is_deepspeed_tag(tag_dir) else None
+
+
+def _universal_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
+    found = universal_tag(load_dir, tag)
+    if found is None:
+        raise CheckpointError(
+            f"no {UNIVERSAL_TRACKER!r} file: with checkpoint.load_universal the tag comes from it",
+            where=str(load_dir),
+            fix="convert a checkpoint with DeepSpeed's ds_to_universal.py (it writes the file) "
+            "or pass the universal tag; to load the checkpoint 'latest' names, remove "
+            "load_universal from the config",
+        )
+    tag_dir = Path(load_dir) / found
+    if not is_universal_tag(tag_dir):
+        raise CheckpointError(
+            "checkpoint.load_universal is set, but this is no universal checkpoint "
+            "(no zero/optimizer_state.pt)",
+            where=str(tag_dir),
+            fix="pass the tag ds_to_universal.py wrote (its --output_folder), or remove "
+            "load_universal from the config to load this checkpoint as it is",
+        )
+    return tag_dir
 
 
 def load_deepspeed_checkpoint(
@@ -55,7 +99,8 @@ def load_deepspeed_checkpoint(
     """Load the DeepSpeed checkpoint in ``tag_dir`` into ``engine`` (see
     ``Engine.load_checkpoint``); returns ``(path, client_state)``.
 
-    Weights, fp32 masters and Adam moments are put together from every rank's file and cut for
+    Weights, fp32 masters and Adam moments are put together from every rank's file (or, from a
+    universal checkpoint, read whole) and cut for
     this engine, so its ZeRO stage (1-3) and data-parallel size may differ from DeepSpeed's;
     the scheduler's position, the step counters and (fp16 into fp16) the loss scale and its
     counters follow. DeepSpeed saves no RNG state.
@@ -64,7 +109,8 @@ def load_deepspeed_checkpoint(
 
     where = str(tag_dir)
     want_optimizer = load_optimizer_states and not load_module_only
-    ckpt = read_deepspeed_checkpoint(tag_dir, optimizer=want_optimizer)
+    read = read_universal_checkpoint if is_universal_tag(tag_dir) else read_deepspeed_checkpoint
+    ckpt = read(tag_dir, optimizer=want_optimizer)
     part = engine.optimizer_part
     refuse_non_finite(ckpt.module, where, "model")
     fit_weights(engine, ckpt.module, {}, where, strict, custom_load_fn)

@@ -119,6 +119,9 @@ class DeepSpeedSurface:
         self._loss_scaled_by_user = False
         self.data_iterator: Iterator[Any] | None = None
         self.training_dataloader: Any = None
+        self.load_universal = False
+        """``load_checkpoint`` reads DeepSpeed universal checkpoints (the DeepSpeed config's
+        ``checkpoint.load_universal``; :func:`.deepspeed_checkpoint.deepspeed_tag_dir`)."""
         self._pipe_elapsed = 0.0
         self.tput_timer = ThroughputTimer(
             self.train_batch_size(), steps_per_output=self._steps_per_print
@@ -247,6 +250,10 @@ class DeepSpeedSurface:
 
     def wall_clock_breakdown(self) -> bool:
         return self._wall_clock_breakdown
+
+    def load_universal_checkpoint(self) -> bool:
+        """Whether ``load_checkpoint`` reads universal checkpoints (checkpoint.load_universal)."""
+        return self.load_universal
 
     def steps_per_print(self) -> int | None:
         """How often progress is printed (DeepSpeed's ``steps_per_print``; None: never)."""

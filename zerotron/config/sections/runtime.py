@@ -64,6 +64,12 @@ class CheckpointConfig(Section):
         description="What to do when ranks save under different tags (DeepSpeed's "
         "checkpoint.tag_validation).",
     )
+    load_universal: bool = Field(
+        False,
+        description="Engine.load_checkpoint reads DeepSpeed universal checkpoints "
+        "(ds_to_universal.py's output; the tag from latest_universal) and only those "
+        "(DeepSpeed's checkpoint.load_universal).",
+    )
 
 
 class ActivationCheckpointingConfig(Section):
