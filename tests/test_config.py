@@ -202,6 +202,28 @@ def test_ignored_flag_warns():
     assert len(cfg.warnings) == 2 and "--use-mcore-models has no effect" in cfg.warnings[0]
 
 
+@pytest.mark.parametrize(
+    "flags", [("--ckpt-format", "torch_dist"), ("--use-dist-ckpt",)], ids=["format", "use"]
+)
+def test_megatrons_torch_dist_checkpoint_format_is_taken_saying_what_is_saved(tmp_path, flags):
+    """Megatron-LM's default format: the run goes on, saving the torch layout, and says so."""
+    cfg = parse(*flags)
+    assert cfg.warnings == [
+        f"{' '.join(flags)}: zerotron saves Megatron's torch layout (mp_rank_*/model_optim_rng.pt "
+        "and its metadata.json); --load reads torch_dist checkpoints Megatron-LM wrote, and "
+        "`zerotron convert --to-megatron DIR --megatron-format torch_dist` writes one"
+    ]
+    key = flags[0][2:].replace("-", "_")
+    path = write(tmp_path, "c.yaml", f"{key}: {flags[1] if len(flags) > 1 else 'true'}\n")
+    assert parse("--config", path).warnings == cfg.warnings  # the same key in a file
+
+
+def test_other_checkpoint_formats_are_refused():
+    assert parse("--ckpt-format", "torch").warnings == []
+    with pytest.raises(UnsupportedError, match="--ckpt-format zarr is not supported"):
+        parse("--ckpt-format", "zarr")
+
+
 # The flags of Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (2026), with
 # placeholder paths.
 GPT3_EXAMPLE = shlex.split(

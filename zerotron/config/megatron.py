@@ -108,7 +108,9 @@ class _Refuse(argparse.Action):
         super().__init__(option_strings, dest, nargs="*" if known.takes_value else 0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        _refuse(option_string, " ".join(values) if values else None, self.known, PROG)
+        note = _refuse(option_string, " ".join(values) if values else None, self.known, PROG)
+        if note:
+            namespace._notes = [*getattr(namespace, "_notes", []), note]
 
 
 class _Ignore(argparse.Action):
@@ -124,10 +126,14 @@ class _Ignore(argparse.Action):
         namespace._notes = notes
 
 
-def _refuse(name: str, value: str | None, known: Known, where: str) -> None:
+def _refuse(name: str, value: str | None, known: Known, where: str) -> str | None:
+    """Raise for a flag zerotron does not implement, unless ``value`` is one it takes; then
+    the warning to give (or None)."""
     if value is not None and value in known.ok:
-        return
+        return None
     shown = f"{name} {value}" if value else name
+    if (value or "") in known.warned:
+        return f"{shown}: {known.warning}"
     raise UnsupportedError(f"{shown} is not supported: {known.why}", where=where)
 
 
@@ -373,7 +379,9 @@ def _screen_unknown(unknown: dict[tuple[str, ...], Any], locate: Locate) -> list
         elif known := UNSUPPORTED.get(name) or not_implemented(name):
             if value is not None and value is not False:
                 text = None if value is True else " ".join(map(str, _as_list(value)))
-                _refuse(name, text, known, locate(path))
+                note = _refuse(name, text, known, locate(path))
+                if note:
+                    notes.append(note)
         elif name not in ("--local-rank",):
             raise unknown_key_error(path, locate(path))
     return notes

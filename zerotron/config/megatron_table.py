@@ -80,6 +80,10 @@ class Known(NamedTuple):
     why: str
     ok: tuple[str, ...] = ()
     """values that ask for what zerotron does anyway (e.g. --context-parallel-size 1)"""
+    warned: tuple[str, ...] = ()
+    """values taken with ``warning`` ("" for a flag without a value)"""
+    warning: str = ""
+    """what zerotron does instead of what a ``warned`` value asks"""
 
 
 _GPT2 = "zerotron implements the GPT-2 architecture"
@@ -87,6 +91,11 @@ _PROFILE = (
     "Megatron's nsys / torch profiler switches are not implemented; --profile-steps A:B records "
     "steps A..B on every rank into a Chrome trace and the measured pipeline timeline "
     "(docs/profiling.md)"
+)
+_TORCH_DIST = (
+    "zerotron saves Megatron's torch layout (mp_rank_*/model_optim_rng.pt and its metadata.json); "
+    "--load reads torch_dist checkpoints Megatron-LM wrote, and `zerotron convert --to-megatron "
+    "DIR --megatron-format torch_dist` writes one"
 )
 UNSUPPORTED: dict[str, Known] = {
     "--num-experts": Known(True, "mixture-of-experts models are not implemented", ("0",)),
@@ -124,9 +133,13 @@ UNSUPPORTED: dict[str, Known] = {
         True, "only Megatron's default single-pass sampler is implemented", ("single",)
     ),
     "--ckpt-format": Known(
-        True, "checkpoints use Megatron's torch layout (--ckpt-format torch) only", ("torch",)
+        True,
+        "zerotron saves Megatron's torch layout (--ckpt-format torch)",
+        ok=("torch",),
+        warned=("torch_dist",),
+        warning=_TORCH_DIST,
     ),
-    "--use-dist-ckpt": Known(False, "distributed checkpoints are not implemented"),
+    "--use-dist-ckpt": Known(False, "", warned=("",), warning=_TORCH_DIST),
     "--tokenizer-model": Known(True, "SentencePiece/HF tokenizer models are not supported"),
     "--profile": Known(False, _PROFILE),
     "--use-pytorch-profiler": Known(False, _PROFILE),
@@ -189,6 +202,9 @@ _LOGGED = (
 )
 IGNORED: dict[str, Known] = {
     "--use-mcore-models": Known(False, "zerotron has one GPT implementation"),
+    "--auto-detect-ckpt-format": Known(
+        False, "--load tells zerotron's and Megatron-LM's torch and torch_dist checkpoints apart"
+    ),
     "--use-legacy-models": Known(False, "zerotron has one GPT implementation"),
     "--no-masked-softmax-fusion": Known(False, _NO_KERNELS),
     "--no-bias-gelu-fusion": Known(False, _NO_KERNELS),
