@@ -250,6 +250,162 @@ def test_megatron_lms_gpt3_example_parses_as_written():
     assert cfg.batch_ramp.final == 1536
 
 
+# examples_deepspeed/MoE/ds_pretrain_gpt_350M_dense.sh of Megatron-DeepSpeed (f4157bea), the
+# GPT script of DeepSpeed's tutorials, with its default values, activation checkpointing on and
+# its ds_config_gpt_TEMPLATE.json filled in as the script fills it.
+MDS_GPT_350M = shlex.split(
+    "--override-opt_param-scheduler --adam-beta1 0.9 --adam-beta2 0.95 "
+    "--tensor-model-parallel-size 1 --moe-expert-parallel-size 1 --num-experts 1 "
+    "--moe-loss-coeff 0.01 --moe-train-capacity-factor 1.0 --moe-eval-capacity-factor 1.0 "
+    "--moe-min-capacity 4 --init-method-std 0.014 --lr-decay-tokens 260000000000 "
+    "--lr-warmup-tokens 375000000 --micro-batch-size 4 --exit-duration-in-mins 30000000 "
+    "--global-batch-size 256 --num-layers 24 --hidden-size 1024 --num-attention-heads 16 "
+    "--seq-length 2048 --max-position-embeddings 2048 --train-tokens 300000000000 "
+    "--train-samples 439453125 --lr 3.0e-4 --min-lr 3.0e-5 --lr-decay-style cosine "
+    "--split 98,2,0 --log-interval 10 --eval-interval 100 --eval-iters 10 --save-interval 1000 "
+    "--weight-decay 0.1 --clip-grad 1.0 --hysteresis 2 --num-workers 0 --fp16 --load ckpt "
+    "--save ckpt --tensorboard-queue-size 1 --log-timers-to-tensorboard "
+    "--log-batch-size-to-tensorboard --log-validation-ppl-to-tensorboard --tensorboard-dir tb "
+    "--checkpoint-activations --create-moe-param-group --disable-moe-token-dropping "
+    "--vocab-file v.json --merge-file m.txt --data-path d_text_document "
+    "--deepspeed --deepspeed_config DS_JSON --pipeline-model-parallel-size 1 "
+    "--no-pipeline-parallel --deepspeed-activation-checkpointing"
+)
+MDS_CONFIG = {
+    "train_batch_size": 256, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+    "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0, "prescale_gradients": False,
+    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
+             "min_loss_scale": 1, "initial_scale_power": 11},
+    "bf16": {"enabled": False},
+    "curriculum_learning": {"enabled": False, "curriculum_type": "seqlen", "min_difficulty": 80,
+                            "max_difficulty": 2048, "schedule_type": "fixed_linear",
+                            "schedule_config": {"total_curriculum_step": 69000,
+                                                "difficulty_step": 8}},
+    "wall_clock_breakdown": False,
+}  # fmt: skip
+
+
+def test_megatron_deepspeeds_gpt_example_parses_as_written(tmp_path):
+    path = write(tmp_path, "ds.json", json.dumps(MDS_CONFIG))
+    cfg = parse_megatron_args([a if a != "DS_JSON" else path for a in MDS_GPT_350M], world_size=64)
+    m, t = cfg.model, cfg.training
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == (
+        "full",
+        "uniform",
+        1,
+    )
+    # 300e9 tokens are 146,484,375 samples of 2048: 572,205 steps of 256 (the last one passes it)
+    assert t.train_iters == 572_205 < 439_453_125 // 256
+    assert (cfg.lr_decay_steps, cfg.lr_warmup_steps) == (260e9 / 2048, 375e6 / 2048)
+    assert cfg.scheduler.override_opt_param_scheduler
+    assert [w.split()[0] for w in cfg.warnings] == [
+        "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
+        "--moe-min-capacity", "--tensorboard-queue-size", "--log-timers-to-tensorboard",
+        "--log-batch-size-to-tensorboard", "--create-moe-param-group",
+        "--disable-moe-token-dropping", "--deepspeed-activation-checkpointing",
+    ]  # fmt: skip
+
+
+def test_checkpoint_activations_is_megatrons_uniform_full_recompute():
+    ours = parse("--checkpoint-activations", "--checkpoint-num-layers", "2").model
+    megatron = parse(*shlex.split("--recompute-granularity full --recompute-method uniform "
+                                  "--recompute-num-layers 2")).model  # fmt: skip
+    fields = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    assert [getattr(ours, f) for f in fields] == [getattr(megatron, f) for f in fields]
+    assert parse("--checkpoint-num-layers", "3").model.recompute_granularity is None  # unused
+    with pytest.raises(ConfigError, match="checkpoint_activations asks for full recompute"):
+        parse("--checkpoint-activations", "--recompute-granularity", "selective")
+
+
+def _megatron_deepspeed_lr(tokens: float, warmup: float, decay: float, lr: float, low: float):
+    """Megatron-DeepSpeed's OptimizerParamScheduler.get_lr with token-based warmup and cosine
+    decay, written out from its source."""
+    if warmup > 0 and tokens <= warmup:
+        return lr * tokens / warmup
+    if tokens > decay:
+        return low
+    ratio = (tokens - warmup) / (decay - warmup)
+    return low + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (lr - low)
+
+
+def test_a_token_schedule_follows_megatron_deepspeeds_formula():
+    """Warmup over 1,000 tokens and cosine decay over 9,000 (not whole samples of 32), 4 samples
+    a step: the learning rate at every step is Megatron-DeepSpeed's at that many tokens."""
+    import torch
+
+    from zerotron.engine.builder import build_scheduler
+
+    cfg = parse("--lr-warmup-tokens", "1000", "--lr-decay-tokens", "9000", "--lr-decay-style",
+                "cosine", "--min-lr", "1e-5", "--train-iters", "100")  # fmt: skip
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimizer.lr)
+    scheduler = build_scheduler(cfg, optimizer)
+    seq, gbs = cfg.model.seq_length, cfg.training.global_batch_size
+    for step in range(100):
+        want = _megatron_deepspeed_lr(step * gbs * seq, 1000, 9000, cfg.optimizer.lr, 1e-5)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12, abs=0), step
+        scheduler.step(gbs)
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (("--lr-warmup-tokens", "1000"), "lr_warmup_tokens is set without lr_decay_tokens"),
+        (("--lr-decay-tokens", "9000", "--lr-decay-iters", "50"), "lr_decay_tokens and lr_decay"),
+        (("--lr-decay-tokens", "9000", "--lr-warmup-tokens", "100", "--lr-warmup-iters", "2"),
+         "lr_warmup_tokens and lr_warmup_iters are both set"),
+    ],
+)  # fmt: skip
+def test_a_length_in_tokens_and_otherwise_is_refused(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(*flags, "--train-iters", "100")
+
+
+def test_train_tokens_stops_before_the_step_that_would_start_with_them():
+    seq, gbs = 32, 4  # BASE's
+    assert (
+        parse("--train-iters", "100", "--train-tokens", str(10 * gbs * seq)).training.train_iters
+        == 10
+    )
+    assert (
+        parse(
+            "--train-iters", "100", "--train-tokens", str(10 * gbs * seq + 1)
+        ).training.train_iters
+        == 11
+    )
+    assert (
+        parse("--train-iters", "5", "--train-tokens", str(10 * gbs * seq)).training.train_iters == 5
+    )
+    # with a batch-size ramp: 4, 4, then 8 a step
+    ramp = ("--global-batch-size", "8", "--rampup-batch-size", "4", "4", "8")
+    assert (
+        parse("--train-iters", "100", "--train-tokens", str(16 * seq), *ramp).training.train_iters
+        == 3
+    )
+
+
+def test_no_pipeline_parallel_needs_a_pipeline_size_of_1():
+    assert parse("--no-pipeline-parallel").parallel.pipeline_model_parallel_size == 1
+    with pytest.raises(ConfigError, match="no_pipeline_parallel is set with"):
+        parse("--no-pipeline-parallel", "--pipeline-model-parallel-size", "2", world_size=2)
+
+
+def test_a_megatron_deepspeed_flag_zerotron_lacks_is_refused_naming_its_group():
+    with pytest.raises(UnsupportedError) as e:
+        parse("--random-ltd")
+    assert e.value.what.startswith("--random-ltd is not supported: one of Megatron-DeepSpeed's")
+    with pytest.raises(UnsupportedError, match="--num-experts 8 is not supported"):
+        parse("--num-experts", "8")
+
+
+def test_zerotron_reads_each_megatron_deepspeed_flag_it_knows_as_megatron_deepspeed_does():
+    from zerotron.config.megatron_table import megatron_deepspeed_flags
+
+    flags = megatron_deepspeed_flags()
+    ours = {s: a.nargs != 0 for a in build_parser()._actions for s in a.option_strings}
+    differ = {f: takes for f, (takes, _) in flags.items() if ours[f] != takes}
+    assert differ == {} and len(flags) > 100
+
+
 def test_a_linear_ramp_follows_megatrons_formula():
     """--rampup-batch-size 16 8 1000 up to 64: 16 + 8 * floor(c / (1000 / 6)) until 1000."""
     cfg = parse("--global-batch-size", "64", "--rampup-batch-size", "16", "8", "1000")

@@ -147,6 +147,27 @@ def test_per_split_data_paths_train_as_one_path_given_every_document(data_prefix
     assert " > no --valid-data-path: no validation data" in capsys.readouterr().out
 
 
+def test_deepspeeds_activation_checkpointing_options_run_its_checkpoint_with_the_same_losses(
+    data_prefix, monkeypatch
+):
+    """--checkpoint-activations with --checkpoint-in-cpu (Megatron-DeepSpeed's flags): the full
+    recompute runs DeepSpeed's CheckpointFunction (zerotron.parallel.recompute), keeping the
+    inputs in host memory, and trains bit for bit as torch's checkpoint does; the next run
+    without the option is back on torch's."""
+    from zerotron.parallel import recompute
+
+    calls = []
+    real = recompute.checkpoint
+    monkeypatch.setattr(recompute, "checkpoint", lambda *a: calls.append(1) or real(*a))
+    flags = ("--train-iters", 4, "--checkpoint-activations")
+    torch_path = run(data_prefix, *flags)
+    assert calls == []
+    ds_path = run(data_prefix, *flags, "--checkpoint-in-cpu")
+    assert len(calls) == 4 * 2 * 2  # 4 steps x 2 micro-batches x 2 layers (units of 1 layer)
+    assert ds_path.losses == torch_path.losses and ds_path.valid_loss == torch_path.valid_loss
+    assert run(data_prefix, *flags).losses == torch_path.losses and len(calls) == 16
+
+
 def _without_model_flags() -> list[str]:
     out, skip = [], False
     for a in TINY:

@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -286,3 +287,33 @@ def test_megatron_checkpoint_loads_into_tp2_pp2_as_into_one_process():
     for losses in run_ranks(_megatron_rank, 4, *layout, *no_dropout, timeout=240):
         assert losses.keys() == single.losses.keys() == {1, 2, 3}
         assert list(losses.values()) == pytest.approx(list(single.losses.values()), rel=1e-5)
+
+
+def _partition_rank(rank: int, data: str) -> dict[str, Any]:
+    from zerotron.parallel import recompute
+
+    tp2 = ("--tensor-model-parallel-size", "2", "--checkpoint-activations")
+    calls = []
+    real = recompute.checkpoint
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        mock.patch.object(
+            recompute, "checkpoint", lambda *a: calls.append(recompute.config()) or real(*a)
+        ),
+    ):
+        plain = _pretrain(2, data, *tp2).losses
+        partitioned = _pretrain(2, data, *tp2, "--partition-activations").losses
+    return {"plain": plain, "partitioned": partitioned, "calls": calls}
+
+
+def test_partitioned_activations_train_as_whole_ones_under_tensor_parallelism(data_prefix):
+    """--partition-activations (DeepSpeed's option, Megatron-DeepSpeed's flag) with tp2: each
+    rank keeps half of every checkpointed layer input and gathers it for the recompute; the
+    losses are the unpartitioned run's, bit for bit."""
+    for r in run_ranks(_partition_rank, 2, data_prefix, timeout=240):
+        assert sorted(r["plain"]) == list(range(1, ITERS + 1))
+        assert r["partitioned"] == r["plain"]
+        # the partitioned run's 5 steps x 2 micro-batches x 2 layers went through DeepSpeed's
+        # checkpoint, partitioning; the plain run's through torch's
+        assert len(r["calls"]) == ITERS * 2 * 2
+        assert all(c.partition_activations for c in r["calls"])

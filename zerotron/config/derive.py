@@ -14,6 +14,8 @@ what the inputs left empty:
   :func:`batch_geometry`);
 * ``train_iters`` from ``train_samples`` and back, ``lr_decay_iters`` (train_iters),
   ``lr_decay_samples``, ``lr_warmup_samples``, ``start/end_weight_decay`` (weight_decay);
+  ``train_iters`` cut by ``train_tokens`` (:mod:`zerotron.config.token_schedule`);
+  ``recompute_*`` from Megatron-DeepSpeed's ``checkpoint_activations``;
 * ``data_path`` or the per-split paths from the files that name them
   (:mod:`zerotron.config.data_paths`);
 * ``overlap_comm`` (on at ZeRO stage 3), and the offload rules (a stage that partitions what
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from zerotron.config import batch_ramp
 from zerotron.config.data_paths import resolve_data_paths
 from zerotron.config.sections import ModelConfig, SchedulerConfig, Section, flag
+from zerotron.config.token_schedule import check_tokens, limit_by_tokens, token_steps
 from zerotron.errors import ConfigError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -46,7 +49,9 @@ def derive(cfg: Config) -> None:
     _resolve_model(cfg)
     _resolve_parallel(cfg)
     _resolve_batch(cfg)
+    check_tokens(cfg)
     _resolve_length(cfg)
+    limit_by_tokens(cfg, _fill)
     _check_checkpoint(cfg)
     _resolve_zero(cfg)
 
@@ -240,6 +245,19 @@ def _resolve_model(cfg: Config) -> None:
                 where="model.kv_channels",
                 fix=f"drop --kv-channels, or set it to {width}",
             )
+    if m.checkpoint_activations:  # Megatron-DeepSpeed's spelling of uniform full recompute
+        if m.recompute_granularity not in (None, "full"):
+            raise ConfigError(
+                f"checkpoint_activations asks for full recompute, recompute_granularity "
+                f"for {m.recompute_granularity!r}",
+                where="model.checkpoint_activations",
+                fix="give one of --checkpoint-activations and --recompute-granularity",
+            )
+        _fill(
+            m,
+            recompute_granularity="full",
+            recompute_num_layers=m.recompute_num_layers or m.checkpoint_num_layers,
+        )
     if m.recompute_granularity != "full":
         for name in ("recompute_method", "recompute_num_layers"):
             if getattr(m, name) is not None:
@@ -290,6 +308,12 @@ def _resolve_parallel(cfg: Config) -> None:
             fix="leave data_parallel_size out: it is derived",
         )
     _fill(par, data_parallel_size=dp)
+    if par.no_pipeline_parallel and pp > 1:
+        raise ConfigError(
+            f"no_pipeline_parallel is set with pipeline_model_parallel_size {pp}",
+            where="parallel.no_pipeline_parallel",
+            fix="drop --no-pipeline-parallel, or set --pipeline-model-parallel-size 1",
+        )
     for name in ("num_attention_heads", "ffn_hidden_size"):
         value = getattr(m, name)
         if value is not None and value % tp:
@@ -477,7 +501,8 @@ def _resolve_length(cfg: Config) -> None:
                 where="training.train_samples",
                 fix=f"train for at least {gbs} samples",
             )
-        if t.train_samples % gbs:
+        tokens_first = (token_steps(cfg) or iters) < iters  # train_tokens ends it earlier
+        if t.train_samples % gbs and not tokens_first:
             _warn(
                 cfg,
                 f"train_samples {t.train_samples} is not a multiple of global_batch_size "

@@ -41,6 +41,7 @@ from zerotron.config.megatron_table import (
     UNSUPPORTED,
     UNSUPPORTED_CHOICES,
     Known,
+    megatron_deepspeed_flags,
     megatron_lm_flags,
     not_implemented,
 )
@@ -205,7 +206,7 @@ def build_parser() -> ArgumentParser:
     for name, known in IGNORED.items():
         parser.add_argument(name, action=_Ignore, known=known, help=argparse.SUPPRESS)
     taken = {s for action in parser._actions for s in action.option_strings}
-    for name in megatron_lm_flags().keys() - taken:
+    for name in (megatron_lm_flags().keys() | megatron_deepspeed_flags().keys()) - taken:
         known = not_implemented(name)
         parser.add_argument(name, action=_Refuse, known=known, help=argparse.SUPPRESS)
     return parser
@@ -249,6 +250,13 @@ def parse_megatron_args(
         deepspeed_unknown_keys=ds_unknown,
         checkpoint_args=checkpoint_args,
     )
+    a = cfg.activation_checkpointing
+    options = [k for k, v in a.model_dump().items() if v and k != "number_checkpoints"]
+    if options and cfg.model.recompute_granularity != "full":  # the GPT's full recompute uses them
+        cfg._warnings.append(
+            f"activation_checkpointing {', '.join(options)}: no effect without full recompute "
+            "(--checkpoint-activations or --recompute-granularity full)"
+        )
     if cfg.checkpoint.load_universal:  # else --load would look for 'latest' and start afresh
         raise UnsupportedError(
             "zerotron pretrain does not load DeepSpeed's universal checkpoints; the DeepSpeed "

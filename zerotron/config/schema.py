@@ -52,6 +52,7 @@ from zerotron.config.sections import (
     TrainingConfig,
     ZeroConfig,
 )
+from zerotron.config.token_schedule import in_samples
 
 
 class Config(BaseModel):
@@ -139,12 +140,15 @@ class Config(BaseModel):
         return list(self._warnings)
 
     @property
-    def lr_decay_steps(self) -> int | None:
+    def lr_decay_steps(self) -> float | None:
         """Length of the LR decay in samples, as Megatron's scheduler counts it (it advances
-        by global_batch_size per iteration). None when the run has no length."""
+        by global_batch_size per iteration; from lr_decay_tokens, a fraction may remain). None
+        when the run has no length."""
         t, s = self.training, self.scheduler
         if t.train_iters is None:
             return None
+        if s.lr_decay_tokens is not None:
+            return in_samples(s.lr_decay_tokens, self)
         return s.lr_decay_samples
 
     @property
@@ -157,6 +161,8 @@ class Config(BaseModel):
         s = self.scheduler
         if s.lr_warmup_fraction is not None:
             return s.lr_warmup_fraction * decay
+        if s.lr_warmup_tokens is not None:
+            return in_samples(s.lr_warmup_tokens, self)
         return s.lr_warmup_samples
 
     @property

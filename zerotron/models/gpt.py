@@ -70,6 +70,7 @@ from zerotron.kernels import (
     sdpa_math_16bit,
 )
 from zerotron.models.lm_head import LMHead
+from zerotron.parallel import recompute
 from zerotron.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -523,6 +524,11 @@ def _word_embedding(
 _eager_word_embedding = torch.compiler.disable(_word_embedding)
 
 
+def _deepspeed_checkpoint(fn, *args, use_reentrant: bool = False):
+    """:func:`zerotron.parallel.recompute.checkpoint` called as torch's ``checkpoint`` is."""
+    return recompute.checkpoint(fn, *args)
+
+
 def _checkpoint_with_tracker(fn, *args, use_reentrant: bool = False):
     """``checkpoint`` that also restores the RNG tracker's streams when it reruns ``fn``."""
     return checkpoint(fn, *args, use_reentrant=use_reentrant, context_fn=_tracker_contexts)
@@ -569,6 +575,10 @@ def run_layers_recomputed(
     checkpoint does not know), so dropout masks repeat exactly.
     """
     ckpt = checkpoint if tp_size == 1 else _checkpoint_with_tracker
+    if recompute.config() != recompute.CheckpointingConfig():
+        # DeepSpeed's activation checkpointing options (partition, CPU copies, ...): its
+        # CheckpointFunction, which keeps the inputs as configured and restores the RNG streams
+        ckpt = _deepspeed_checkpoint
     n = config.recompute_num_layers
     if (config.recompute_method or "uniform") == "block":
         count = len(layers) if n is None else n

@@ -15,6 +15,7 @@ data-parallel buckets and checkpoints see one module) and a
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ from zerotron.engine.monitors import MonitorMaster
 from zerotron.models.gpt import GPT, VOCAB_PADDED_KEYS, GPTConfig
 from zerotron.models.gpt_stage import TIED_COPY, GPTStage, build_gpt_stages
 from zerotron.optim import get_param_groups
+from zerotron.parallel import recompute
 from zerotron.pipeline import PipelineRuntime
 
 
@@ -185,6 +187,28 @@ def _pipeline(cfg: Config, model: GPT, ps: ParallelState) -> tuple[StageModel, P
     return stage_model, runtime
 
 
+def _activation_checkpointing(cfg: Config) -> None:
+    """DeepSpeed's activation checkpointing options (its config's ``activation_checkpointing``
+    section, or Megatron-DeepSpeed's ``--partition-activations``, ``--checkpoint-in-cpu``, ...)
+    for the GPT's full recompute, which then runs DeepSpeed's CheckpointFunction
+    (:mod:`zerotron.parallel.recompute`); without any, torch's checkpoint. Module state, as in
+    DeepSpeed: set for every run."""
+    a = cfg.activation_checkpointing
+    options = recompute.CheckpointingConfig(
+        partition_activations=a.partition_activations,
+        contiguous_checkpointing=a.contiguous_memory_optimization,
+        checkpoint_in_cpu=a.cpu_checkpointing,
+        synchronize=a.synchronize_checkpoint_boundary,
+        profile=a.checkpointing_profile,
+    )
+    if options == recompute.CheckpointingConfig():
+        recompute.reset(configuration=True)
+        return
+    # Megatron-DeepSpeed bounds the contiguous buffers by the layer count, as here
+    checkpoints = a.number_checkpoints or cfg.model.num_layers
+    recompute.set_config(dataclasses.replace(options, num_checkpoints=checkpoints))
+
+
 def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = None) -> Run:
     """Tokenizer, model (seeded, in the training dtype, on ``device``), optimizer, Engine."""
     device = device or default_device()
@@ -198,6 +222,7 @@ def build_run(cfg: Config, *, timers: Any = None, device: torch.device | None = 
         cfg.parallel.tensor_model_parallel_size,
     )
     ps = state()
+    _activation_checkpointing(cfg)
     gcfg = gpt_config(cfg, padded, tokenizer.vocab_size)
     dtype = DTYPES[cfg.precision.params_dtype]
     pipeline = None

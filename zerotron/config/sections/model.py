@@ -45,6 +45,14 @@ class ModelConfig(Section):
     recompute_num_layers: Int | None = Field(
         None, gt=0, description="Layers per recompute unit (uniform) or per stage (block); 1."
     )
+    checkpoint_activations: bool = Field(
+        False,
+        description="Megatron-DeepSpeed's full recompute: --recompute-granularity full "
+        "--recompute-method uniform in units of checkpoint_num_layers layers.",
+    )
+    checkpoint_num_layers: Int = Field(
+        1, gt=0, description="Layers per unit with checkpoint_activations (Megatron-DeepSpeed's)."
+    )
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
     kernels: str | None = Field(
         None,

@@ -15,6 +15,9 @@ class ParallelConfig(Section):
 
     tensor_model_parallel_size: Int = Field(1, ge=1, description="Tensor-parallel size.")
     pipeline_model_parallel_size: Int = Field(1, ge=1, description="Pipeline-parallel size.")
+    no_pipeline_parallel: bool = Field(
+        False, description="Megatron-DeepSpeed's: no pipeline (the pipeline size must be 1)."
+    )
     sequence_parallel: bool = Field(
         False, description="Shard LayerNorm and dropout along the sequence (needs TP > 1)."
     )

@@ -47,6 +47,12 @@ class TrainingConfig(Section):
     train_samples: Int | None = Field(
         None, gt=0, description="Samples to train for over all runs (instead of train_iters)."
     )
+    train_tokens: Int | None = Field(
+        None,
+        gt=0,
+        description="Stop once this many tokens are consumed, if before the end of train_iters "
+        "or train_samples (Megatron-DeepSpeed's).",
+    )
     exit_interval: Int | None = Field(
         None, gt=0, description="Exit after an iteration divisible by this."
     )
@@ -149,6 +155,15 @@ class SchedulerConfig(Section):
     )
     lr_warmup_iters: Int = Field(0, ge=0, description="Iterations of linear warmup.")
     lr_warmup_samples: Int = Field(0, ge=0, description="Samples of linear warmup.")
+    lr_decay_tokens: Int | None = Field(
+        None,
+        gt=0,
+        description="Tokens to decay over, in place of iterations or samples "
+        "(Megatron-DeepSpeed's; tokens are samples x seq_length).",
+    )
+    lr_warmup_tokens: Int | None = Field(
+        None, ge=0, description="Tokens of linear warmup (Megatron-DeepSpeed's)."
+    )
     lr_warmup_init: Float = Field(0.0, ge=0, description="Learning rate warmup starts from.")
     override_opt_param_scheduler: bool = Field(
         False, description="On resume, take the schedule from the flags, not the checkpoint."
