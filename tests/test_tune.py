@@ -228,6 +228,8 @@ def test_an_unknown_recompute_choice_is_refused():
 def test_an_experiment_drops_the_flags_it_sets_itself():
     args = ["--save", "ck", "--recompute-activations", "--recompute-granularity=full", "--lr", "1"]
     assert strip_flags(args) == ["--lr", "1"]
+    megatron_deepspeed = ["--checkpoint-activations", "--checkpoint-num-layers", "2", "--lr", "1"]
+    assert strip_flags(megatron_deepspeed) == ["--lr", "1"]
 
 
 # ---- the engine measures itself (one process)

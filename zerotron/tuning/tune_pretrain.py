@@ -27,6 +27,8 @@ _DROPPED = {
     "--recompute-activations": False,
     "--recompute-method": True,
     "--recompute-num-layers": True,
+    "--checkpoint-activations": False,  # Megatron-DeepSpeed's spelling of full recompute
+    "--checkpoint-num-layers": True,
 }
 
 
