@@ -15,7 +15,7 @@ import pytest
 
 from zerotron.checkpoint.megatron import import_megatron
 from zerotron.config import parse_megatron_args
-from zerotron.errors import CheckpointError
+from zerotron.errors import CheckpointError, ConfigError
 from zerotron.training.loop import TrainSummary
 from zerotron.training.pretrain import checkpoint_args, pretrain
 
@@ -101,3 +101,21 @@ def test_use_checkpoint_args_reads_megatrons_args(reference, converted):
     assert (d.tokenizer_type, d.vocab_size) == ("NullTokenizer", 59)
     # the default vocabulary padding (128 rows, not Megatron's 64): the real rows are the same
     assert pretrain(cfg).losses == run("--load", converted, "--finetune", model=MODEL[:-2]).losses
+
+
+def _parallel_sizes(*flags: str) -> tuple[int, int]:
+    argv = [*RUN, "--global-batch-size", "8", "--load", str(MCORE), "--finetune",
+            "--use-checkpoint-args", *flags]  # fmt: skip
+    p = parse_megatron_args(argv, world_size=4, checkpoint_args=checkpoint_args).parallel
+    return p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+
+
+def test_use_mp_args_from_checkpoint_args_takes_megatrons_parallel_sizes_over_the_flags():
+    mp_args = ("--use-mp-args-from-checkpoint-args", "--tensor-model-parallel-size", "4")
+    assert _parallel_sizes(*mp_args) == (2, 2)  # the checkpoint's, as Megatron forces them
+    assert _parallel_sizes() == (1, 1)  # --use-checkpoint-args alone takes the model only
+
+
+def test_use_mp_args_from_checkpoint_args_needs_use_checkpoint_args():
+    with pytest.raises(ConfigError, match="use_checkpoint_args is not set"):
+        parse_megatron_args([*MODEL, *RUN, "--use-mp-args-from-checkpoint-args"])

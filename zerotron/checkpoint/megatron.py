@@ -444,9 +444,12 @@ def is_megatron_checkpoint(load_dir: str | os.PathLike) -> bool:
     )
 
 
-def megatron_model_args(path: str | os.PathLike) -> tuple[GPTConfig, dict[str, Any]]:
-    """The model and the tokenizer entry (our metadata's) a Megatron-LM checkpoint's args
-    describe; reads one file (``common.pt``, or rank (0, 0)'s), not the weights."""
+def megatron_model_args(
+    path: str | os.PathLike,
+) -> tuple[GPTConfig, dict[str, Any], dict[str, int]]:
+    """The model, the tokenizer entry (our metadata's) and the tensor/pipeline sizes (our
+    metadata's layout entry) a Megatron-LM checkpoint's args describe; reads one file
+    (``common.pt``, or rank (0, 0)'s), not the weights."""
     tag = mio.tag_dir(path)
     if mio.is_torch_dist(tag):
         file = tag / mio.COMMON_FILE
@@ -456,7 +459,11 @@ def megatron_model_args(path: str | os.PathLike) -> tuple[GPTConfig, dict[str, A
         raise CheckpointError("the file with Megatron's args is missing", where=str(file))
     loaded = mio.load_safe(file)
     args = _args_dict(loaded.get("args") if isinstance(loaded, dict) else None, str(file))
-    return config_from_args(args, f"{file}: args"), tokenizer_of(args)
+    layout = {
+        name: int(args.get(name) or 1)
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    }
+    return config_from_args(args, f"{file}: args"), tokenizer_of(args), layout
 
 
 def megatron_weights_for(

@@ -216,6 +216,10 @@ def build_parser() -> ArgumentParser:
 # Flags + file -> Config
 
 
+MP_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+"""What a checkpoint's args give only with --use-mp-args-from-checkpoint-args (then over the
+flags, as Megatron's force)."""
+
 CheckpointArgs = Callable[[str], Mapping[str, Any]]
 """``--use-checkpoint-args``: the --load directory -> flat schema values its checkpoint gives."""
 
@@ -321,6 +325,13 @@ def _fill_from_checkpoint(
     """``--use-checkpoint-args``: the checkpoint's values where flags and file gave none."""
     ckpt = nested.get("checkpoint", {})
     if not ckpt.get("use_checkpoint_args"):
+        if ckpt.get("use_mp_args_from_checkpoint_args"):
+            raise ConfigError(
+                "use_mp_args_from_checkpoint_args takes the parallel sizes with the model's "
+                "shape, but use_checkpoint_args is not set",
+                where="checkpoint.use_mp_args_from_checkpoint_args",
+                fix="add --use-checkpoint-args",
+            )
         return
     load = ckpt.get("load")
     if not load:
@@ -338,9 +349,13 @@ def _fill_from_checkpoint(
         )
     for name, value in checkpoint_args(load).items():
         section = FIELD_SECTION[name]
-        if nested.setdefault(section, {}).get(name) is None:
-            nested[section][name] = value
-            origin[(section, name)] = f"the checkpoint in {load}"
+        if name in MP_ARGS:  # Megatron forces these over the flags, when asked
+            if not ckpt.get("use_mp_args_from_checkpoint_args"):
+                continue
+        elif nested.setdefault(section, {}).get(name) is not None:
+            continue
+        nested.setdefault(section, {})[name] = value
+        origin[(section, name)] = f"the checkpoint in {load}"
 
 
 def _merge_deepspeed(

@@ -40,16 +40,21 @@ CHECKPOINT_ARGS = (
 
 
 def checkpoint_args(load: str) -> dict[str, Any]:
-    """``--use-checkpoint-args``: the model's shape (:data:`CHECKPOINT_ARGS`) and tokenizer
-    (type; ``NullTokenizer``'s vocabulary size) recorded by the checkpoint ``--load`` would
-    load: zerotron's newest complete tag, or the args of Megatron-LM's."""
+    """``--use-checkpoint-args``: the model's shape (:data:`CHECKPOINT_ARGS`), tokenizer (type;
+    ``NullTokenizer``'s vocabulary size) and tensor/pipeline sizes (which the config layer takes
+    only with ``--use-mp-args-from-checkpoint-args``) recorded by the checkpoint ``--load``
+    would load: zerotron's newest complete tag, or the args of Megatron-LM's."""
     if is_megatron_checkpoint(load):
-        config, tokenizer = megatron_model_args(load)
+        config, tokenizer, layout = megatron_model_args(load)
         model = config.to_dict()
     else:
         meta = read_metadata(load, resolve_tag(load))
         model, tokenizer = meta.get("model") or {}, meta.get("tokenizer") or {}
+        layout = meta.get("layout") or {}
     out = {name: model[name] for name in CHECKPOINT_ARGS if model.get(name) is not None}
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if layout.get(name) is not None:  # taken with --use-mp-args-from-checkpoint-args
+            out[name] = int(layout[name])
     if tokenizer.get("type"):
         out["tokenizer_type"] = tokenizer["type"]
         if tokenizer["type"] == "NullTokenizer" and tokenizer.get("vocab_size") is not None:

@@ -33,6 +33,11 @@ class CheckpointConfig(Section):
         "length, position embeddings, LayerNorm epsilon) and tokenizer type from the --load "
         "checkpoint where neither the command line nor the config file gives them.",
     )
+    use_mp_args_from_checkpoint_args: bool = Field(
+        False,
+        description="With use_checkpoint_args, also the tensor- and pipeline-parallel sizes of "
+        "the checkpoint, over the flags (Megatron's).",
+    )
     exit_on_missing_checkpoint: bool = Field(
         False, description="With --load, stop if no checkpoint is found instead of starting fresh."
     )
