@@ -168,6 +168,23 @@ def test_deepspeeds_activation_checkpointing_options_run_its_checkpoint_with_the
     assert run(data_prefix, *flags).losses == torch_path.losses and len(calls) == 16
 
 
+def test_reset_iteration_counts_from_0_with_the_checkpoints_weights_and_optimizer(
+    data_prefix, base_ckpt
+):
+    """Megatron-DeepSpeed's --reset-iteration: iterations and samples count from 0 (so the data
+    starts over), the weights, Adam's moments and the LR schedule load: the losses are neither a
+    fresh run's nor --finetune's (fresh optimizer and schedule)."""
+    flags = ("--train-iters", 8)  # the checkpoint's schedule
+    # without the checkpoint's RNG state, as --finetune: the same dropout masks
+    reset = run(data_prefix, *flags, "--load", base_ckpt, "--reset-iteration", "--no-load-rng")
+    assert sorted(reset.losses) == list(range(1, 9))
+    assert reset.state.consumed_train_samples == 8 * 4
+    finetune = run(data_prefix, *flags, "--load", base_ckpt, "--finetune")
+    fresh = run(data_prefix, *flags)
+    assert reset.losses[1] == finetune.losses[1] != fresh.losses[1]  # the same weights, batch
+    assert reset.losses[2] != finetune.losses[2]  # then Adam's moments differ
+
+
 def _without_model_flags() -> list[str]:
     out, skip = [], False
     for a in TINY:

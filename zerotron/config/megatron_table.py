@@ -271,6 +271,7 @@ IGNORED: dict[str, Known] = {
         False, "attention scores are computed in fp32 or by SDPA, with no layer scaling to undo"
     ),
     "--mmap-warmup": Known(False, "the .bin files are memory-mapped and read as needed"),
+    "--no-load-lr-state": Known(False, "Megatron-DeepSpeed defines it but never reads it"),
     "--use-mcore-models": Known(False, "zerotron has one GPT implementation"),
     "--auto-detect-ckpt-format": Known(
         False, "--load tells zerotron's and Megatron-LM's torch and torch_dist checkpoints apart"

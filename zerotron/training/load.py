@@ -86,7 +86,7 @@ def resume(run: Run, state: TrainState) -> None:
         load_module_only=c.finetune,
         load_rng=not (c.no_load_rng or c.finetune),
     )
-    if not c.finetune:
+    if not c.finetune and not c.reset_iteration:
         state.iteration = int(client.get("iteration", run.engine.global_steps))
         state.consumed_train_samples = int(client.get("consumed_train_samples", 0))
         state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
@@ -131,7 +131,7 @@ def _load_megatron(run: Run, state: TrainState) -> None:
         "takes it from them",
     )
     run.engine.load_weights(weights, meta, where)
-    if not c.finetune:
+    if not c.finetune and not c.reset_iteration:
         state.iteration = int(info["iteration"] or 0)  # a release checkpoint has none
         state.consumed_train_samples = info["consumed_train_samples"]
         state.consumed_valid_samples = info["consumed_valid_samples"]

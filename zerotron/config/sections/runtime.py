@@ -33,6 +33,11 @@ class CheckpointConfig(Section):
         "length, position embeddings, LayerNorm epsilon) and tokenizer type from the --load "
         "checkpoint where neither the command line nor the config file gives them.",
     )
+    reset_iteration: bool = Field(
+        False,
+        description="After loading, count iterations and consumed samples from 0; the weights, "
+        "optimizer and LR schedule load as usual (Megatron-DeepSpeed's).",
+    )
     use_mp_args_from_checkpoint_args: bool = Field(
         False,
         description="With use_checkpoint_args, also the tensor- and pipeline-parallel sizes of "
