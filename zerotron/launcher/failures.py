@@ -164,6 +164,34 @@ class Watchdog:
                 os.killpg(pid, signal.SIGKILL)  # each worker leads its own session
 
 
+def with_stopped_ranks(agent: object, failures: dict[int, ProcessFailure]) -> dict:
+    """``failures`` (the agent's, by global rank) with the ranks the agent stopped after the first
+    failure, as later torch reports them itself; torch 2.8's subprocess context records only the
+    ranks that had failed when it looked. Their exit codes come from the agent's processes (its
+    private context, as :func:`zerotron.launcher.elastic.all_saved` reads them)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    try:
+        pcontext = agent._pcontext  # type: ignore[attr-defined]
+        handlers = pcontext.subprocess_handlers
+        workers = agent.get_worker_group().workers  # type: ignore[attr-defined]
+    except AttributeError:
+        return failures
+    out = dict(failures)
+    for worker in workers:
+        handler = handlers.get(worker.local_rank)
+        code = handler.proc.poll() if handler is not None else None
+        if worker.global_rank in out or not code:
+            continue
+        out[worker.global_rank] = ProcessFailure(
+            local_rank=worker.local_rank,
+            pid=handler.proc.pid,
+            exitcode=code,
+            error_file=pcontext.error_files.get(worker.local_rank, ""),
+        )
+    return out
+
+
 def summarize_failures(
     failures: dict[int, ProcessFailure],
     exit_times: dict[int, float],

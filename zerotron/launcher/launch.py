@@ -118,7 +118,7 @@ def _supervise(
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     from zerotron.launcher import rendezvous
-    from zerotron.launcher.failures import Watchdog, summarize_failures
+    from zerotron.launcher.failures import Watchdog, summarize_failures, with_stopped_ranks
     from zerotron.launcher.hangs import HANG_EXIT_CODE
     from zerotron.training import preemption
 
@@ -163,7 +163,11 @@ def _supervise(
         _say(elastic.saved_message(passed_on[0] if passed_on else "a signal"))
         return preemption.EXIT_CODE
     code, report = summarize_failures(
-        result.failures, watchdog.exit_times, streams, watchdog.finished, watchdog.killed
+        with_stopped_ranks(agent, result.failures),
+        watchdog.exit_times,
+        streams,
+        watchdog.finished,
+        watchdog.killed,
     )
     note = elastic.failure_note(report, rdzv)
     _say(report + (f"\n{note}" if note else ""))

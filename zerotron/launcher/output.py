@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import selectors
 import shutil
 import sys
@@ -31,6 +32,12 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 TAIL_LINES = 200  # stderr lines kept per rank for the failure summary
 _READ_SIZE = 1 << 16
 _LONGEST_LINE = 1 << 16  # bytes without a newline are printed as a line past this
+# The gloo of older torch (2.8; not 2.11 and later) prints this to stdout for every process group
+# it connects: dropped, so that a rank's output and log hold its own lines on every torch.
+_GLOO_CHATTER = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+    rb"Expected number of connected peer ranks is : \d+"
+)
 
 
 @dataclass
@@ -241,6 +248,7 @@ class RankStreams(LogsSpecs):
         os.close(stream.fd)
 
     def _emit(self, stream: _Stream, lines: list[bytes]) -> None:
+        lines = [line for line in lines if not _GLOO_CHATTER.fullmatch(line)]
         if not lines:
             return
         if stream.log is not None and stream.rank not in self._broken_logs:
