@@ -185,6 +185,31 @@ def test_reset_iteration_counts_from_0_with_the_checkpoints_weights_and_optimize
     assert reset.losses[2] != finetune.losses[2]  # then Adam's moments differ
 
 
+def test_a_kill_switch_file_saves_and_exits(data_prefix, tmp_path, monkeypatch):
+    """Megatron-DeepSpeed's --kill-switch-file: created during iteration 2, the run saves at 2
+    and exits; present at the start, nothing trains."""
+    from zerotron.engine.core import Engine
+
+    switch = tmp_path / "stop"
+    real = Engine.train_batch
+    steps = []
+
+    def train_batch(self, data_iter=None):
+        steps.append(1)
+        if len(steps) == 2:
+            switch.touch()
+        return real(self, data_iter)
+
+    monkeypatch.setattr(Engine, "train_batch", train_batch)
+    flags = ("--train-iters", 8, "--kill-switch-file", switch, "--save", tmp_path / "ckpt")
+    summary = run(data_prefix, *flags, "--save-interval", 100)
+    assert sorted(summary.losses) == [1, 2] and summary.exited_early
+    assert read_latest_tag(tmp_path / "ckpt") == "iter_0000002"
+    again = run(data_prefix, *flags, "--load", tmp_path / "ckpt", "--save-interval", 100)
+    assert again.losses == {} and again.exited_early and again.state.iteration == 2
+    assert read_latest_tag(tmp_path / "ckpt") == "iter_0000002"
+
+
 def _without_model_flags() -> list[str]:
     out, skip = [], False
     for a in TINY:

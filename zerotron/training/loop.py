@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -159,7 +160,11 @@ def train(
     started = time.perf_counter()
     with _output(t.train_iters, state.iteration) as out:
         out.print(" training ...")
-        while state.iteration < t.train_iters:
+        killed = _kill_switch(t.kill_switch_file)  # Megatron-DeepSpeed trains nothing then
+        if killed:
+            out.print(f" exiting program before training: found {t.kill_switch_file}")
+            summary.exited_early, saved_at = True, state.iteration
+        while not killed and state.iteration < t.train_iters:
             consumed = state.consumed_train_samples
             gbs = t.global_batch_size if ramp is None else ramp.size_at(consumed)
             if gbs != engine.train_batch_size():  # a step of the ramp (or a resume inside it)
@@ -268,6 +273,12 @@ def train(
                 out.print(f" exiting program after {minutes:.2f} minutes")
                 summary.exited_early = True
                 break
+            if _kill_switch(t.kill_switch_file):
+                out.print(
+                    f" exiting program at iteration {state.iteration}: found {t.kill_switch_file}"
+                )
+                summary.exited_early = True
+                break
 
     if c.save and saved_at != state.iteration:
         summary.last_checkpoint = save(run, state)
@@ -352,6 +363,11 @@ def check_finite(loss: float, step: Any, iteration: int) -> None:
         "or use --clip-grad; --no-check-for-nan-in-loss-and-grad goes on and counts such "
         "iterations instead",
     )
+
+
+def _kill_switch(path: str | None) -> bool:
+    """Whether ``--kill-switch-file`` exists (seen by any rank: all stop together)."""
+    return path is not None and _any_rank(os.path.exists(path))
 
 
 def _any_rank(flag: bool) -> bool:

@@ -59,6 +59,11 @@ class TrainingConfig(Section):
     exit_duration_in_mins: Int | None = Field(
         None, gt=0, description="Exit after this many minutes."
     )
+    kill_switch_file: str | None = Field(
+        None,
+        description="Exit, saving a checkpoint with --save, once this file exists; checked "
+        "before training and after every iteration (Megatron-DeepSpeed's).",
+    )
     seed: Int = Field(1234, ge=0, description="Seed for python, numpy, torch.")
     eval_interval: Int = Field(1000, gt=0, description="Iterations between evaluations.")
     eval_iters: Int = Field(100, ge=0, description="Iterations per evaluation (0: none).")
