@@ -391,8 +391,9 @@ def test_missing_checkpoint_messages(tmp_path):
         resolve_tag(tmp_path)
 
     (tmp_path / "iter_0000005" / "metadata.json").unlink()
-    with pytest.raises(CheckpointError, match="has no metadata.json"):
+    with pytest.raises(CheckpointError, match="has no metadata.json") as e:
         read_metadata(tmp_path, "iter_0000005")
+    assert "if zerotron did, restore its metadata.json" in e.value.fix
 
 
 # -------------------------------------------------------------------------------------- RNG

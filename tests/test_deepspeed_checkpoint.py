@@ -436,3 +436,13 @@ def test_another_models_parameters_are_listed():
         zero_state_from_full(target[0], ckpt.masters, ckpt.moments, ckpt.scalars, None, "here")
     assert "missing in the checkpoint: ['head.weight']" in str(err.value)
     assert "'fc1.bias'" in str(err.value)
+
+
+def test_zerotrons_own_commands_say_a_deepspeed_checkpoint_is_deepspeeds(capsys):
+    """`zerotron checkpoint info` / `generate` read zerotron's metadata.json: on DeepSpeed's
+    checkpoint they say whose it is and what reads it, not that metadata.json is missing."""
+    from zerotron.checkpoint.checkpoint_cli import main as checkpoint_main
+
+    with pytest.raises(CheckpointError, match="written by DeepSpeed, not by zerotron") as e:
+        checkpoint_main(["info", str(FIXTURES / "zero2_fp32")])
+    assert "engine.load_checkpoint" in e.value.fix

@@ -119,3 +119,19 @@ def test_use_mp_args_from_checkpoint_args_takes_megatrons_parallel_sizes_over_th
 def test_use_mp_args_from_checkpoint_args_needs_use_checkpoint_args():
     with pytest.raises(ConfigError, match="use_checkpoint_args is not set"):
         parse_megatron_args([*MODEL, *RUN, "--use-mp-args-from-checkpoint-args"])
+
+
+@pytest.mark.parametrize("command", ["info", "verify"])
+def test_zerotrons_checkpoint_commands_say_a_megatron_checkpoint_looks_like_megatrons(command):
+    from zerotron.checkpoint.checkpoint_cli import main as checkpoint_main
+
+    with pytest.raises(CheckpointError, match="laid out as Megatron-LM writes them") as e:
+        checkpoint_main([command, str(MCORE)])
+    assert "--from-megatron" in e.value.fix and "--finetune" in e.value.fix
+
+
+def test_a_torch_dist_checkpoint_is_called_megatrons():
+    from zerotron.checkpoint.checkpoint_cli import main as checkpoint_main
+
+    with pytest.raises(CheckpointError, match="written by Megatron-LM .torch_dist., not by"):
+        checkpoint_main(["info", str(FIXTURES / "torch_dist_tp2pp2")])

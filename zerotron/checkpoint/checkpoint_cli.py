@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from zerotron.checkpoint.info import checkpoint_info, format_info
+from zerotron.checkpoint.load import read_latest_tag
+from zerotron.checkpoint.metadata import foreign_checkpoint
 from zerotron.checkpoint.verify import has_checksums, tag_problems, tags_newest_first
 from zerotron.config.args import ArgumentParser
 from zerotron.errors import CheckpointError
@@ -35,7 +38,9 @@ def verify_main(load_dir: str, tag: str | None) -> int:
     """Print each tag's verdict and its bad files; 1 if any tag is bad."""
     tags = [tag] if tag else tags_newest_first(load_dir)
     if not tags:
-        raise CheckpointError(
+        latest = read_latest_tag(load_dir)  # another tool's tracker, perhaps
+        foreign = foreign_checkpoint(Path(load_dir) / latest) if latest else None
+        raise foreign or CheckpointError(
             "no checkpoint here: no tag directory with a metadata.json",
             where=load_dir,
             fix="pass the directory given to --save",

@@ -8,15 +8,60 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from zerotron.checkpoint import layout
 from zerotron.errors import CheckpointError
 
 
+def foreign_checkpoint(tag_dir: str | os.PathLike) -> CheckpointError | None:
+    """The error for a tag directory that another tool wrote (Megatron-LM, DeepSpeed), saying
+    what reads it; None when it is not one of theirs."""
+    from zerotron.checkpoint import megatron_io
+    from zerotron.checkpoint.deepspeed_format import is_deepspeed_tag
+
+    tag_dir = Path(tag_dir)
+    if not tag_dir.is_dir():
+        return None
+    megatron = (
+        "`zerotron pretrain --load DIR --finetune` (or --no-load-optim --no-load-rng) trains "
+        "from it as it is; `zerotron convert --from-megatron DIR --save CKPT` makes a zerotron "
+        "checkpoint of it for the other commands"
+    )
+    if megatron_io.is_torch_dist(tag_dir):
+        return CheckpointError(
+            "the checkpoint was written by Megatron-LM (torch_dist), not by zerotron",
+            where=str(tag_dir),
+            fix=megatron,
+        )
+    if megatron_io.rank_dirs(tag_dir) and not (tag_dir / layout.METADATA_FILE).is_file():
+        # zerotron's own layout is Megatron's too: only its metadata.json tells them apart
+        return CheckpointError(
+            "the checkpoint has no metadata.json: its mp_rank_* files are laid out as Megatron-LM "
+            "writes them",
+            where=str(tag_dir),
+            fix=f"if Megatron-LM wrote it, {megatron}; if zerotron did, restore its "
+            "metadata.json (docs/checkpoints.md)",
+        )
+    if is_deepspeed_tag(tag_dir):
+        return CheckpointError(
+            "the checkpoint was written by DeepSpeed, not by zerotron",
+            where=str(tag_dir),
+            fix="a script with `import zerotron as deepspeed` loads it with "
+            "engine.load_checkpoint(DIR); zerotron.utils.zero_to_fp32."
+            "get_fp32_state_dict_from_zero_checkpoint(DIR) gives its weights",
+        )
+    return None
+
+
 def read_metadata(load_dir: str | os.PathLike, tag: str) -> dict[str, Any]:
     """The metadata.json of a checkpoint."""
-    path = layout.tag_dir(load_dir, tag) / layout.METADATA_FILE
+    root = layout.tag_dir(load_dir, tag)
+    path = root / layout.METADATA_FILE
+    foreign = foreign_checkpoint(root)
+    if foreign is not None:
+        raise foreign
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
