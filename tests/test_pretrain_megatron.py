@@ -135,3 +135,15 @@ def test_a_torch_dist_checkpoint_is_called_megatrons():
 
     with pytest.raises(CheckpointError, match="written by Megatron-LM .torch_dist., not by"):
         checkpoint_main(["info", str(FIXTURES / "torch_dist_tp2pp2")])
+
+
+@pytest.mark.parametrize("layout", ["mcore_tp2pp2", "torch_dist_tp2pp2", "legacy_tp1"])
+def test_generate_reads_a_megatron_checkpoint_as_its_conversion(converted, capsys, layout):
+    from zerotron.inference.cli import main as generate_main
+
+    def text(load: Path) -> str:
+        generate_main(["--load", str(load), "--prompt", "1 2 3", "--greedy",
+                       "--max-new-tokens", "8"])  # fmt: skip
+        return capsys.readouterr().out
+
+    assert text(FIXTURES / layout) == text(converted) != ""

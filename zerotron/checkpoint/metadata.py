@@ -25,9 +25,9 @@ def foreign_checkpoint(tag_dir: str | os.PathLike) -> CheckpointError | None:
     if not tag_dir.is_dir():
         return None
     megatron = (
-        "`zerotron pretrain --load DIR --finetune` (or --no-load-optim --no-load-rng) trains "
-        "from it as it is; `zerotron convert --from-megatron DIR --save CKPT` makes a zerotron "
-        "checkpoint of it for the other commands"
+        "`zerotron pretrain --load DIR --finetune` (or --no-load-optim --no-load-rng) and "
+        "`zerotron generate --load DIR` take it as it is; `zerotron convert --from-megatron DIR "
+        "--save CKPT` makes a zerotron checkpoint of it for the other commands"
     )
     if megatron_io.is_torch_dist(tag_dir):
         return CheckpointError(

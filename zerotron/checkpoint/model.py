@@ -17,6 +17,7 @@ from zerotron.checkpoint.layout import CHECKPOINT_VERSION, RELEASE_TAG, model_fi
 from zerotron.checkpoint.reshard import (
     load_model_state_for,
     orig_vocab_size_of,
+    split_model_state,
     target_padded_vocab_size,
 )
 from zerotron.checkpoint.save_load import (
@@ -47,22 +48,42 @@ def load_gpt(
     ``state().tp``) has more than one rank, this rank's tensor-parallel shard is kept. The
     vocabulary keeps the saved padding when it splits over the group, else it is padded as
     Megatron pads for that size. Sequence parallelism is off (generation feeds one position at
-    a time). ``dtype`` defaults to the dtype the weights were saved in.
+    a time). ``dtype`` defaults to the dtype the weights were saved in. A Megatron-LM ``--save``
+    directory (no ``tag``) is read as ``zerotron convert --from-megatron`` reads it; the
+    metadata returned is what its conversion would record.
     """
-    tag = resolve_tag(load_dir, tag)
-    where = os.path.join(str(load_dir), tag)
-    meta = read_metadata(load_dir, tag)
-    if "model" not in meta:
-        raise CheckpointError("metadata.json has no model config", where=where)
-    config = GPTConfig.from_dict(meta["model"], where=f"{where}/metadata.json")
+    from zerotron.checkpoint.megatron import is_megatron_checkpoint, read_megatron
+
     group = state().tp if tp_group is None else tp_group
-    rows = config.vocab_size
-    if rows % group.size:
-        rows = target_padded_vocab_size(meta, group.size)
+    if tag is None and is_megatron_checkpoint(load_dir):  # Megatron-LM's own files
+        where = str(load_dir)
+        config, full, info = read_megatron(load_dir)
+        meta = build_metadata(
+            model_config=config.to_dict(),
+            vocab_size=config.orig_vocab_size,
+            padded_vocab_size=config.vocab_size,
+            tokenizer=info["tokenizer"],
+        )
+        rows = _rows(config, meta, group)
+        weights = split_model_state(
+            full,
+            group.rank,
+            group.size,
+            orig_vocab_size=config.orig_vocab_size,
+            padded_vocab_size=rows,
+        )
+    else:
+        tag = resolve_tag(load_dir, tag)
+        where = os.path.join(str(load_dir), tag)
+        meta = read_metadata(load_dir, tag)
+        if "model" not in meta:
+            raise CheckpointError("metadata.json has no model config", where=where)
+        config = GPTConfig.from_dict(meta["model"], where=f"{where}/metadata.json")
+        rows = _rows(config, meta, group)
+        weights, _ = load_model_state_for(
+            load_dir, tag, group.rank, group.size, 0, 1, padded_vocab_size=rows
+        )
     config = dataclasses.replace(config, vocab_size=rows, sequence_parallel=False)
-    weights, _ = load_model_state_for(
-        load_dir, tag, group.rank, group.size, 0, 1, padded_vocab_size=rows
-    )
     refuse_non_finite(weights, where, "model")
     model = GPT(config, tp_group=group)
     load_model_state(
@@ -76,6 +97,14 @@ def load_gpt(
     saved_dtype = next(iter(weights.values())).dtype
     model.to(device=device, dtype=dtype or saved_dtype).eval()
     return model, meta
+
+
+def _rows(config: GPTConfig, meta: dict[str, Any], group: Group) -> int:
+    """The embedding rows for ``group``: the saved padding when it splits over the group, else
+    the vocabulary padded as Megatron pads for that size."""
+    if config.vocab_size % group.size:
+        return target_padded_vocab_size(meta, group.size)
+    return config.vocab_size
 
 
 def save_gpt(
