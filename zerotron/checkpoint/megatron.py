@@ -466,6 +466,23 @@ def megatron_model_args(
     return config_from_args(args, f"{file}: args"), tokenizer_of(args), layout
 
 
+def read_megatron_as_ours(
+    path: str | os.PathLike,
+) -> tuple[GPTConfig, State, dict[str, Any], dict[str, Any]]:
+    """:func:`read_megatron` with the metadata a zerotron checkpoint of the model would have:
+    ``(config, single-process state dict, metadata, what was found)``."""
+    config, state, info = read_megatron(path)
+    meta = build_metadata(
+        model_config=config.to_dict(),
+        vocab_size=config.orig_vocab_size,
+        padded_vocab_size=config.vocab_size,
+        tensor_model_parallel_size=info["tensor_parallel"],
+        pipeline_model_parallel_size=info["pipeline_parallel"],
+        tokenizer=info["tokenizer"],
+    )
+    return config, state, meta, info
+
+
 def megatron_weights_for(
     path: str | os.PathLike,
     tp_rank: int,
@@ -483,15 +500,7 @@ def megatron_weights_for(
     Every file is read and merged (:func:`read_megatron`), then this rank's part is cut, so a
     rank holds the whole model once while it loads.
     """
-    config, state, info = read_megatron(path)
-    meta = build_metadata(
-        model_config=config.to_dict(),
-        vocab_size=config.orig_vocab_size,
-        padded_vocab_size=config.vocab_size,
-        tensor_model_parallel_size=info["tensor_parallel"],
-        pipeline_model_parallel_size=info["pipeline_parallel"],
-        tokenizer=info["tokenizer"],
-    )
+    config, state, meta, info = read_megatron_as_ours(path)
     weights = split_model_state(
         state,
         tp_rank,

@@ -59,13 +59,10 @@ def read_metadata(load_dir: str | os.PathLike, tag: str) -> dict[str, Any]:
     """The metadata.json of a checkpoint."""
     root = layout.tag_dir(load_dir, tag)
     path = root / layout.METADATA_FILE
-    foreign = foreign_checkpoint(root)
-    if foreign is not None:
-        raise foreign
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(
+        raise foreign_checkpoint(root) or CheckpointError(
             "the checkpoint has no metadata.json (was it written by another tool?)",
             where=str(path),
             fix="zerotron reads the model shape and vocabulary from it: use a checkpoint saved "
@@ -78,6 +75,10 @@ def read_metadata(load_dir: str | os.PathLike, tag: str) -> dict[str, Any]:
             where=str(path),
             fix="restore it from a backup or re-create the checkpoint",
         ) from None
+    if isinstance(meta, dict) and "sharded_backend" in meta:  # megatron-core's own metadata.json
+        raise foreign_checkpoint(root) or CheckpointError(
+            "metadata.json is megatron-core's, not zerotron's", where=str(path)
+        )
     check_metadata(meta, str(path))
     return meta
 

@@ -52,18 +52,12 @@ def load_gpt(
     directory (no ``tag``) is read as ``zerotron convert --from-megatron`` reads it; the
     metadata returned is what its conversion would record.
     """
-    from zerotron.checkpoint.megatron import is_megatron_checkpoint, read_megatron
+    from zerotron.checkpoint.megatron import is_megatron_checkpoint, read_megatron_as_ours
 
     group = state().tp if tp_group is None else tp_group
     if tag is None and is_megatron_checkpoint(load_dir):  # Megatron-LM's own files
         where = str(load_dir)
-        config, full, info = read_megatron(load_dir)
-        meta = build_metadata(
-            model_config=config.to_dict(),
-            vocab_size=config.orig_vocab_size,
-            padded_vocab_size=config.vocab_size,
-            tokenizer=info["tokenizer"],
-        )
+        config, full, meta, _ = read_megatron_as_ours(load_dir)
         rows = _rows(config, meta, group)
         weights = split_model_state(
             full,
