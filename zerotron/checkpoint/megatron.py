@@ -46,6 +46,11 @@ import torch
 from zerotron.checkpoint import megatron_io as mio
 from zerotron.checkpoint.layout import METADATA_FILE
 from zerotron.checkpoint.load import read_latest_tag
+from zerotron.checkpoint.megatron_deepspeed import (
+    is_megatron_deepspeed,
+    qkv_blocks_to_heads,
+    read_rank_files,
+)
 from zerotron.checkpoint.model import save_gpt
 from zerotron.checkpoint.reshard import (
     TIED_COPY,
@@ -120,7 +125,7 @@ def config_from_args(args: Mapping[str, Any], where: str) -> GPTConfig:
             differs.append(f"{key}={value!r} (zerotron's GPT: {expected})")
 
     want("swiglu", lambda v: not v, "GELU MLP, no SwiGLU")
-    want("normalization", lambda v: v == "LayerNorm", "LayerNorm")
+    want("normalization", lambda v: v.lower() == "layernorm", "LayerNorm")
     want("position_embedding_type", lambda v: v == "learned_absolute", "learned positions")
     want("use_rotary_position_embeddings", lambda v: not v, "no rotary embeddings")
     want("untie_embeddings_and_output_weights", lambda v: not v, "tied output layer")
@@ -128,13 +133,18 @@ def config_from_args(args: Mapping[str, Any], where: str) -> GPTConfig:
     want("apply_residual_connection_post_layernorm", lambda v: not v, "pre-LayerNorm residual")
     want("apply_layernorm_1p", lambda v: not v, "plain LayerNorm weights")
     want("qk_layernorm", lambda v: not v, "no QK LayerNorm")
-    want("num_experts", lambda v: not v, "dense MLP")
+    # Megatron-DeepSpeed's is a list of experts per layer group, [1] when dense
+    want("num_experts", lambda v: not v or v == [1], "dense MLP")
     want("squared_relu", lambda v: not v, "GELU")
     heads, hidden = args.get("num_attention_heads"), args.get("hidden_size")
     if args.get("group_query_attention") and args.get("num_query_groups") != heads:
         differs.append(
             f"num_query_groups={args.get('num_query_groups')} (zerotron's GPT: one key/value "
             f"head per query head, {heads})"
+        )
+    if args.get("num_key_value_heads") not in (None, heads):  # Megatron-DeepSpeed's GQA
+        differs.append(
+            f"num_key_value_heads={args['num_key_value_heads']} (zerotron's GPT: {heads})"
         )
     if heads and hidden and args.get("kv_channels") not in (None, hidden // heads):
         differs.append(f"kv_channels={args['kv_channels']} (zerotron's GPT: hidden/heads)")
@@ -250,9 +260,9 @@ def to_ours(key: str, where: str) -> str:
 
 def _fix_legacy_qkv(t: torch.Tensor, version: float, heads: int) -> torch.Tensor:
     """Rows of a legacy version-0/1 QKV shard in our ``[heads, (q, k, v), d]`` order."""
-    rest = t.shape[1:]
     if version == 0:
-        return t.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(t.shape).contiguous()
+        return qkv_blocks_to_heads(t, heads)
+    rest = t.shape[1:]
     return t.reshape(heads, -1, 3, *rest).transpose(1, 2).reshape(t.shape).contiguous()
 
 
@@ -330,10 +340,13 @@ def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, 
     """A Megatron-LM checkpoint as ours: ``(config, single-process state dict, info)``.
 
     ``path`` is a ``--save`` directory (its tracker picks the iteration), one ``iter_*``
-    directory, or a ``torch_dist`` directory. ``info`` says what was found: ``format``
-    (mcore, legacy, torch_dist), ``tensor_parallel``, ``pipeline_parallel``, ``iteration``,
-    ``checkpoint_version``, ``tokenizer`` (our metadata's entry) and the samples Megatron had
-    consumed (``consumed_train_samples``, ``consumed_valid_samples``, from its args).
+    directory, or a ``torch_dist`` directory; or Megatron-DeepSpeed's ``--save`` directory or
+    one ``global_step*`` in it. ``info`` says what was found: ``writer`` (Megatron-LM,
+    Megatron-DeepSpeed), ``format`` (mcore, legacy, torch_dist; Megatron-DeepSpeed's
+    pipeline-engine, no-pipeline-parallel), ``tensor_parallel``, ``pipeline_parallel``,
+    ``iteration``, ``checkpoint_version``, ``tokenizer`` (our metadata's entry) and the
+    samples Megatron had consumed (``consumed_train_samples``, ``consumed_valid_samples``, from
+    its args).
     """
     tag = mio.tag_dir(path)
     if mio.is_torch_dist(tag):
@@ -348,6 +361,7 @@ def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, 
                 fix="zerotron's GPT ties the output layer to the word embedding",
             )
         info = {
+            "writer": "Megatron-LM",
             "format": "torch_dist",
             "tensor_parallel": args.get("tensor_model_parallel_size", 1),
             "pipeline_parallel": args.get("pipeline_model_parallel_size", 1),
@@ -355,12 +369,18 @@ def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, 
             "checkpoint_version": common.get("checkpoint_version"),
         }
     else:
-        files, tp, pp = mio.read_rank_files(tag)
+        writer = "Megatron-DeepSpeed" if is_megatron_deepspeed(tag) else "Megatron-LM"
+        if writer == "Megatron-DeepSpeed":  # every tensor rank's files hold the whole depth
+            files, tp, run_pp, kind = read_rank_files(tag)
+            pp = 1
+        else:
+            files, tp, pp = mio.read_rank_files(tag)
+            run_pp, kind = pp, ""
         first = files[(0, 0)]
         args = _args_dict(first.get("args"), str(tag))
         config = config_from_args(args, f"{tag}: args")
         heads = config.num_attention_heads
-        states, kind, version = _rank_states(files, tp, pp, heads, tag)
+        states, layout, version = _rank_states(files, tp, pp, heads, tag)
         if pp == 1 and any(TIED_COPY in s for s in states.values()):
             raise UnsupportedError(
                 "the checkpoint has an output layer beside the word embedding at pipeline size "
@@ -370,9 +390,10 @@ def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, 
             )
         state = merge_model_shards(states, tp, pp, where=str(tag))
         info = {
-            "format": kind,
+            "writer": writer,
+            "format": kind or layout,
             "tensor_parallel": tp,
-            "pipeline_parallel": pp,
+            "pipeline_parallel": run_pp,
             "iteration": first.get("iteration"),
             "checkpoint_version": version,
         }
@@ -433,15 +454,25 @@ def _check_shapes(state: State, config: GPTConfig, where: str) -> None:
 
 def is_megatron_checkpoint(load_dir: str | os.PathLike) -> bool:
     """Whether the tag a ``--load`` directory's tracker names holds a checkpoint Megatron-LM
-    wrote: megatron-core's ``torch_dist`` directory, or ``mp_rank_*`` files without zerotron's
-    metadata.json."""
+    wrote (megatron-core's ``torch_dist`` directory, or ``mp_rank_*`` files without zerotron's
+    metadata.json) or Megatron-DeepSpeed did."""
     tag = read_latest_tag(load_dir)
     if tag is None or not (Path(load_dir) / tag).is_dir():
         return False
     path = Path(load_dir) / tag
-    return mio.is_torch_dist(path) or (
-        bool(mio.rank_dirs(path)) and not (path / METADATA_FILE).is_file()
+    return (
+        mio.is_torch_dist(path)
+        or (bool(mio.rank_dirs(path)) and not (path / METADATA_FILE).is_file())
+        or is_megatron_deepspeed(path)
     )
+
+
+def megatron_writer(load_dir: str | os.PathLike) -> str:
+    """Who wrote the Megatron checkpoint a ``--load`` directory's tracker names:
+    "Megatron-DeepSpeed" or "Megatron-LM"."""
+    tag = read_latest_tag(load_dir)
+    deepspeed = tag is not None and is_megatron_deepspeed(Path(load_dir) / tag)
+    return "Megatron-DeepSpeed" if deepspeed else "Megatron-LM"
 
 
 def megatron_model_args(
@@ -453,6 +484,8 @@ def megatron_model_args(
     tag = mio.tag_dir(path)
     if mio.is_torch_dist(tag):
         file = tag / mio.COMMON_FILE
+    elif is_megatron_deepspeed(tag):
+        file = tag / mio.DEEPSPEED_MODEL_STATES
     else:
         file = mio.rank_dirs(tag).get((0, 0), tag / "mp_rank_00" / mio.MODEL_FILE)
     if not file.is_file():

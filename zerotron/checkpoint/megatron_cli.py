@@ -18,7 +18,7 @@ def megatron_main(args: argparse.Namespace) -> int:
             path, info = import_megatron(args.from_megatron, args.save, args.tag)
             bar.update(1, info=f"wrote {path}")
         print(
-            f"found a Megatron-LM {info['format']} checkpoint (tensor parallel "
+            f"found a {info['writer']} {info['format']} checkpoint (tensor parallel "
             f"{info['tensor_parallel']}, pipeline parallel {info['pipeline_parallel']}, "
             f"iteration {info['iteration']}, checkpoint version {info['checkpoint_version']})"
         )

@@ -40,6 +40,9 @@ from zerotron.fileio import atomic_dir, atomic_write_text, commit_dir
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 COMMON_FILE = "common.pt"
+# What Megatron-DeepSpeed's saves (DeepSpeed's engine) add: DeepSpeed's tracker and model states.
+DEEPSPEED_TRACKER = "latest"
+DEEPSPEED_MODEL_STATES = "mp_rank_00_model_states.pt"
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
 
 
@@ -103,12 +106,13 @@ ALLOWED_GLOBALS_DOC = [
 ]
 
 
-def load_safe(path: str | os.PathLike) -> Any:
-    """``torch.load`` one Megatron file onto the CPU, admitting only :func:`allowed_globals`."""
+def load_safe(path: str | os.PathLike, mmap: bool = False) -> Any:
+    """``torch.load`` one Megatron file onto the CPU, admitting only :func:`allowed_globals`
+    (``mmap``: its tensors mapped, not read, for a look at the rest)."""
     path = Path(path)
     try:
         with torch.serialization.safe_globals(allowed_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         text = str(e)
         if "weights_only" not in text and "Weights only" not in text:
@@ -138,8 +142,10 @@ def _corrupt(path: Path, e: Exception) -> CheckpointError:
 
 
 def tag_dir(root: str | os.PathLike) -> Path:
-    """The directory holding one checkpoint: ``root`` itself when it holds rank directories or a
-    torch_dist save, else the ``iter_XXXXXXX``/``release`` its tracker file names."""
+    """The directory holding one checkpoint: ``root`` itself when it holds rank directories, a
+    torch_dist save or DeepSpeed's model-states files (Megatron-DeepSpeed), else the tag
+    DeepSpeed's ``latest`` names when that holds DeepSpeed's files, else the
+    ``iter_XXXXXXX``/``release`` Megatron's tracker names."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(
@@ -147,8 +153,13 @@ def tag_dir(root: str | os.PathLike) -> Path:
             where=str(root),
             fix="point --from-megatron to a Megatron-LM --save directory",
         )
-    if is_torch_dist(root) or rank_dirs(root):
+    if is_torch_dist(root) or rank_dirs(root) or (root / DEEPSPEED_MODEL_STATES).is_file():
         return root
+    latest = root / DEEPSPEED_TRACKER
+    if latest.is_file():
+        name = latest.read_text(encoding="utf-8", errors="replace").strip()
+        if name and "/" not in name and (root / name / DEEPSPEED_MODEL_STATES).is_file():
+            return root / name
     tracker = root / TRACKER
     if not tracker.is_file():
         raise CheckpointError(

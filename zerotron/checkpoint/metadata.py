@@ -16,10 +16,11 @@ from zerotron.errors import CheckpointError
 
 
 def foreign_checkpoint(tag_dir: str | os.PathLike) -> CheckpointError | None:
-    """The error for a tag directory that another tool wrote (Megatron-LM, DeepSpeed), saying
-    what reads it; None when it is not one of theirs."""
+    """The error for a tag directory that another tool wrote (Megatron-LM, Megatron-DeepSpeed,
+    DeepSpeed), saying what reads it; None when it is not one of theirs."""
     from zerotron.checkpoint import megatron_io
     from zerotron.checkpoint.deepspeed_format import is_deepspeed_tag
+    from zerotron.checkpoint.megatron_deepspeed import is_megatron_deepspeed
 
     tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
@@ -43,6 +44,12 @@ def foreign_checkpoint(tag_dir: str | os.PathLike) -> CheckpointError | None:
             where=str(tag_dir),
             fix=f"if Megatron-LM wrote it, {megatron}; if zerotron did, restore its "
             "metadata.json (docs/checkpoints.md)",
+        )
+    if is_megatron_deepspeed(tag_dir):
+        return CheckpointError(
+            "the checkpoint was written by Megatron-DeepSpeed, not by zerotron",
+            where=str(tag_dir),
+            fix=megatron,
         )
     if is_deepspeed_tag(tag_dir):
         return CheckpointError(

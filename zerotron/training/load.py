@@ -1,9 +1,11 @@
 """What ``--load`` gives ``zerotron pretrain``: a zerotron checkpoint (resume, or the weights
-alone with ``--finetune``), a checkpoint Megatron-LM wrote (its weights, from any layout into
-any layout), and the model shape ``--use-checkpoint-args`` reads from either.
+alone with ``--finetune``), a checkpoint Megatron-LM or Megatron-DeepSpeed wrote (its weights,
+from any layout into any layout), and the model shape ``--use-checkpoint-args`` reads from
+either.
 
 A Megatron-LM checkpoint is recognized by its files (``mp_rank_*`` without zerotron's
-metadata.json, or megatron-core's ``torch_dist`` directory). Its weights are read and cut for
+metadata.json, or megatron-core's ``torch_dist`` directory), a Megatron-DeepSpeed one by
+DeepSpeed's model-states files with Megatron's args in them. Its weights are read and cut for
 each rank as ``zerotron convert --from-megatron`` would convert them; Megatron's optimizer and
 RNG states are not read, so the run says which of Megatron's ways to start from weights alone it
 takes: ``--finetune`` (iteration 0) or ``--no-load-optim --no-load-rng`` (Megatron's iteration
@@ -19,6 +21,7 @@ from zerotron.checkpoint.megatron import (
     is_megatron_checkpoint,
     megatron_model_args,
     megatron_weights_for,
+    megatron_writer,
 )
 from zerotron.checkpoint.relayout import refuse_other_model
 from zerotron.distributed.state import state as parallel_state
@@ -99,10 +102,11 @@ def _load_megatron(run: Run, state: TrainState) -> None:
     """Megatron-LM's checkpoint in ``--load``: its weights, cut for this rank; with
     ``--no-load-optim --no-load-rng`` also its iteration and consumed samples."""
     c = run.cfg.checkpoint
+    writer = megatron_writer(c.load)
     if not c.finetune and not (c.no_load_optim and c.no_load_rng):
         raise CheckpointError(
-            "the checkpoint was written by Megatron-LM: zerotron reads its weights, not "
-            "Megatron's optimizer and RNG states",
+            f"the checkpoint was written by {writer}: zerotron reads its weights, not its "
+            "optimizer and RNG states",
             where=c.load,
             fix="add --finetune to start from its weights at iteration 0, or --no-load-optim "
             "--no-load-rng to go on from its iteration with a fresh optimizer",
@@ -119,7 +123,7 @@ def _load_megatron(run: Run, state: TrainState) -> None:
         virtual_stages=ps.virtual_pipeline_size or 1,
     )
     where = f"{c.load}/{read_latest_tag(c.load)}"
-    saved = f"Megatron-LM's tp{info['tensor_parallel']} pp{info['pipeline_parallel']}"
+    saved = f"{writer}'s tp{info['tensor_parallel']} pp{info['pipeline_parallel']}"
     refuse_other_model(
         meta,
         run.engine.checkpoint_metadata.get("model"),
@@ -138,7 +142,7 @@ def _load_megatron(run: Run, state: TrainState) -> None:
     run.engine.global_steps = state.iteration
     run.engine.global_samples = state.consumed_train_samples
     print_rank_0(
-        f"  loaded the weights of a Megatron-LM {info['format']} checkpoint (tensor parallel "
+        f"  loaded the weights of a {info['writer']} {info['format']} checkpoint (tensor parallel "
         f"{info['tensor_parallel']}, pipeline parallel {info['pipeline_parallel']}, iteration "
         f"{info['iteration']}) from {where}; "
         + (

@@ -1,0 +1,187 @@
+"""Megatron-DeepSpeed's own checkpoints (tests/fixtures/megatron_deepspeed/, written by its
+``pretrain_gpt.py`` under DeepSpeed: the pipeline engine at TP=2 x PP=2, ``--no-pipeline-parallel``
+at TP=2, and the latter at its last commit, whose fused QKV rows are ordered differently).
+
+fixtures.json has Megatron-DeepSpeed's logits on fixed tokens, computed by the model it had just
+saved; no DeepSpeed is needed here. The commands (``convert --from-megatron``, ``pretrain
+--load``, ``generate --load``, ``checkpoint info``) take them as they take Megatron-LM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerotron.checkpoint import megatron_io
+from zerotron.checkpoint.megatron import import_megatron, read_megatron
+from zerotron.config import parse_megatron_args
+from zerotron.errors import CheckpointError, UnsupportedError
+from zerotron.models.gpt import GPT
+from zerotron.training.loop import TrainSummary
+from zerotron.training.pretrain import checkpoint_args, pretrain
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron_deepspeed"
+EXPECTED = json.loads((FIXTURES / "fixtures.json").read_text())
+NAMES = list(EXPECTED["fixtures"])
+PIPE, NOPIPE, FPDT = (FIXTURES / n for n in ("pipe_tp2pp2", "nopipe_tp2", "fpdt_nopipe_tp2"))
+TAG = "global_step3"
+
+# The fixtures' model: Megatron-DeepSpeed's flags in fixtures.json ("model_flags").
+MODEL = EXPECTED["model_flags"]
+RUN = [
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
+    "--lr", "1e-3", "--mock-data", "--eval-iters", "0", "--log-interval", "1",
+    "--seed", "1234", "--num-workers", "0",
+]  # fmt: skip
+
+
+def _logits(source: Path) -> torch.Tensor:
+    """zerotron's GPT with the imported weights, on the fixtures' tokens (the real vocabulary)."""
+    config, state, _ = read_megatron(source)
+    model = GPT(config).eval()
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        out = model(torch.tensor(EXPECTED["text"])[:, :-1])
+    return out[..., : config.orig_vocab_size]
+
+
+def _theirs(name: str) -> torch.Tensor:
+    vocab = int(EXPECTED["model_flags"][EXPECTED["model_flags"].index("--vocab-size") + 1])
+    return torch.tensor(EXPECTED["fixtures"][name]["logits"])[..., : vocab + 1]  # + EOD
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_gives_megatron_deepspeeds_logits(name):
+    torch.testing.assert_close(_logits(FIXTURES / name), _theirs(name), rtol=0, atol=1e-5)
+
+
+def test_import_says_who_wrote_it_and_how():
+    found = {n: read_megatron(FIXTURES / n)[2] for n in NAMES}
+    assert {
+        n: (i["writer"], i["format"], i["tensor_parallel"], i["pipeline_parallel"], i["iteration"])
+        for n, i in found.items()
+    } == {
+        "pipe_tp2pp2": ("Megatron-DeepSpeed", "pipeline-engine", 2, 2, 3),
+        "nopipe_tp2": ("Megatron-DeepSpeed", "no-pipeline-parallel", 2, 1, 3),
+        "fpdt_nopipe_tp2": ("Megatron-DeepSpeed", "no-pipeline-parallel", 2, 1, 3),
+    }
+    assert {i["consumed_train_samples"] for i in found.values()} == {12}  # 3 x 4
+
+
+def test_a_global_step_directory_reads_as_its_save_directory():
+    torch.testing.assert_close(_logits(PIPE / TAG), _logits(PIPE), rtol=0, atol=0)
+
+
+def _rewrite_args(src: Path, dst: Path, change) -> Path:
+    """A copy of ``src`` whose model-states files' args went through ``change``."""
+    shutil.copytree(src, dst)
+    for file in (dst / TAG).glob("mp_rank_*_model_states.pt"):
+        loaded = megatron_io.load_safe(file)
+        args = vars(loaded["args"]).copy()
+        change(args)
+        loaded["args"] = argparse.Namespace(**args)
+        torch.save(loaded, file)
+    return dst
+
+
+def test_the_fpdt_flag_in_the_args_decides_the_qkv_order(tmp_path):
+    """Without ``ds_sequence_parallel_fpdt`` in its args the last commit's checkpoint would be
+    read with the older per-head order, and its logits would not be Megatron-DeepSpeed's."""
+    older = _rewrite_args(FPDT, tmp_path / "older", lambda a: a.pop("ds_sequence_parallel_fpdt"))
+    assert (_logits(older) - _theirs(FPDT.name)).abs().max() > 0.1
+
+
+def test_a_missing_layer_file_is_refused(tmp_path):
+    copy = shutil.copytree(PIPE, tmp_path / "ckpt")
+    (copy / TAG / "layer_03-model_01-model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="layer files are missing"):
+        read_megatron(copy)
+
+
+def test_zero_stage_3_weights_are_refused_with_what_to_do(tmp_path):
+    copy = shutil.copytree(NOPIPE, tmp_path / "ckpt")
+    file = copy / TAG / "mp_rank_00_model_states.pt"
+    loaded = megatron_io.load_safe(file)
+    loaded["ds_config"]["zero_optimization"]["stage"] = 3
+    torch.save(loaded, file)
+    with pytest.raises(UnsupportedError, match="ZeRO stage 3") as e:
+        read_megatron(copy)
+    assert "zero_to_fp32" in e.value.fix
+
+
+def test_a_grouped_query_model_is_refused(tmp_path):
+    gqa = _rewrite_args(NOPIPE, tmp_path / "gqa", lambda a: a.update(num_key_value_heads=2))
+    with pytest.raises(UnsupportedError, match="num_key_value_heads=2"):
+        read_megatron(gqa)
+
+
+# ---- the commands ------------------------------------------------------------------------------
+
+
+def run(*extra: object) -> TrainSummary:
+    return pretrain(parse_megatron_args([*MODEL, *RUN, *map(str, extra)]))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """The pipeline fixture converted by ``zerotron convert --from-megatron``."""
+    out = tmp_path_factory.mktemp("converted") / "ckpt"
+    import_megatron(PIPE, out)
+    return out
+
+
+@pytest.mark.parametrize("name", ["pipe_tp2pp2", "nopipe_tp2"])
+def test_pretrain_finetunes_from_it_as_from_its_conversion(converted, name, tmp_path):
+    conversion = converted if name == PIPE.name else tmp_path / "ckpt"
+    if name != PIPE.name:
+        import_megatron(FIXTURES / name, conversion)
+    summary = run("--load", FIXTURES / name, "--finetune")
+    assert sorted(summary.losses) == [1, 2, 3]
+    assert summary.losses == run("--load", conversion, "--finetune").losses  # bitwise
+
+
+def test_no_load_optim_goes_on_from_its_iteration_and_samples():
+    summary = run("--load", PIPE, "--no-load-optim", "--no-load-rng", "--train-iters", 5)
+    assert sorted(summary.losses) == [4, 5]
+    assert summary.state.consumed_train_samples == 12 + 2 * 4
+
+
+def test_its_optimizer_state_is_not_pretended():
+    with pytest.raises(CheckpointError, match="written by Megatron-DeepSpeed") as e:
+        run("--load", PIPE)
+    assert "--finetune" in e.value.fix
+
+
+def test_use_checkpoint_args_reads_its_args():
+    argv = [*RUN, "--load", str(NOPIPE), "--finetune", "--use-checkpoint-args"]
+    m = parse_megatron_args(argv, checkpoint_args=checkpoint_args).model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size) == (
+        2,
+        64,
+        4,
+        128,
+    )
+
+
+def test_generate_reads_it_as_its_conversion(converted, capsys):
+    from zerotron.inference.cli import main as generate_main
+
+    def text(load: Path) -> str:
+        generate_main(["--load", str(load), "--prompt", "1 2 3", "--greedy",
+                       "--max-new-tokens", "8"])  # fmt: skip
+        return capsys.readouterr().out
+
+    assert text(PIPE) == text(converted) != ""
+
+
+def test_checkpoint_info_says_megatron_deepspeed_wrote_it():
+    from zerotron.checkpoint.checkpoint_cli import main as checkpoint_main
+
+    with pytest.raises(CheckpointError, match="written by Megatron-DeepSpeed, not by") as e:
+        checkpoint_main(["info", str(NOPIPE)])
+    assert "--from-megatron" in e.value.fix

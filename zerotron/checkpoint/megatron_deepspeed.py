@@ -1,0 +1,182 @@
+"""Megatron-DeepSpeed's GPT checkpoints, read as Megatron-LM's legacy per-rank files.
+
+Megatron-DeepSpeed (microsoft/Megatron-DeepSpeed, the scripts of DeepSpeed's GPT tutorials)
+saves through DeepSpeed's engine: DeepSpeed's ``latest`` names ``global_stepN/``, and Megatron's
+``latest_checkpointed_iteration.txt`` sits beside it. In the tag directory::
+
+    mp_rank_MM_model_states.pt          one per model-parallel rank: Megatron's ``args``,
+                                        ``checkpoint_version``, ``iteration``, DeepSpeed's
+                                        counters; ``module`` is the legacy GPTModel state dict
+                                        (``language_model.encoder.layers.N...``) with
+                                        ``--no-pipeline-parallel``, None with the pipeline engine
+    layer_LL-model_TT-model_states.pt   pipeline engine only: one per layer of GPTModelPipe and
+                                        tensor rank TT (LL counts the layer list: the embedding,
+                                        each transformer layer, the final LayerNorm; the tied
+                                        output layer has no file), names relative to the layer
+    [bf16_]zero_pp_rank_*_optim_states.pt   ZeRO optimizer partitions (not read here)
+
+:func:`read_rank_files` puts each tensor rank's weights under the legacy names, with global
+layer indices, so :func:`zerotron.checkpoint.megatron.read_megatron` merges them as it merges
+Megatron-LM's (the pipeline stages' layer files are already one model per tensor rank).
+
+QKV rows: Megatron-DeepSpeed ordered each tensor rank's fused QKV rows per head (``[heads, (q,
+k, v), d]``, Megatron-LM's and ours) until its FPDT commit (676a482c, December 2024), which
+split them as ``[(q, k, v), heads, d]`` blocks instead. That commit also added the
+``--ds-sequence-parallel-fpdt`` flag, so a checkpoint whose args have it was written with the
+block order and is reordered here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotron.checkpoint import megatron_io as mio
+from zerotron.checkpoint.layout import METADATA_FILE
+from zerotron.errors import CheckpointError, UnsupportedError
+
+_LAYER_STATES = re.compile(r"layer_(\d{2,})-model_(\d{2,})-model_states\.pt")
+# An args key only Megatron-DeepSpeed's FPDT commit and later have (see the module docstring).
+FPDT_ARG = "ds_sequence_parallel_fpdt"
+
+
+def qkv_blocks_to_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Fused QKV rows ordered ``[(q, k, v), heads, d]`` in our ``[heads, (q, k, v), d]``."""
+    rest = t.shape[1:]
+    return t.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def _megatron_args(file: Path, mmap: bool = False) -> tuple[dict[str, Any], Any] | None:
+    """(the loaded file, its Megatron args) when ``file`` holds Megatron's args, else None."""
+    loaded = mio.load_safe(file, mmap=mmap)
+    args = loaded.get("args") if isinstance(loaded, dict) else None
+    if args is None or not hasattr(args, "num_layers"):
+        return None
+    return loaded, args
+
+
+def is_megatron_deepspeed(tag: Path) -> bool:
+    """Whether ``tag`` holds DeepSpeed's model-states files with Megatron's args in them (and not
+    zerotron's metadata.json)."""
+    first = tag / mio.DEEPSPEED_MODEL_STATES
+    if (tag / METADATA_FILE).is_file() or not first.is_file():
+        return False
+    try:
+        return _megatron_args(first, mmap=True) is not None
+    except CheckpointError:  # a type Megatron's files never hold: some other DeepSpeed model's
+        return False
+
+
+def _layer_files(tag: Path) -> dict[int, dict[int, Path]]:
+    """``{tensor rank: {layer index: file}}`` of a pipeline engine's layer files."""
+    found: dict[int, dict[int, Path]] = {}
+    for child in tag.iterdir():
+        m = _LAYER_STATES.fullmatch(child.name)
+        if m:
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = child
+    return found
+
+
+def _pipeline_model(files: dict[int, Path]) -> dict[str, torch.Tensor]:
+    """One tensor rank's GPTModelPipe layer files as a legacy GPTModel state dict."""
+    model: dict[str, torch.Tensor] = {}
+    layer = 0
+    for index in sorted(files):
+        state = mio.load_safe(files[index])
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"holds a {type(state).__name__}, not a state dict", where=str(files[index])
+            )
+        if "word_embeddings.weight" in state:
+            prefix = "language_model.embedding."
+        elif any(key.startswith("self_attention.") for key in state):
+            prefix = f"language_model.encoder.layers.{layer}."
+            layer += 1
+        elif set(state) <= {"weight", "bias"} and layer:
+            prefix = "language_model.encoder.final_layernorm."
+        else:
+            raise UnsupportedError(
+                f"a pipeline layer holds {sorted(state)[:4]}, which is no layer of a GPT-2 "
+                "GPTModelPipe (embedding, transformer layer, final LayerNorm)",
+                where=str(files[index]),
+                fix="only GPT-2-style Megatron-DeepSpeed models convert",
+            )
+        model.update({prefix + key: value for key, value in state.items()})
+    return model
+
+
+def read_rank_files(tag: Path) -> tuple[dict[tuple[int, int], dict], int, int, str]:
+    """A Megatron-DeepSpeed checkpoint as Megatron-LM's per-rank files: ``({(tensor rank, 0):
+    {"model", "args", "checkpoint_version", "iteration"}}, tensor size, the run's pipeline
+    size, its format: "pipeline-engine" or "no-pipeline-parallel")``. Every tensor rank's
+    ``model`` holds all layers (global indices)."""
+    states = tag / mio.DEEPSPEED_MODEL_STATES
+    found = _megatron_args(states)
+    if found is None:
+        raise CheckpointError("no Megatron args in the file", where=str(states))
+    first, args = found
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    stage = (first.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0)
+    layers = _layer_files(tag)
+    models: dict[int, dict] = {}
+    if layers:
+        missing = sorted(set(range(tp)) - set(layers))
+        if missing or any(set(files) != set(layers[0]) for files in layers.values()):
+            raise CheckpointError(
+                f"layer files are missing: tensor ranks {missing or list(range(tp))} of {tp} do "
+                "not all have the same layers",
+                where=str(tag),
+                fix="copy the whole checkpoint directory",
+            )
+        models = {t: _pipeline_model(layers[t]) for t in range(tp)}
+    else:
+        if stage == 3:
+            raise UnsupportedError(
+                "the weights of a ZeRO stage 3 run are in its zero_pp_rank_* optimizer files, "
+                "partitioned; its mp_rank_* files hold none",
+                where=str(tag),
+                fix="save with DeepSpeed's stage3_gather_16bit_weights_on_model_save, or convert "
+                "with DeepSpeed's zero_to_fp32 first",
+            )
+        for t in range(tp):
+            file = tag / f"mp_rank_{t:02d}_model_states.pt"
+            if not file.is_file():
+                raise CheckpointError(
+                    f"{file.name} is missing (tensor rank {t} of {tp})",
+                    where=str(tag),
+                    fix="copy the whole checkpoint directory",
+                )
+            loaded = first if t == 0 else mio.load_safe(file)
+            module = loaded.get("module") if isinstance(loaded, dict) else None
+            if not isinstance(module, dict):
+                raise CheckpointError("no 'module' state dict", where=str(file))
+            models[t] = module
+        pp = 1  # --no-pipeline-parallel: the whole model on every tensor rank
+    if hasattr(args, FPDT_ARG):
+        heads = int(args.num_attention_heads) // tp
+        for model in models.values():
+            _reorder_qkv(model, heads)
+    files = {
+        (t, 0): {
+            "model": model,
+            "args": args,
+            "checkpoint_version": first.get("checkpoint_version"),
+            "iteration": first.get("iteration"),
+        }
+        for t, model in models.items()
+    }
+    return files, tp, pp, "pipeline-engine" if layers else "no-pipeline-parallel"
+
+
+def _reorder_qkv(tree: dict, heads: int, prefix: str = "") -> None:
+    """Every ``query_key_value`` tensor of a (possibly nested) state dict in per-head order."""
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _reorder_qkv(value, heads, name + ".")
+        elif ".query_key_value." in name and torch.is_tensor(value):
+            tree[key] = qkv_blocks_to_heads(value, heads)
