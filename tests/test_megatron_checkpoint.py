@@ -21,9 +21,11 @@ from zerotron.checkpoint.megatron import (
     _flatten,
     config_from_args,
     import_megatron,
+    megatron_weights_for,
     read_megatron,
 )
 from zerotron.checkpoint.megatron_export import export_megatron
+from zerotron.checkpoint.reshard import split_model_state
 from zerotron.errors import CheckpointError, UnsupportedError
 from zerotron.models.gpt import GPT
 
@@ -240,3 +242,32 @@ def test_an_untied_output_layer_is_refused(tmp_path):
 
     with pytest.raises(UnsupportedError, match="untied"):
         read_megatron(_rewrite(LEGACY, tmp_path, untie))
+
+
+def _files_read(monkeypatch) -> list[str]:
+    """The Megatron files read whole from now on (memory-mapped looks at args not counted)."""
+    read, load = [], megatron_io.load_safe
+
+    def recording(path, mmap=False):
+        if not mmap:
+            read.append(Path(path).parent.name)
+        return load(path, mmap)
+
+    monkeypatch.setattr(megatron_io, "load_safe", recording)
+    return read
+
+
+def test_a_run_of_the_checkpoints_tensor_size_reads_only_its_tensor_ranks_files(monkeypatch):
+    read = _files_read(monkeypatch)
+    own, _, _ = megatron_weights_for(MCORE, 1, 2, 1, 2, padded_vocab_size=64)
+    assert sorted(read) == ["mp_rank_01_000", "mp_rank_01_001"]
+    _, full, _ = read_megatron(MCORE)
+    expected = split_model_state(full, 1, 2, 1, 2)
+    assert own.keys() == expected.keys()
+    assert all(torch.equal(own[k], expected[k]) for k in own)
+
+
+def test_another_tensor_size_reads_every_file(monkeypatch):
+    read = _files_read(monkeypatch)
+    megatron_weights_for(MCORE, 0, 1, 0, 1, padded_vocab_size=64)
+    assert len(read) == 4

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from zerotron.checkpoint import megatron_io
-from zerotron.checkpoint.megatron import import_megatron, read_megatron
+from zerotron.checkpoint.megatron import import_megatron, megatron_weights_for, read_megatron
+from zerotron.checkpoint.reshard import split_model_state
 from zerotron.config import parse_megatron_args
 from zerotron.errors import CheckpointError, UnsupportedError
 from zerotron.models.gpt import GPT
@@ -118,6 +119,39 @@ def test_a_grouped_query_model_is_refused(tmp_path):
     gqa = _rewrite_args(NOPIPE, tmp_path / "gqa", lambda a: a.update(num_key_value_heads=2))
     with pytest.raises(UnsupportedError, match="num_key_value_heads=2"):
         read_megatron(gqa)
+
+
+@pytest.mark.parametrize(
+    "name, files",
+    [
+        ("pipe_tp2pp2", [f"layer_0{i}-model_01-model_states.pt" for i in range(1, 5)]),
+        ("nopipe_tp2", ["mp_rank_01_model_states.pt"]),
+    ],
+)
+def test_a_run_of_its_tensor_size_reads_only_its_tensor_ranks_files(monkeypatch, name, files):
+    read, load = [], megatron_io.load_safe
+
+    def recording(path, mmap=False):
+        if not mmap:  # memory-mapped: a look at the args, the weights not read
+            read.append(Path(path).name)
+        return load(path, mmap)
+
+    monkeypatch.setattr(megatron_io, "load_safe", recording)
+    own, _, _ = megatron_weights_for(FIXTURES / name, 1, 2, 1, 2, padded_vocab_size=64)
+    assert sorted(read) == files
+    _, full, _ = read_megatron(FIXTURES / name)
+    expected = split_model_state(full, 1, 2, 1, 2)
+    assert own.keys() == expected.keys()
+    assert all(torch.equal(own[k], expected[k]) for k in own)
+
+
+def test_generated_null_tokenizer_text_keeps_the_prompt_and_the_new_ids_apart(capsys):
+    from zerotron.inference.cli import main as generate_main
+
+    generate_main(["--load", str(PIPE), "--prompt", "1 2 3", "--greedy", "--max-new-tokens", "8"])
+    ids = capsys.readouterr().out.split()
+    assert ids[:3] == ["1", "2", "3"] and 3 < len(ids) <= 11
+    assert all(0 <= int(i) <= 60 for i in ids)  # "325" would be no id of this vocabulary
 
 
 # ---- the commands ------------------------------------------------------------------------------

@@ -336,7 +336,9 @@ def _unstack_torch_dist(tensors: Mapping[str, torch.Tensor], where: str) -> Stat
     return out
 
 
-def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, Any]]:
+def read_megatron(
+    path: str | os.PathLike, tensor_rank: int | None = None
+) -> tuple[GPTConfig, State, dict[str, Any]]:
     """A Megatron-LM checkpoint as ours: ``(config, single-process state dict, info)``.
 
     ``path`` is a ``--save`` directory (its tracker picks the iteration), one ``iter_*``
@@ -347,6 +349,9 @@ def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, 
     ``iteration``, ``checkpoint_version``, ``tokenizer`` (our metadata's entry) and the
     samples Megatron had consumed (``consumed_train_samples``, ``consumed_valid_samples``, from
     its args).
+
+    ``tensor_rank`` (per-rank files only): read only that tensor-parallel rank's files and
+    return its shard of every layer, as the checkpoint's layout cut it.
     """
     tag = mio.tag_dir(path)
     if mio.is_torch_dist(tag):
@@ -371,15 +376,19 @@ def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, 
     else:
         writer = "Megatron-DeepSpeed" if is_megatron_deepspeed(tag) else "Megatron-LM"
         if writer == "Megatron-DeepSpeed":  # every tensor rank's files hold the whole depth
-            files, tp, run_pp, kind = read_rank_files(tag)
+            files, tp, run_pp, kind = read_rank_files(tag, tensor_rank)
             pp = 1
         else:
-            files, tp, pp = mio.read_rank_files(tag)
+            files, tp, pp = mio.read_rank_files(tag, tensor_rank)
             run_pp, kind = pp, ""
-        first = files[(0, 0)]
+        first = next(iter(files.values()))
         args = _args_dict(first.get("args"), str(tag))
         config = config_from_args(args, f"{tag}: args")
         heads = config.num_attention_heads
+        saved_tp = tp
+        if tensor_rank is not None:  # one tensor rank's files: its shards, merged over stages
+            files = {(0, p): file for (_, p), file in files.items()}
+            heads, tp = heads // tp, 1
         states, layout, version = _rank_states(files, tp, pp, heads, tag)
         if pp == 1 and any(TIED_COPY in s for s in states.values()):
             raise UnsupportedError(
@@ -392,7 +401,7 @@ def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, 
         info = {
             "writer": writer,
             "format": kind or layout,
-            "tensor_parallel": tp,
+            "tensor_parallel": saved_tp,
             "pipeline_parallel": run_pp,
             "iteration": first.get("iteration"),
             "checkpoint_version": version,
@@ -400,7 +409,8 @@ def read_megatron(path: str | os.PathLike) -> tuple[GPTConfig, State, dict[str, 
     info["tokenizer"] = tokenizer_of(args)
     for key in ("consumed_train_samples", "consumed_valid_samples"):
         info[key] = int(args.get(key) or 0)
-    _check_shapes(state, config, str(tag))
+    if tensor_rank is None:
+        _check_shapes(state, config, str(tag))
     return config, state, info
 
 
@@ -490,7 +500,7 @@ def megatron_model_args(
         file = mio.rank_dirs(tag).get((0, 0), tag / "mp_rank_00" / mio.MODEL_FILE)
     if not file.is_file():
         raise CheckpointError("the file with Megatron's args is missing", where=str(file))
-    loaded = mio.load_safe(file)
+    loaded = mio.load_safe(file, mmap=True)  # the args, not the weights
     args = _args_dict(loaded.get("args") if isinstance(loaded, dict) else None, str(file))
     layout = {
         name: int(args.get(name) or 1)
@@ -500,11 +510,11 @@ def megatron_model_args(
 
 
 def read_megatron_as_ours(
-    path: str | os.PathLike,
+    path: str | os.PathLike, tensor_rank: int | None = None
 ) -> tuple[GPTConfig, State, dict[str, Any], dict[str, Any]]:
     """:func:`read_megatron` with the metadata a zerotron checkpoint of the model would have:
     ``(config, single-process state dict, metadata, what was found)``."""
-    config, state, info = read_megatron(path)
+    config, state, info = read_megatron(path, tensor_rank)
     meta = build_metadata(
         model_config=config.to_dict(),
         vocab_size=config.orig_vocab_size,
@@ -526,13 +536,24 @@ def megatron_weights_for(
     padded_vocab_size: int,
     virtual_stages: int = 1,
 ) -> tuple[State, dict[str, Any], dict[str, Any]]:
-    """One rank's weights of a Megatron-LM checkpoint, for a run of any layout: ``(weights of
+    """One rank's weights of a Megatron checkpoint, for a run of any layout: ``(weights of
     rank (tp_rank, pp_rank) of a (tp_size, pp_size) run with padded_vocab_size embedding rows,
     the metadata a zerotron checkpoint of this model would have, what was found)``.
 
-    Every file is read and merged (:func:`read_megatron`), then this rank's part is cut, so a
-    rank holds the whole model once while it loads.
+    When the run has the checkpoint's tensor-parallel size and vocabulary padding, a rank reads
+    only its tensor rank's files (every pipeline stage's: 1/tp of the model) and keeps its
+    stage's layers. Otherwise every file is read and merged (:func:`read_megatron`), then this
+    rank's part is cut, so a rank holds the whole model once while it loads.
     """
+    saved, _, layout = megatron_model_args(path)
+    if (
+        layout["tensor_model_parallel_size"] == tp_size
+        and saved.vocab_size == padded_vocab_size
+        and not mio.is_torch_dist(mio.tag_dir(path))
+    ):
+        _, shard, meta, info = read_megatron_as_ours(path, tensor_rank=tp_rank)
+        own = split_model_state(shard, 0, 1, pp_rank, pp_size, virtual_stages=virtual_stages)
+        return own, meta, info
     config, state, meta, info = read_megatron_as_ours(path)
     weights = split_model_state(
         state,

@@ -108,13 +108,16 @@ def _pipeline_model(files: dict[int, Path]) -> dict[str, torch.Tensor]:
     return model
 
 
-def read_rank_files(tag: Path) -> tuple[dict[tuple[int, int], dict], int, int, str]:
+def read_rank_files(
+    tag: Path, tensor_rank: int | None = None
+) -> tuple[dict[tuple[int, int], dict], int, int, str]:
     """A Megatron-DeepSpeed checkpoint as Megatron-LM's per-rank files: ``({(tensor rank, 0):
     {"model", "args", "checkpoint_version", "iteration"}}, tensor size, the run's pipeline
     size, its format: "pipeline-engine" or "no-pipeline-parallel")``. Every tensor rank's
-    ``model`` holds all layers (global indices)."""
+    ``model`` holds all layers (global indices); with ``tensor_rank``, only that rank's files
+    are read (and the args file)."""
     states = tag / mio.DEEPSPEED_MODEL_STATES
-    found = _megatron_args(states)
+    found = _megatron_args(states, mmap=True)  # tensor rank 0's weights read only when used
     if found is None:
         raise CheckpointError("no Megatron args in the file", where=str(states))
     first, args = found
@@ -122,6 +125,7 @@ def read_rank_files(tag: Path) -> tuple[dict[tuple[int, int], dict], int, int, s
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     stage = (first.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0)
     layers = _layer_files(tag)
+    ranks = range(tp) if tensor_rank is None else [tensor_rank]
     models: dict[int, dict] = {}
     if layers:
         missing = sorted(set(range(tp)) - set(layers))
@@ -132,7 +136,7 @@ def read_rank_files(tag: Path) -> tuple[dict[tuple[int, int], dict], int, int, s
                 where=str(tag),
                 fix="copy the whole checkpoint directory",
             )
-        models = {t: _pipeline_model(layers[t]) for t in range(tp)}
+        models = {t: _pipeline_model(layers[t]) for t in ranks}
     else:
         if stage == 3:
             raise UnsupportedError(
@@ -142,7 +146,7 @@ def read_rank_files(tag: Path) -> tuple[dict[tuple[int, int], dict], int, int, s
                 fix="save with DeepSpeed's stage3_gather_16bit_weights_on_model_save, or convert "
                 "with DeepSpeed's zero_to_fp32 first",
             )
-        for t in range(tp):
+        for t in ranks:
             file = tag / f"mp_rank_{t:02d}_model_states.pt"
             if not file.is_file():
                 raise CheckpointError(

@@ -200,8 +200,11 @@ def rank_dirs(path: Path) -> dict[tuple[int, int], Path]:
     return found
 
 
-def read_rank_files(path: Path) -> tuple[dict[tuple[int, int], dict], int, int]:
-    """Every rank's file of a per-rank checkpoint: ``({(t, p): loaded dict}, tp, pp)``."""
+def read_rank_files(
+    path: Path, tensor_rank: int | None = None
+) -> tuple[dict[tuple[int, int], dict], int, int]:
+    """Every rank's file of a per-rank checkpoint: ``({(t, p): loaded dict}, tp, pp)``; with
+    ``tensor_rank``, only that tensor rank's files are read."""
     dirs = rank_dirs(path)
     tp = 1 + max(t for t, _ in dirs)
     pp = 1 + max(p for _, p in dirs)
@@ -214,6 +217,8 @@ def read_rank_files(path: Path) -> tuple[dict[tuple[int, int], dict], int, int]:
         )
     files = {}
     for key, file in dirs.items():
+        if tensor_rank is not None and key[0] != tensor_rank:
+            continue
         if not file.is_file():
             raise CheckpointError(f"{MODEL_FILE} is missing", where=str(file.parent))
         loaded = load_safe(file)

@@ -152,7 +152,10 @@ def _generate(args, device: torch.device) -> int:
         )
         if new and new[-1] == tokenizer.eod:
             new = new[:-1]
-        return tokenizer.detokenize(new)
+        # The continuation as the whole text decodes it: NullTokenizer's ids need the space
+        # between the prompt's last id and the first new one, which decoding `new` alone drops.
+        head, whole = tokenizer.detokenize(ids), tokenizer.detokenize(ids + new)
+        return whole[len(head) :] if whole.startswith(head) else tokenizer.detokenize(new)
 
     prompts = _prompts(args)
     if prompts is not None:
