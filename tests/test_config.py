@@ -934,3 +934,13 @@ def test_batch_geometry_any_two_give_the_third(given, want):
     )
     t = cfg.training
     assert (t.micro_batch_size, t.global_batch_size, t.num_micro_batches) == want
+
+
+def test_partition_activations_is_turned_off_under_sequence_parallelism_with_a_warning():
+    cfg = parse("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                "--checkpoint-activations", "--partition-activations", world_size=2)  # fmt: skip
+    assert not cfg.activation_checkpointing.partition_activations
+    assert cfg.warnings == [
+        "partition_activations turned off under sequence_parallel: each tensor-parallel rank's "
+        "checkpointed layer input is already its 1/tp of the sequence"
+    ]

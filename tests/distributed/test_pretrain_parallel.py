@@ -306,6 +306,22 @@ def _partition_rank(rank: int, data: str) -> dict[str, Any]:
     return {"plain": plain, "partitioned": partitioned, "calls": calls}
 
 
+def _sp_partition_rank(rank: int, data: str) -> tuple[dict, dict]:
+    sp = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--checkpoint-activations")
+    with contextlib.redirect_stdout(io.StringIO()):
+        plain = _pretrain(2, data, *sp).losses
+        return plain, _pretrain(2, data, *sp, "--partition-activations").losses
+
+
+def test_partition_activations_under_sequence_parallelism_trains_as_without(data_prefix):
+    """Under SP a rank's checkpointed layer input is its own part of the sequence, which
+    DeepSpeed's partitioning (of an input every TP rank holds whole) would mix with the other
+    ranks' parts: the config turns it off, and the losses are those of the run without it."""
+    for plain, partitioned in run_ranks(_sp_partition_rank, 2, data_prefix, timeout=240):
+        assert sorted(plain) == list(range(1, ITERS + 1))
+        assert partitioned == plain
+
+
 def test_partitioned_activations_train_as_whole_ones_under_tensor_parallelism(data_prefix):
     """--partition-activations (DeepSpeed's option, Megatron-DeepSpeed's flag) with tp2: each
     rank keeps half of every checkpointed layer input and gathers it for the recompute; the

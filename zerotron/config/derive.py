@@ -325,6 +325,17 @@ def _resolve_parallel(cfg: Config) -> None:
     if par.sequence_parallel and tp == 1:
         _fill(par, sequence_parallel=False)
         _warn(cfg, "sequence_parallel disabled: it needs tensor_model_parallel_size > 1")
+    ac = cfg.activation_checkpointing
+    if par.sequence_parallel and ac.partition_activations:
+        # DeepSpeed's partitioning splits an input every TP rank holds whole and gathers the
+        # pieces back; under SP each rank's layer input is its own part of the sequence, so the
+        # gather would assemble other ranks' parts (wrong gradients). The input is 1/tp already.
+        _fill(ac, partition_activations=False, contiguous_memory_optimization=False)
+        _warn(
+            cfg,
+            "partition_activations turned off under sequence_parallel: each tensor-parallel "
+            "rank's checkpointed layer input is already its 1/tp of the sequence",
+        )
     if par.sequence_parallel and m.seq_length is not None and m.seq_length % tp:
         raise ConfigError(
             f"seq_length {m.seq_length} is not divisible by tensor_model_parallel_size {tp}, "
