@@ -46,6 +46,9 @@ LAYOUTS_1 = {
     "--recompute-num-layers 2 --attention-dropout 0",
     "bf16 full recompute block 1": "--bf16 --recompute-granularity full "
     "--recompute-method block --recompute-num-layers 1 --attention-dropout 0",
+    # DeepSpeed's CheckpointFunction; its host copies are this CPU rank's own memory
+    "bf16 full recompute cpu checkpointing": "--bf16 --recompute-granularity full "
+    "--attention-dropout 0 --checkpoint-in-cpu",
     # the other CPU kernel choices (zerotron.kernels.chooser), whose buffers differ
     "fp32 linear=torch": "--hidden-dropout 0 --attention-dropout 0 --kernels linear=torch",
     "bf16 attention=sdpa": "--bf16 --hidden-dropout 0 --attention-dropout 0 "
@@ -62,6 +65,11 @@ LAYOUTS_2 = {
     "--stage3-max-reuse-distance 1000000000",
     "tp2 sp fp32": "--tensor-model-parallel-size 2 --sequence-parallel "
     "--hidden-dropout 0 --attention-dropout 0",
+    # the vocab-parallel loss keeps fp32 logits in a bf16 run
+    "tp2 bf16 full recompute": "--tensor-model-parallel-size 2 --bf16 "
+    "--recompute-granularity full --attention-dropout 0",
+    "tp2 bf16 full recompute partitioned": "--tensor-model-parallel-size 2 --bf16 "
+    "--recompute-granularity full --attention-dropout 0 --partition-activations",
     "pp2 bf16 1f1b": "--pipeline-model-parallel-size 2 --bf16 --attention-dropout 0",
     "pp2 vpp2 interleaved": "--pipeline-model-parallel-size 2 --num-layers 4 "
     "--num-layers-per-virtual-pipeline-stage 1 --hidden-dropout 0 --attention-dropout 0",

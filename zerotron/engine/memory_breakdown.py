@@ -38,11 +38,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zerotron.parallel import recompute
+
 KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
 TERMS = (*KINDS, "activations", "comm_buffers", "loss_workspace")
 """The terms a :class:`StepMemory` measures (named as :class:`~zerotron.tuning.estimate.
 MemoryBreakdown`'s; its ``recompute_workspace`` is not measured apart: torch's non-reentrant
-checkpoint reruns a layer out of reach of the saved-tensor hooks)."""
+checkpoint reruns a layer out of reach of the saved-tensor hooks, and what DeepSpeed's
+CheckpointFunction saves while it reruns one is left out too)."""
 
 
 def _key(t: Tensor) -> tuple[str, int]:
@@ -110,8 +113,8 @@ class SavedActivations:
         coordinator._pack, coordinator._unpack = counted_pack, counted_unpack
 
     def _pack(self, t: Tensor) -> Any:
-        if t.numel() == 0 or t.device.type == "meta":
-            return _Held(self, None, t)
+        if t.numel() == 0 or t.device.type == "meta" or recompute.recomputing():
+            return _Held(self, None, t)  # (a rerun layer's saves: the recompute's workspace)
         key = _key(t)
         if key in self._parameter_keys():  # parameters are model states
             return _Held(self, None, t)

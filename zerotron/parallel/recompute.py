@@ -107,9 +107,17 @@ class _Module:
         self.tp = PARALLEL_STATE
         self.buffers: list[weakref.ref[torch.Tensor]] = []
         self.timings: dict[str, list[float]] = {}
+        self.recomputing = 0  # checkpointed functions being rerun in backward right now
 
 
 _M = _Module()
+
+
+def recomputing() -> bool:
+    """Whether a checkpointed function is being rerun in backward now: what autograd saves
+    meanwhile is the recompute's workspace, not the forward's activations (what
+    :mod:`zerotron.engine.memory_breakdown` measures)."""
+    return _M.recomputing > 0
 
 
 # ---- configuration ----------------------------------------------------------------------------
@@ -395,11 +403,13 @@ class CheckpointFunction(torch.autograd.Function):
             with _timed("recompute", cfg):
                 now = _RandomState.capture()
                 ctx.random.restore()
+                _M.recomputing += 1
                 try:
                     with torch.enable_grad(), contextlib.ExitStack() as stack:
                         ctx.autocast.enter(stack)
                         outputs = ctx.function(*detached)
                 finally:
+                    _M.recomputing -= 1
                     now.restore()
             flat = outputs if isinstance(outputs, tuple) else (outputs,)
             pairs = [

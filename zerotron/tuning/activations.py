@@ -33,7 +33,11 @@ Two accountings, side by side:
     ``recompute_method`` uniform, a unit of ``recompute_num_layers`` layers, by default one;
     block, the first ``recompute_num_layers`` layers of each pipeline chunk on their own, the
     rest keeping everything); backward then rebuilds one unit's activations at a time
-    (:func:`recompute_workspace`).
+    (:func:`recompute_workspace`). DeepSpeed's options for it (:func:`kept_input_bytes`):
+    ``partition_activations`` keeps a rank's 1/tp piece of each input (zero-padded to a
+    multiple of tp, as DeepSpeed pads it; no effect under sequence parallelism, where the
+    config turns it off), ``cpu_checkpointing`` keeps the inputs in host memory
+    (:func:`host_bytes`; on a CPU run that memory is the rank's own, so nothing moves).
 
 Pipeline: the activations a stage holds at once are counted by zerotron's own schedules
 (:func:`~zerotron.pipeline.schedules.activations_in_flight`), not by the paper's factor: a
@@ -72,6 +76,8 @@ class ActivationCase:
     recompute: str = "none"  # "none" | "selective" | "full"
     recompute_method: str = "uniform"  # full: "uniform" units of layers, or "block"
     recompute_num_layers: int | None = None  # full: None = 1 (uniform) / every layer (block)
+    partition_activations: bool = False  # full: DeepSpeed's, each input split over TP
+    cpu_checkpointing: bool = False  # full: DeepSpeed's, the inputs kept in host memory
     precision: str = "bf16"
     device: str = "cuda"  # "cuda" | "cpu": which kernels zerotron picks
     hidden_dropout: float = 0.1
@@ -86,6 +92,11 @@ class ActivationCase:
     @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
+
+    @property
+    def inputs_on_host(self) -> bool:
+        """Whether full recompute's kept inputs leave the device (cpu_checkpointing on one)."""
+        return self.recompute == "full" and self.cpu_checkpointing and self.device != "cpu"
 
 
 def attention_kernel(case: ActivationCase) -> str:
@@ -108,7 +119,7 @@ def layer_bytes(case: ActivationCase, recompute: str | None = None) -> int:
     sbh, sb = s * b * h, s * b
     shard = t if case.sp else 1  # the residual stream's split under SP
     if recompute == "full":
-        return e * sbh // shard
+        return 0 if case.inputs_on_host else kept_input_bytes(case)
     stats = 4 if case.device != "cpu" else e  # LayerNorm mean and rstd per token
     mask = 1 if case.device != "cpu" else e
     total = 2 * (e * sbh + 2 * stats * sb) // shard  # two LayerNorms: input and statistics
@@ -118,6 +129,37 @@ def layer_bytes(case: ActivationCase, recompute: str | None = None) -> int:
         total += 2 * mask * sbh // shard  # the two residual-branch dropout masks
     total += _attention_core(case, recompute)
     return total
+
+
+def kept_input_bytes(case: ActivationCase) -> int:
+    """Full recompute: what one checkpointed unit keeps, its input, on one TP rank (the
+    residual stream: its shard under SP; with ``partition_activations`` the rank's 1/tp piece,
+    zero-padded to a multiple of tp)."""
+    sbh, t = case.seq_length * case.micro_batch_size * case.hidden_size, case.tp
+    if case.sp:
+        return case.e * sbh // t
+    if case.partition_activations and t > 1:
+        return case.e * -(-sbh // t)
+    return case.e * sbh
+
+
+def checkpointed_units(case: ActivationCase, layers: int) -> int:
+    """How many checkpointed units (each keeping its input) ``layers`` consecutive layers
+    make under full recompute; 0 without it."""
+    if case.recompute != "full":
+        return 0
+    n = case.recompute_num_layers
+    if case.recompute_method == "block":
+        return min(layers, layers if n is None else n)
+    return -(-layers // (n or 1))
+
+
+def host_bytes(case: ActivationCase, layers: int) -> int:
+    """What ``cpu_checkpointing`` keeps in host memory for one micro-batch of ``layers``
+    consecutive layers: each checkpointed unit's input (0 unless :attr:`inputs_on_host`)."""
+    if not case.inputs_on_host:
+        return 0
+    return checkpointed_units(case, layers) * kept_input_bytes(case)
 
 
 def _attention_core(case: ActivationCase, recompute: str) -> int:
@@ -141,12 +183,19 @@ def _attention_core(case: ActivationCase, recompute: str) -> int:
 
 
 def tp_comm_bytes(case: ActivationCase) -> int:
-    """Sequence parallelism's all-gather in flight: a shard in, the whole ``[s, b, h]`` out
-    (tensor parallelism alone reduces in place)."""
-    if not case.sp:
+    """The largest tensor-parallel collective in flight: sequence parallelism's all-gather (a
+    shard in, the whole ``[s, b, h]`` out); else tensor parallelism's all-reduce of an
+    ``[s, b, h]`` in place, or ``partition_activations``' all-gather of a kept input's pieces
+    before its recompute (the pieces padded to a multiple of tp), whichever is larger."""
+    sbh, t = case.seq_length * case.micro_batch_size * case.hidden_size, case.tp
+    if t == 1:
         return 0
-    sbh = case.seq_length * case.micro_batch_size * case.hidden_size
-    return case.e * (sbh + sbh // case.tp)
+    if case.sp:
+        return case.e * (sbh + sbh // t)
+    if case.recompute == "full" and case.partition_activations:
+        piece = -(-sbh // t)
+        return case.e * max(sbh, piece + piece * t)
+    return case.e * sbh
 
 
 def chunk_layers_bytes(case: ActivationCase, layers: int) -> int:
@@ -157,11 +206,10 @@ def chunk_layers_bytes(case: ActivationCase, layers: int) -> int:
     rest."""
     if case.recompute != "full":
         return layers * layer_bytes(case)
-    n = case.recompute_num_layers
-    if case.recompute_method == "block":
-        kept = min(layers, layers if n is None else n)
-        return kept * layer_bytes(case) + (layers - kept) * layer_bytes(case, recompute="none")
-    return -(-layers // (n or 1)) * layer_bytes(case)  # one input per unit
+    units = checkpointed_units(case, layers)
+    if case.recompute_method == "block":  # the first units layers alone, the rest whole
+        return units * layer_bytes(case) + (layers - units) * layer_bytes(case, recompute="none")
+    return units * layer_bytes(case)  # one input per unit
 
 
 def recompute_workspace(case: ActivationCase, layers: int = 1) -> int:
@@ -174,7 +222,12 @@ def recompute_workspace(case: ActivationCase, layers: int = 1) -> int:
         unit = 0 if n == 0 else 1
     else:
         unit = min(layers, n or 1)
-    return unit * layer_bytes(case, recompute="none")
+    # the unit's input made whole on the device again: gathered from its pieces, or back from
+    # the host (without either, the kept input itself is counted in the activations)
+    sbh = case.seq_length * case.micro_batch_size * case.hidden_size
+    split = case.partition_activations and case.tp > 1 and not case.sp
+    restored = case.e * sbh // (case.tp if case.sp else 1) if split or case.inputs_on_host else 0
+    return unit * layer_bytes(case, recompute="none") + (restored if unit else 0)
 
 
 def embedding_bytes(case: ActivationCase) -> int:
@@ -198,8 +251,8 @@ def head_bytes(case: ActivationCase) -> int:
     total = (e * sb * h + 2 * stats * sb) // shard  # the final LayerNorm's input, statistics
     total += e * sb * h  # the output layer's input (all-gathered under SP)
     total += 8 * sb + 4 * sb  # the labels; the loss mask (fp32) the mean is weighted by
-    if t > 1:  # vocab-parallel loss: this rank's logits become the softmax, kept for backward
-        total += e * sb * case.padded_vocab_size // t + sb  # and the "outside" mask
+    if t > 1:  # vocab-parallel loss: this rank's logits, made fp32, become the saved softmax
+        total += 4 * sb * case.padded_vocab_size // t + sb  # and the "outside" mask
     elif case.device != "cpu":  # F.cross_entropy over fp32 logits keeps their log-softmax
         total += 4 * sb * case.vocab_size
     return total

@@ -14,7 +14,8 @@ Pure arithmetic: no processes, no tensors. The terms (bytes on one rank's device
 - ``activations``: what autograd keeps for backward (:mod:`~zerotron.tuning.activations`);
 - ``comm_buffers``: gradient buckets and ZeRO gather / reduce buffers;
 - ``loss_workspace``: the fused output-layer loss's temporaries;
-- ``host``: bytes offload moved to CPU memory (not in ``total``).
+- ``host``: bytes offload (and DeepSpeed's ``cpu_checkpointing`` of full recompute's inputs)
+  moved to CPU memory (not in ``total``).
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ class Layout:
     # Optional refinements (defaults: zerotron's own).
     recompute_method: str = "uniform"  # full recompute: "uniform" units or "block" (per chunk)
     recompute_num_layers: int | None = None  # its count (None: 1 for uniform, all for block)
+    partition_activations: bool = False  # full recompute: DeepSpeed's, inputs split over TP
+    cpu_checkpointing: bool = False  # full recompute: DeepSpeed's, inputs kept in host memory
     device: str = "cuda"  # "cuda" | "cpu": which kernels run (attention, fused loss)
     optimizer: str = "adam"  # its states per parameter: zero_memory.OPTIMIZER_STATES
     ddp_bucket_size: int | None = None  # ZeRO-0 data parallel (None: Megatron's default)
@@ -175,6 +178,7 @@ class Layout:
         ``kernels``: the CPU kernel choices the run makes (default: the defaults)."""
         par, m, z = cfg.parallel, cfg.model, cfg.zero
         full = m.recompute_granularity == "full"
+        ac = cfg.activation_checkpointing
         return cls(
             device=device,
             kernels=kernels or KernelChoices(),
@@ -196,6 +200,8 @@ class Layout:
             recompute=m.recompute_granularity or "none",
             recompute_method=(m.recompute_method or "uniform") if full else "uniform",
             recompute_num_layers=m.recompute_num_layers if full else None,
+            partition_activations=full and ac.partition_activations,
+            cpu_checkpointing=full and ac.cpu_checkpointing,
             precision=cfg.precision.params_dtype,
             offload_optimizer=z.offload_optimizer_device or "none",
             offload_param=z.offload_param_device or "none",
@@ -287,7 +293,7 @@ def estimate(
         activations=activations,
         comm_buffers=states.comm_buffers + act.tp_comm_bytes(case),
         loss_workspace=loss,
-        host=states.host,
+        host=states.host + held * act.host_bytes(case, layers_per_chunk),
         recompute_workspace=act.recompute_workspace(case, layers_per_chunk),
     )
 
@@ -307,6 +313,8 @@ def activation_case(shape: ModelShape, layout: Layout) -> act.ActivationCase:
         recompute=layout.recompute,
         recompute_method=layout.recompute_method,
         recompute_num_layers=layout.recompute_num_layers,
+        partition_activations=layout.partition_activations,
+        cpu_checkpointing=layout.cpu_checkpointing,
         precision=layout.precision,
         device=layout.device,
         hidden_dropout=shape.hidden_dropout,

@@ -56,6 +56,8 @@ KEYS = {
     "zero": "zero_stage",
     "mbs": "micro_batch_size",
     "recompute": "recompute",
+    "partition_activations": "partition_activations",
+    "cpu_checkpointing": "cpu_checkpointing",
     "precision": "precision",
     "offload_optimizer": "offload_optimizer",
     "offload_param": "offload_param",
@@ -274,6 +276,10 @@ def _describe(layout: Layout, lines: bool = False) -> Any:
             parts.append(f"full recompute ({layout.recompute_method} {unit or 'all'})")
         else:
             parts.append(f"{layout.recompute} recompute")
+        if layout.recompute == "full" and layout.partition_activations:
+            parts.append("partitioned")
+        if layout.recompute == "full" and layout.cpu_checkpointing:
+            parts.append("inputs on host")
     if layout.offload_optimizer != "none" or layout.offload_param != "none":
         parts.append(f"offload {layout.offload_optimizer}/{layout.offload_param}")
     return parts if lines else " ".join(parts)
