@@ -213,9 +213,25 @@ def test_generate_reads_it_as_its_conversion(converted, capsys):
     assert text(PIPE) == text(converted) != ""
 
 
-def test_checkpoint_info_says_megatron_deepspeed_wrote_it():
+def test_checkpoint_verify_says_megatron_deepspeed_wrote_it():
     from zerotron.checkpoint.checkpoint_cli import main as checkpoint_main
 
     with pytest.raises(CheckpointError, match="written by Megatron-DeepSpeed, not by") as e:
-        checkpoint_main(["info", str(NOPIPE)])
+        checkpoint_main(["verify", str(NOPIPE)])
     assert "--from-megatron" in e.value.fix
+
+
+@pytest.mark.parametrize(
+    "source, fmt", [(PIPE, "pipeline-engine"), (NOPIPE, "no-pipeline-parallel")]
+)
+def test_checkpoint_info_describes_it(source, fmt):
+    from zerotron.checkpoint.info import checkpoint_info
+
+    info = checkpoint_info(source)
+    assert (info["writer"], info["format"], info["tag"]) == ("Megatron-DeepSpeed", fmt, TAG)
+    assert info["progress"] == {
+        "iteration": 3,
+        "consumed_train_samples": 12,
+        "consumed_train_tokens": 12 * 16,
+    }
+    assert info["model"]["hidden_size"] == 64 and info["vocab"]["padded_size"] == 64

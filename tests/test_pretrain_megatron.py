@@ -121,20 +121,49 @@ def test_use_mp_args_from_checkpoint_args_needs_use_checkpoint_args():
         parse_megatron_args([*MODEL, *RUN, "--use-mp-args-from-checkpoint-args"])
 
 
-@pytest.mark.parametrize("command", ["info", "verify"])
-def test_zerotrons_checkpoint_commands_say_a_megatron_checkpoint_looks_like_megatrons(command):
+def test_checkpoint_verify_says_a_megatron_checkpoint_looks_like_megatrons():
     from zerotron.checkpoint.checkpoint_cli import main as checkpoint_main
 
     with pytest.raises(CheckpointError, match="laid out as Megatron-LM writes them") as e:
-        checkpoint_main([command, str(MCORE)])
+        checkpoint_main(["verify", str(MCORE)])
     assert "--from-megatron" in e.value.fix and "--finetune" in e.value.fix
 
 
-def test_a_torch_dist_checkpoint_is_called_megatrons():
+def test_checkpoint_verify_calls_a_torch_dist_checkpoint_megatrons(capsys):
     from zerotron.checkpoint.checkpoint_cli import main as checkpoint_main
 
-    with pytest.raises(CheckpointError, match="written by Megatron-LM .torch_dist., not by"):
-        checkpoint_main(["info", str(FIXTURES / "torch_dist_tp2pp2")])
+    assert checkpoint_main(["verify", str(FIXTURES / "torch_dist_tp2pp2")]) != 0
+    assert "written by Megatron-LM (torch_dist), not by zerotron" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "layout, fmt, tp, pp",
+    [("mcore_tp2pp2", "mcore", 2, 2), ("torch_dist_tp2pp2", "torch_dist", 2, 2),
+     ("legacy_tp1", "legacy", 1, 1)],
+)  # fmt: skip
+def test_checkpoint_info_describes_a_megatron_checkpoint(layout, fmt, tp, pp):
+    from zerotron.checkpoint.info import checkpoint_info
+
+    info = checkpoint_info(FIXTURES / layout)
+    assert (info["writer"], info["format"], info["iteration"]) == ("Megatron-LM", fmt, 7)
+    lay = info["layout"]
+    assert (lay["tensor_model_parallel_size"], lay["pipeline_model_parallel_size"]) == (tp, pp)
+    assert info["model"]["hidden_size"] == 32 and info["model"]["num_layers"] == 2
+    assert info["vocab"] == {"size": 60, "padded_size": 64}
+    assert info["progress"]["consumed_train_samples"] == 56
+    assert info["total_size"] == sum(
+        p.stat().st_size for p in (FIXTURES / layout).rglob("*") if p.is_file() and
+        p.parent != FIXTURES / layout
+    )  # fmt: skip
+
+
+def test_checkpoint_info_prints_what_reads_a_megatron_checkpoint(capsys):
+    from zerotron.checkpoint.checkpoint_cli import main as checkpoint_main
+
+    assert checkpoint_main(["info", str(MCORE)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Megatron-LM mcore checkpoint ")
+    assert "zerotron convert --from-megatron DIR" in out and "--finetune" in out
 
 
 @pytest.mark.parametrize("layout", ["mcore_tp2pp2", "torch_dist_tp2pp2", "legacy_tp1"])

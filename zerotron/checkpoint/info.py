@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from zerotron.checkpoint import layout
+from zerotron.checkpoint.megatron import describe_megatron, is_megatron_checkpoint
 from zerotron.checkpoint.metadata import read_metadata
 from zerotron.checkpoint.save_load import read_latest_tag
 from zerotron.checkpoint.verify import (
@@ -96,9 +97,66 @@ def conversion_targets(meta: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def megatron_checkpoint_info(described: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`checkpoint_info`'s description of a checkpoint Megatron-LM or Megatron-DeepSpeed
+    wrote (:func:`~zerotron.checkpoint.megatron.describe_megatron`): its writer and format, the
+    run's layout, model, vocabulary, progress and files, and the zerotron commands that read it
+    (into any layout: the weights are cut for the run's)."""
+    root, config = Path(described["directory"]), described["config"]
+    model = config.to_dict()
+    seq = model.get("seq_length")
+    progress: dict[str, Any] = {"iteration": described["iteration"]}
+    samples = described["consumed_train_samples"]
+    if samples:
+        progress["consumed_train_samples"] = samples
+        if isinstance(seq, int):
+            progress["consumed_train_tokens"] = samples * seq
+    files = [
+        {"path": p.relative_to(root).as_posix(), "size": p.stat().st_size}
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    ]
+    return {
+        "directory": str(root),
+        "tag": root.name,
+        "iteration": described["iteration"],
+        "writer": described["writer"],
+        "format": described["format"],
+        "layout": {
+            "tensor_model_parallel_size": described["tensor_parallel"],
+            "pipeline_model_parallel_size": described["pipeline_parallel"],
+            "virtual_pipeline_model_parallel_size": described["virtual_pipeline"],
+            "data_parallel_size": described["data_parallel"],
+        },
+        "model": {k: model[k] for k in _SHAPE_KEYS if model.get(k) is not None},
+        "vocab": {"size": config.orig_vocab_size, "padded_size": config.vocab_size},
+        "tokenizer": described["tokenizer"],
+        "progress": progress,
+        "files": files,
+        "total_size": sum(f["size"] for f in files),
+        "read_by": list(MEGATRON_READERS),
+    }
+
+
+# The zerotron commands that take a Megatron checkpoint as it is (DIR: its --save directory).
+MEGATRON_READERS = (
+    "zerotron pretrain --load DIR --finetune (or --no-load-optim --no-load-rng), any layout",
+    "zerotron generate --load DIR",
+    "zerotron convert --from-megatron DIR --save CKPT (a zerotron checkpoint of it)",
+)
+
+
 def checkpoint_info(load_dir: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
     """A JSON-ready description of ``<load_dir>/<tag>`` (default: the trackers' tag, else the
-    newest one there); see the module docstring."""
+    newest one there); see the module docstring. A checkpoint Megatron-LM or Megatron-DeepSpeed
+    wrote is described from its args (:func:`megatron_checkpoint_info`)."""
+    if tag is None and is_megatron_checkpoint(load_dir):
+        try:
+            described = describe_megatron(load_dir)
+        except CheckpointError:  # unreadable as Megatron's: read_metadata below says whose
+            described = None
+        if described is not None:
+            return megatron_checkpoint_info(described)
     if tag is None:
         tag = read_latest_tag(load_dir)
         if tag is None:
@@ -160,8 +218,39 @@ def checkpoint_info(load_dir: str | os.PathLike, tag: str | None = None) -> dict
     }
 
 
+def _format_megatron_info(info: Mapping[str, Any]) -> str:
+    lay, model, prog = info["layout"], info["model"], info["progress"]
+    lines = [
+        f"{info['writer']} {info['format']} checkpoint {info['directory']}  (tag {info['tag']}, "
+        f"iteration {info['iteration']})"
+    ]
+    dp = lay["data_parallel_size"]
+    lines.append(
+        f"  layout      tensor {lay['tensor_model_parallel_size']} x pipeline "
+        f"{lay['pipeline_model_parallel_size']} (virtual "
+        f"{lay['virtual_pipeline_model_parallel_size']})"
+        + (f" x data {dp}" if dp else "")
+        + f"; its optimizer and RNG states are {info['writer']}'s (zerotron reads the weights)"
+    )
+    lines.append("  model       " + ", ".join(f"{k} {v}" for k, v in model.items()))
+    vocab, tok = info["vocab"], info["tokenizer"]
+    lines.append(
+        f"  vocabulary  {vocab['size']} (padded to {vocab['padded_size']}), {tok.get('type')}"
+    )
+    lines.append("  progress    " + ", ".join(f"{k} {v}" for k, v in prog.items()))
+    lines.append(f"  files       {len(info['files'])}, {human_bytes(info['total_size'])} in all")
+    width = max((len(f["path"]) for f in info["files"]), default=0)
+    for f in info["files"]:
+        lines.append(f"    {f['path']:<{width}}  {human_bytes(f['size']):>10}")
+    lines.append("  read by")
+    lines.extend(f"    {reader}" for reader in info["read_by"])
+    return "\n".join(lines)
+
+
 def format_info(info: Mapping[str, Any]) -> str:
     """``checkpoint_info``'s result as the text ``zerotron checkpoint info`` prints."""
+    if "writer" in info:
+        return _format_megatron_info(info)
     lay, model, prog, conv = info["layout"], info["model"], info["progress"], info["convert_to"]
     lines = [f"checkpoint {info['directory']}  (tag {info['tag']}, iteration {info['iteration']})"]
     vpp = lay["virtual_pipeline_model_parallel_size"]

@@ -485,13 +485,9 @@ def megatron_writer(load_dir: str | os.PathLike) -> str:
     return "Megatron-DeepSpeed" if deepspeed else "Megatron-LM"
 
 
-def megatron_model_args(
-    path: str | os.PathLike,
-) -> tuple[GPTConfig, dict[str, Any], dict[str, int]]:
-    """The model, the tokenizer entry (our metadata's) and the tensor/pipeline sizes (our
-    metadata's layout entry) a Megatron-LM checkpoint's args describe; reads one file
-    (``common.pt``, or rank (0, 0)'s), not the weights."""
-    tag = mio.tag_dir(path)
+def _args_file(tag: Path) -> tuple[Path, dict[str, Any]]:
+    """The file that holds a Megatron checkpoint's args (``common.pt``, DeepSpeed's model
+    states, or rank (0, 0)'s file), loaded memory-mapped: its tensors are not read."""
     if mio.is_torch_dist(tag):
         file = tag / mio.COMMON_FILE
     elif is_megatron_deepspeed(tag):
@@ -500,13 +496,57 @@ def megatron_model_args(
         file = mio.rank_dirs(tag).get((0, 0), tag / "mp_rank_00" / mio.MODEL_FILE)
     if not file.is_file():
         raise CheckpointError("the file with Megatron's args is missing", where=str(file))
-    loaded = mio.load_safe(file, mmap=True)  # the args, not the weights
-    args = _args_dict(loaded.get("args") if isinstance(loaded, dict) else None, str(file))
+    loaded = mio.load_safe(file, mmap=True)
+    return file, loaded if isinstance(loaded, dict) else {}
+
+
+def megatron_model_args(
+    path: str | os.PathLike,
+) -> tuple[GPTConfig, dict[str, Any], dict[str, int]]:
+    """The model, the tokenizer entry (our metadata's) and the tensor/pipeline sizes (our
+    metadata's layout entry) a Megatron checkpoint's args describe; reads one file's args, not
+    the weights."""
+    file, loaded = _args_file(mio.tag_dir(path))
+    args = _args_dict(loaded.get("args"), str(file))
     layout = {
         name: int(args.get(name) or 1)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
     }
     return config_from_args(args, f"{file}: args"), tokenizer_of(args), layout
+
+
+def describe_megatron(path: str | os.PathLike) -> dict[str, Any] | None:
+    """What a Megatron checkpoint is, from one file's args (memory-mapped; for ``zerotron
+    checkpoint info``): its directory, ``writer``, ``format``, ``config``, ``tokenizer``,
+    ``iteration``, the run's ``tensor_parallel`` / ``pipeline_parallel`` / ``virtual_pipeline``
+    / ``data_parallel`` sizes and ``consumed_train_samples``; None when the file holds no
+    Megatron args (an ``argparse.Namespace``)."""
+    tag = mio.tag_dir(path)
+    file, loaded = _args_file(tag)
+    if not isinstance(loaded.get("args"), argparse.Namespace):
+        return None  # not Megatron's args: a zerotron checkpoint that lost its metadata.json?
+    args = vars(loaded["args"])
+    if mio.is_torch_dist(tag):
+        writer, kind = "Megatron-LM", "torch_dist"
+    elif is_megatron_deepspeed(tag):
+        writer = "Megatron-DeepSpeed"
+        kind = "pipeline-engine" if loaded.get("module") is None else "no-pipeline-parallel"
+    else:
+        chunks = _model_chunks(loaded, str(file))
+        writer, kind = "Megatron-LM", "legacy" if _is_legacy(chunks[0]) else "mcore"
+    return {
+        "directory": tag,
+        "writer": writer,
+        "format": kind,
+        "config": config_from_args(args, f"{file}: args"),
+        "tokenizer": tokenizer_of(args),
+        "iteration": loaded.get("iteration"),
+        "tensor_parallel": int(args.get("tensor_model_parallel_size") or 1),
+        "pipeline_parallel": int(args.get("pipeline_model_parallel_size") or 1),
+        "virtual_pipeline": int(args.get("virtual_pipeline_model_parallel_size") or 1),
+        "data_parallel": args.get("data_parallel_size"),
+        "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
+    }
 
 
 def read_megatron_as_ours(
