@@ -94,6 +94,7 @@ ALLOWED_MODEL_IMPORTS: dict[tuple[str, str], str] = {
     ("zerotron.checkpoint.model", "zerotron.models.gpt"): "GPT's checkpoint format",
     ("zerotron.checkpoint.hf", "zerotron.models.gpt"): "HF GPT-2 conversion",
     ("zerotron.checkpoint.megatron", "zerotron.models.gpt"): "Megatron-LM GPT import",
+    ("zerotron.checkpoint.megatron_args", "zerotron.models.gpt"): "Megatron-LM GPT args",
     ("zerotron.checkpoint.megatron_export", "zerotron.models.gpt"): "Megatron-LM GPT export",
 }
 

@@ -19,11 +19,11 @@ from zerotron.checkpoint import megatron_io
 from zerotron.checkpoint.convert import main as convert_main
 from zerotron.checkpoint.megatron import (
     _flatten,
-    config_from_args,
     import_megatron,
     megatron_weights_for,
     read_megatron,
 )
+from zerotron.checkpoint.megatron_args import config_from_args
 from zerotron.checkpoint.megatron_export import export_megatron
 from zerotron.checkpoint.reshard import split_model_state
 from zerotron.errors import CheckpointError, UnsupportedError

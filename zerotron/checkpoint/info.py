@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from zerotron.checkpoint import layout
-from zerotron.checkpoint.megatron import describe_megatron, is_megatron_checkpoint
+from zerotron.checkpoint.megatron_args import describe_megatron, is_megatron_checkpoint
 from zerotron.checkpoint.metadata import read_metadata
 from zerotron.checkpoint.save_load import read_latest_tag
 from zerotron.checkpoint.verify import (
@@ -99,7 +99,7 @@ def conversion_targets(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 def megatron_checkpoint_info(described: Mapping[str, Any]) -> dict[str, Any]:
     """:func:`checkpoint_info`'s description of a checkpoint Megatron-LM or Megatron-DeepSpeed
-    wrote (:func:`~zerotron.checkpoint.megatron.describe_megatron`): its writer and format, the
+    wrote (:func:`~zerotron.checkpoint.megatron_args.describe_megatron`): its writer and format, the
     run's layout, model, vocabulary, progress and files, and the zerotron commands that read it
     (into any layout: the weights are cut for the run's)."""
     root, config = Path(described["directory"]), described["config"]

@@ -52,7 +52,8 @@ def load_gpt(
     directory (no ``tag``) is read as ``zerotron convert --from-megatron`` reads it; the
     metadata returned is what its conversion would record.
     """
-    from zerotron.checkpoint.megatron import is_megatron_checkpoint, read_megatron_as_ours
+    from zerotron.checkpoint.megatron import read_megatron_as_ours
+    from zerotron.checkpoint.megatron_args import is_megatron_checkpoint
 
     group = state().tp if tp_group is None else tp_group
     if tag is None and is_megatron_checkpoint(load_dir):  # Megatron-LM's own files

@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 from zerotron.checkpoint import read_latest_tag, read_metadata, resolve_tag
-from zerotron.checkpoint.megatron import (
+from zerotron.checkpoint.megatron import megatron_weights_for
+from zerotron.checkpoint.megatron_args import (
     is_megatron_checkpoint,
     megatron_model_args,
-    megatron_weights_for,
     megatron_writer,
 )
 from zerotron.checkpoint.relayout import refuse_other_model
