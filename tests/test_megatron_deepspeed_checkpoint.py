@@ -18,7 +18,13 @@ import pytest
 import torch
 
 from zerotron.checkpoint import megatron_io
-from zerotron.checkpoint.megatron import import_megatron, megatron_weights_for, read_megatron
+from zerotron.checkpoint.megatron import (
+    _flatten,
+    import_megatron,
+    megatron_weights_for,
+    read_megatron,
+)
+from zerotron.checkpoint.megatron_export import export_megatron
 from zerotron.checkpoint.reshard import split_model_state
 from zerotron.config import parse_megatron_args
 from zerotron.errors import CheckpointError, UnsupportedError
@@ -235,3 +241,60 @@ def test_checkpoint_info_describes_it(source, fmt):
         "consumed_train_tokens": 12 * 16,
     }
     assert info["model"]["hidden_size"] == 64 and info["vocab"]["padded_size"] == 64
+
+
+# ---- zerotron's checkpoints out as Megatron-DeepSpeed's -----------------------------------------
+
+
+def _export(converted: Path, out: Path, tp: int, pp: int) -> Path:
+    return export_megatron(converted, out, "megatron-deepspeed", tp, pp)
+
+
+def test_an_export_holds_megatron_deepspeeds_own_tensors(converted, tmp_path):
+    """Imported and exported at its own layout, the pipeline fixture's layer files come back
+    with the same names, shapes and values as Megatron-DeepSpeed wrote them."""
+    out = _export(converted, tmp_path / "out", 2, 2)
+    ours = sorted(f.name for f in out.glob("layer_*"))
+    assert ours == sorted(f.name for f in (PIPE / TAG).glob("layer_*"))
+    for name in ours:
+        theirs, mine = (megatron_io.load_safe(d / name) for d in (PIPE / TAG, out))
+        assert list(mine) == list(theirs)
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_an_export_names_its_files_and_trackers_as_deepspeed_does(converted, tmp_path):
+    out = _export(converted, tmp_path / "out", 2, 2)
+    assert out.name == TAG and (out.parent / "latest").read_text() == TAG
+    assert (out.parent / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert sorted(f.name for f in out.glob("mp_rank_*")) == sorted(
+        f.name for f in (PIPE / TAG).glob("mp_rank_*")
+    )
+    states = megatron_io.load_safe(out / "mp_rank_03_model_states.pt")
+    assert states["module"] is None and states["iteration"] == 3
+    args = states["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
+    assert args.num_key_value_heads == args.num_attention_heads == 4  # compared by its loader
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 2), (2, 1), (1, 1)])
+def test_an_export_reads_back_with_megatron_deepspeeds_logits(converted, tmp_path, tp, pp):
+    out = _export(converted, tmp_path / "out", tp, pp)
+    torch.testing.assert_close(_logits(out.parent), _theirs(PIPE.name), rtol=0, atol=1e-5)
+
+
+def test_an_export_at_pipeline_size_1_also_holds_the_module_no_pipeline_parallel_loads(
+    converted, tmp_path
+):
+    out = _export(converted, tmp_path / "out", 2, 1)
+    ours = megatron_io.load_safe(out / "mp_rank_01_model_states.pt")["module"]
+    theirs = megatron_io.load_safe(NOPIPE / TAG / "mp_rank_01_model_states.pt")["module"]
+    flat = {k: v.shape for k, v in _flatten(ours).items()}
+    assert flat == {k: v.shape for k, v in _flatten(theirs).items()}  # names and shapes
+
+
+def test_megatron_deepspeed_loaded_our_exports_with_its_own_logits():
+    """Recorded by make_megatron_deepspeed_fixtures.py: Megatron-DeepSpeed itself loaded the
+    exports (pipeline engine TP 2 x PP 2, --no-pipeline-parallel TP 2) with --finetune."""
+    checked = EXPECTED["exports_loaded_by_megatron_deepspeed"]
+    assert sorted(checked) == ["nopipe_tp2", "pipe_tp2pp2"]
+    assert all(c["max_abs_logit_difference"] < 1e-5 for c in checked.values())

@@ -6,9 +6,10 @@ zerotron convert --load ./ckpt --save ./ckpt-tp1 \
     --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2 \
     [--target-virtual-pipeline-parallel-size V --target-data-parallel-size D \
      --target-zero-stage S --target-sub-group-size N]    # another layout
-zerotron convert --from-megatron ./megatron-save --save ./ckpt       # Megatron-LM import
+zerotron convert --from-megatron ./megatron-save --save ./ckpt       # Megatron import
 zerotron convert --load ./ckpt --to-megatron ./out --megatron-format mcore \
     --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2   # Megatron-LM export
+    (--megatron-format legacy, torch_dist; megatron-deepspeed: Megatron-DeepSpeed's files)
 
 Export and conversion read a checkpoint of any layout. A converted checkpoint carries the
 optimizer state (fp32 masters, Adam moments and steps, loss scaler), the LR scheduler, step
@@ -86,14 +87,15 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--from-megatron",
         metavar="DIR",
-        help="a Megatron-LM checkpoint (mcore, legacy or torch_dist; found by itself)",
+        help="a Megatron-LM (mcore, legacy or torch_dist) or Megatron-DeepSpeed checkpoint; "
+        "the format is found by itself",
     )
     p.add_argument("--to-megatron", metavar="DIR", help="where to write a Megatron-LM checkpoint")
     p.add_argument(
         "--megatron-format",
-        choices=("mcore", "legacy", "torch_dist"),
+        choices=("mcore", "legacy", "torch_dist", "megatron-deepspeed"),
         default="mcore",
-        help="--to-megatron's layout (default mcore)",
+        help="--to-megatron's layout (default mcore; megatron-deepspeed: Megatron-DeepSpeed's)",
     )
     return p
 

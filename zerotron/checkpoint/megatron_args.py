@@ -212,7 +212,8 @@ def describe_megatron(path: str | os.PathLike) -> dict[str, Any] | None:
         writer, kind = "Megatron-LM", "torch_dist"
     elif is_megatron_deepspeed(tag):
         writer = "Megatron-DeepSpeed"
-        kind = "pipeline-engine" if loaded.get("module") is None else "no-pipeline-parallel"
+        layers = any(tag.glob("layer_*-model_*-model_states.pt"))  # read first, as it reads them
+        kind = "pipeline-engine" if layers else "no-pipeline-parallel"
     else:
         chunks = model_chunks(loaded, str(file))
         writer, kind = "Megatron-LM", "legacy" if is_legacy(chunks[0]) else "mcore"

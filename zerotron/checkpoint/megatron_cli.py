@@ -38,14 +38,16 @@ def megatron_main(args: argparse.Namespace) -> int:
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             )
             bar.update(1, info=f"wrote {path}")
+        deepspeed = args.megatron_format == "megatron-deepspeed"
+        what = "Megatron-DeepSpeed's files" if deepspeed else f"Megatron-LM {args.megatron_format}"
+        how = "--finetune" if deepspeed else "--finetune, or --no-load-optim --no-load-rng"
         print(
-            f"exported {args.load} -> {path} (Megatron-LM {args.megatron_format}, tensor "
-            f"parallel {tp}, pipeline parallel {pp}; weights only: load with --finetune, or "
-            "--no-load-optim --no-load-rng)"
+            f"exported {args.load} -> {path} ({what}, tensor parallel {tp}, pipeline parallel "
+            f"{pp}; weights only: load with {how})"
         )
         return 0
     raise ConfigError(
         "give --from-megatron DIR --save CKPT (import) or --load CKPT --to-megatron DIR "
-        "[--megatron-format mcore|legacy|torch_dist] (export)",
+        "[--megatron-format mcore|legacy|torch_dist|megatron-deepspeed] (export)",
         where="zerotron convert",
     )

@@ -1,5 +1,6 @@
 """Megatron-LM GPT checkpoints out: a zerotron checkpoint written as megatron-core (``mcore``),
-legacy or ``torch_dist`` files for a tensor/pipeline-parallel layout.
+legacy or ``torch_dist`` files for a tensor/pipeline-parallel layout (or as Megatron-DeepSpeed's,
+:mod:`~zerotron.checkpoint.megatron_deepspeed_export`).
 
 The names, QKV order and what each layout holds are described in
 :mod:`zerotron.checkpoint.megatron` (the import side, whose name maps are reused here).
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from zerotron.checkpoint import megatron_deepspeed_export as mds
 from zerotron.checkpoint import megatron_io as mio
 from zerotron.checkpoint.megatron import (
     CHECKPOINT_VERSION,
@@ -27,12 +29,14 @@ from zerotron.checkpoint.megatron import (
 from zerotron.checkpoint.reshard import (
     TIED_COPY,
     load_merged_state,
+    load_shared_entries,
     orig_vocab_size_of,
     split_model_state,
     stage_layer_indices,
     target_padded_vocab_size,
 )
 from zerotron.errors import CheckpointError, ConfigError
+from zerotron.fileio import atomic_dir, atomic_write_text, commit_dir
 from zerotron.models.gpt import GPTConfig
 
 
@@ -130,19 +134,20 @@ def export_megatron(
     tag: str | None = None,
     make_vocab_size_divisible_by: int = 128,
 ) -> Path:
-    """Write ``load_dir``'s checkpoint as Megatron-LM's (``fmt`` one of :data:`FORMATS`) for a
-    (``tp``, ``pp``) run into ``out_dir``; returns the iteration directory written.
+    """Write ``load_dir``'s checkpoint as Megatron-LM's (``fmt`` one of :data:`FORMATS`) or
+    Megatron-DeepSpeed's (``fmt`` "megatron-deepspeed") for a (``tp``, ``pp``) run into
+    ``out_dir``; returns the iteration directory written.
 
     The vocabulary keeps the source's padding when it splits over ``tp``, else is padded as
     Megatron pads (``make_vocab_size_divisible_by × tp``). Files hold ``args``,
     ``checkpoint_version``, ``iteration`` and the model, no optimizer or RNG state: load them in
     Megatron-LM with ``--finetune`` (or ``--no-load-optim --no-load-rng``).
     """
-    if fmt not in FORMATS:
+    if fmt not in (*FORMATS, mds.FORMAT):
         raise ConfigError(
             f"unknown Megatron format {fmt!r}",
             where="--megatron-format",
-            fix=f"use one of {', '.join(FORMATS)}",
+            fix=f"use one of {', '.join((*FORMATS, mds.FORMAT))}",
         )
     full, meta = load_merged_state(load_dir, tag)
     if "model" not in meta:
@@ -156,6 +161,10 @@ def export_megatron(
     divisible_by = _divisible_by(orig, padded, tp, make_vocab_size_divisible_by)
     args = args_from_config(config, padded, tp, pp, iteration, divisible_by, meta.get("tokenizer"))
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    if fmt == mds.FORMAT:
+        consumed = int(load_shared_entries(load_dir, tag).get("consumed_train_samples") or 0)
+        layout = (tp, pp, orig, padded)
+        return _write_deepspeed(out_dir, full, config, args, layout, iteration, consumed)
     target = Path(out_dir) / mio.tag_name(iteration)
     if fmt == "torch_dist":
         whole = split_model_state(full, 0, 1, orig_vocab_size=orig, padded_vocab_size=padded)
@@ -188,6 +197,40 @@ def export_megatron(
                 yield rank, {**common, "model": model}
 
     mio.write_rank_files(target, files())
+    mio.write_tracker(out_dir, iteration)
+    return target
+
+
+def _write_deepspeed(
+    out_dir: str | os.PathLike,
+    full: State,
+    config: GPTConfig,
+    args: argparse.Namespace,
+    layout: tuple[int, int, int, int],
+    iteration: int,
+    consumed: int,
+) -> Path:
+    """Megatron-DeepSpeed's ``global_stepN/`` (module docstring of
+    :mod:`~zerotron.checkpoint.megatron_deepspeed_export`), written atomically, then its
+    trackers."""
+    tp, pp, orig, padded = layout
+    target = Path(out_dir) / mds.tag_name(iteration)
+    ds_args = mds.deepspeed_args(args)
+    with atomic_dir(target) as tmp:
+        for p in range(pp):
+            for t in range(tp):
+                state = split_model_state(
+                    full, t, tp, p, pp, orig_vocab_size=orig, padded_vocab_size=padded
+                )
+                for name, tensors in mds.layer_files(state, config.num_layers, t):
+                    torch.save(tensors, Path(tmp) / name)
+                module = mds.legacy_module(state) if pp == 1 else None
+                entries = mds.model_states(
+                    ds_args, iteration, consumed, tp * pp, module, CHECKPOINT_VERSION
+                )
+                torch.save(entries, Path(tmp) / f"mp_rank_{p * tp + t:02d}_model_states.pt")
+        commit_dir(tmp, target)
+    atomic_write_text(Path(out_dir) / mds.TRACKER, target.name)
     mio.write_tracker(out_dir, iteration)
     return target
 

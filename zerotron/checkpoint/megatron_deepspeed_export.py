@@ -1,0 +1,135 @@
+"""Megatron-DeepSpeed checkpoints out: a zerotron model written as Megatron-DeepSpeed's
+``pretrain_gpt.py`` saves through DeepSpeed, for a tensor/pipeline-parallel layout.
+
+What goes into ``global_stepN/`` (the layout :mod:`zerotron.checkpoint.megatron_deepspeed`
+reads):
+
+- ``layer_LL-model_TT-model_states.pt`` per GPTModelPipe layer and tensor rank TT: LL 01 the
+  embedding (``word_embeddings``, ``position_embeddings``), 02.. the transformer layers, then
+  the final LayerNorm (the pipeline engine, Megatron-DeepSpeed's default, loads these whatever
+  its pipeline size);
+- ``mp_rank_MM_model_states.pt`` per model-parallel rank (MM = pipeline rank × TP + tensor
+  rank): Megatron's ``args``, ``checkpoint_version`` 3.0, ``iteration`` and DeepSpeed's counters;
+  at pipeline size 1 also ``module``, the legacy GPTModel state dict, which
+  ``--no-pipeline-parallel`` loads;
+- ``latest`` (DeepSpeed's tracker) and ``latest_checkpointed_iteration.txt`` beside the tag.
+
+No optimizer or RNG state: load it in Megatron-DeepSpeed with ``--finetune`` (or
+``--no-load-optim --no-load-rng``). The fused QKV rows are per head, the order of
+Megatron-DeepSpeed before its FPDT commit (676a482c); its later commits read them as blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from zerotron.checkpoint.reshard import WORD_EMBEDDING
+
+State = dict[str, torch.Tensor]
+FORMAT = "megatron-deepspeed"
+TRACKER = "latest"
+
+
+def tag_name(iteration: int) -> str:
+    """DeepSpeed's tag for an iteration."""
+    return f"global_step{iteration}"
+
+
+def deepspeed_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Megatron-LM's ``args`` (:func:`~zerotron.checkpoint.megatron_export.args_from_config`)
+    with the fields Megatron-DeepSpeed compares when it loads without ``--finetune``."""
+    return argparse.Namespace(
+        **vars(args),
+        num_key_value_heads=args.num_attention_heads,
+        add_position_embedding=True,
+        data_parallel_random_init=False,
+        deepspeed=True,
+    )
+
+
+def _layer(key: str) -> tuple[int | None, str]:
+    """(global layer index, name within the layer) of one of our keys; None for others."""
+    if key.startswith("layers."):
+        _, i, rest = key.split(".", 2)
+        return int(i), rest
+    return None, key
+
+
+def layer_files(state: State, num_layers: int, tp_rank: int) -> Iterator[tuple[str, State]]:
+    """GPTModelPipe's layer files of one (tensor, pipeline) rank's weights: ``(file name,
+    state dict)`` for the embedding (first stage), each of its transformer layers and the final
+    LayerNorm (last stage)."""
+    model = f"model_{tp_rank:02d}"
+    if WORD_EMBEDDING in state:
+        embedding = {
+            "word_embeddings.weight": state[WORD_EMBEDDING],
+            "position_embeddings.weight": state["embedding.position_embeddings.weight"],
+        }
+        yield f"layer_01-{model}-model_states.pt", embedding
+    layers: dict[int, State] = {}
+    for key, value in state.items():
+        index, name = _layer(key)
+        if index is not None:
+            layers.setdefault(index, {})[name] = value
+    for index in sorted(layers):
+        yield f"layer_{index + 2:02d}-{model}-model_states.pt", layers[index]
+    if "final_layernorm.weight" in state:
+        final = {p: state[f"final_layernorm.{p}"] for p in ("weight", "bias")}
+        yield f"layer_{num_layers + 2:02d}-{model}-model_states.pt", final
+
+
+def legacy_module(state: State) -> dict[str, Any]:
+    """The legacy GPTModel's state dict of a whole-depth state, nested as Megatron-DeepSpeed's
+    ``state_dict_for_save_checkpoint`` nests it (its own names: ``input_layernorm``,
+    ``final_layernorm``)."""
+    embedding: dict[str, Any] = {}
+    encoder: State = {}
+    for key, value in state.items():
+        index, name = _layer(key)
+        if index is not None:
+            encoder[f"layers.{index}.{name}"] = value
+        elif key.startswith("final_layernorm."):
+            encoder[key] = value
+        elif key.startswith("embedding."):
+            _, part, param = key.split(".")
+            embedding[part] = {param: value}
+    return {"language_model": {"embedding": embedding, "encoder": encoder}}
+
+
+def model_states(
+    args: argparse.Namespace,
+    iteration: int,
+    consumed_samples: int,
+    mp_world_size: int,
+    module: dict[str, Any] | None,
+    version: float,
+) -> dict[str, Any]:
+    """One ``mp_rank_MM_model_states.pt``: DeepSpeed's entries (no optimizer, scheduler or
+    sampler state) and Megatron's client state."""
+    return {
+        "module": module,
+        "buffer_names": [],
+        "optimizer": None,
+        "param_shapes": None,
+        "frozen_param_shapes": None,
+        "shared_params": None,
+        "frozen_param_fragments": None,
+        "lr_scheduler": None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": 0,
+        "global_steps": iteration,
+        "global_samples": consumed_samples,
+        "dp_world_size": 1,
+        "mp_world_size": mp_world_size,
+        "ds_config": {},
+        "args": args,
+        "checkpoint_version": version,
+        "iteration": iteration,
+        "tokens": consumed_samples * args.seq_length,
+    }
