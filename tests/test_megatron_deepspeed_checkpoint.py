@@ -106,7 +106,7 @@ def test_the_fpdt_flag_in_the_args_decides_the_qkv_order(tmp_path):
 def test_a_missing_layer_file_is_refused(tmp_path):
     copy = shutil.copytree(PIPE, tmp_path / "ckpt")
     (copy / TAG / "layer_03-model_01-model_states.pt").unlink()
-    with pytest.raises(CheckpointError, match="layer files are missing"):
+    with pytest.raises(CheckpointError, match="layer files are missing: layer_03-model_01-"):
         read_megatron(copy)
 
 

@@ -47,7 +47,7 @@ def config_from_args(args: Mapping[str, Any], where: str) -> GPTConfig:
             differs.append(f"{key}={value!r} (zerotron's GPT: {expected})")
 
     want("swiglu", lambda v: not v, "GELU MLP, no SwiGLU")
-    want("normalization", lambda v: v.lower() == "layernorm", "LayerNorm")
+    want("normalization", lambda v: str(v).lower() == "layernorm", "LayerNorm")
     want("position_embedding_type", lambda v: v == "learned_absolute", "learned positions")
     want("use_rotary_position_embeddings", lambda v: not v, "no rotary embeddings")
     want("untie_embeddings_and_output_weights", lambda v: not v, "tied output layer")

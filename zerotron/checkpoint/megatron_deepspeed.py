@@ -128,11 +128,17 @@ def read_rank_files(
     ranks = range(tp) if tensor_rank is None else [tensor_rank]
     models: dict[int, dict] = {}
     if layers:
-        missing = sorted(set(range(tp)) - set(layers))
-        if missing or any(set(files) != set(layers[0]) for files in layers.values()):
+        indices = sorted({i for files in layers.values() for i in files})
+        absent = [
+            f"layer_{i:02d}-model_{t:02d}-model_states.pt"
+            for t in range(tp)
+            for i in indices
+            if i not in layers.get(t, {})
+        ]
+        if absent:
             raise CheckpointError(
-                f"layer files are missing: tensor ranks {missing or list(range(tp))} of {tp} do "
-                "not all have the same layers",
+                f"layer files are missing: {', '.join(absent[:6])}"
+                + (f" and {len(absent) - 6} more" if len(absent) > 6 else ""),
                 where=str(tag),
                 fix="copy the whole checkpoint directory",
             )
