@@ -27,7 +27,7 @@ from zerotron.checkpoint.megatron import (
 from zerotron.checkpoint.megatron_export import export_megatron
 from zerotron.checkpoint.reshard import split_model_state
 from zerotron.config import parse_megatron_args
-from zerotron.errors import CheckpointError, UnsupportedError
+from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.models.gpt import GPT
 from zerotron.training.loop import TrainSummary
 from zerotron.training.pretrain import checkpoint_args, pretrain
@@ -246,8 +246,8 @@ def test_checkpoint_info_describes_it(source, fmt):
 # ---- zerotron's checkpoints out as Megatron-DeepSpeed's -----------------------------------------
 
 
-def _export(converted: Path, out: Path, tp: int, pp: int) -> Path:
-    return export_megatron(converted, out, "megatron-deepspeed", tp, pp)
+def _export(converted: Path, out: Path, tp: int, pp: int, qkv: str = "per-head") -> Path:
+    return export_megatron(converted, out, "megatron-deepspeed", tp, pp, qkv_order=qkv)
 
 
 def test_an_export_holds_megatron_deepspeeds_own_tensors(converted, tmp_path):
@@ -276,10 +276,32 @@ def test_an_export_names_its_files_and_trackers_as_deepspeed_does(converted, tmp
     assert args.num_key_value_heads == args.num_attention_heads == 4  # compared by its loader
 
 
+@pytest.mark.parametrize("qkv", ["per-head", "blocks"])
 @pytest.mark.parametrize("tp, pp", [(2, 2), (2, 1), (1, 1)])
-def test_an_export_reads_back_with_megatron_deepspeeds_logits(converted, tmp_path, tp, pp):
-    out = _export(converted, tmp_path / "out", tp, pp)
+def test_an_export_reads_back_with_megatron_deepspeeds_logits(converted, tmp_path, tp, pp, qkv):
+    out = _export(converted, tmp_path / "out", tp, pp, qkv)
     torch.testing.assert_close(_logits(out.parent), _theirs(PIPE.name), rtol=0, atol=1e-5)
+
+
+def test_a_blocks_export_orders_each_tensor_ranks_qkv_rows_as_the_fpdt_commit_does(
+    converted, tmp_path
+):
+    heads = _export(converted, tmp_path / "h", 2, 2)
+    blocks = _export(converted, tmp_path / "b", 2, 2, "blocks")
+    key = "self_attention.query_key_value.weight"
+    for name in ("layer_02-model_00-model_states.pt", "layer_03-model_01-model_states.pt"):
+        per_head = megatron_io.load_safe(heads / name)[key]  # [2 heads, (q, k, v), 16] rows
+        q, k, v = per_head.view(2, 3, 16, -1).unbind(1)
+        expected = torch.cat([q.reshape(32, -1), k.reshape(32, -1), v.reshape(32, -1)])
+        assert torch.equal(megatron_io.load_safe(blocks / name)[key], expected)
+    args = megatron_io.load_safe(blocks / "mp_rank_00_model_states.pt")["args"]
+    assert args.ds_sequence_parallel_fpdt is False  # what tells the order on import
+
+
+def test_an_export_without_the_qkv_order_says_how_to_tell_it(converted, tmp_path):
+    with pytest.raises(ConfigError, match="needs --megatron-deepspeed-qkv per-head or blocks") as e:
+        export_megatron(converted, tmp_path / "out", "megatron-deepspeed", 2, 2)
+    assert "merge-base --is-ancestor 676a482c" in e.value.fix
 
 
 def test_an_export_at_pipeline_size_1_also_holds_the_module_no_pipeline_parallel_loads(
@@ -294,7 +316,8 @@ def test_an_export_at_pipeline_size_1_also_holds_the_module_no_pipeline_parallel
 
 def test_megatron_deepspeed_loaded_our_exports_with_its_own_logits():
     """Recorded by make_megatron_deepspeed_fixtures.py: Megatron-DeepSpeed itself loaded the
-    exports (pipeline engine TP 2 x PP 2, --no-pipeline-parallel TP 2) with --finetune."""
+    exports with --finetune (per-head: the pipeline engine TP 2 x PP 2 and --no-pipeline-parallel
+    TP 2 before its FPDT commit; blocks: --no-pipeline-parallel TP 2 at its last commit)."""
     checked = EXPECTED["exports_loaded_by_megatron_deepspeed"]
-    assert sorted(checked) == ["nopipe_tp2", "pipe_tp2pp2"]
+    assert sorted(checked) == ["fpdt_nopipe_tp2", "nopipe_tp2", "pipe_tp2pp2"]
     assert all(c["max_abs_logit_difference"] < 1e-5 for c in checked.values())

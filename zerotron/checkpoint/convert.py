@@ -9,7 +9,8 @@ zerotron convert --load ./ckpt --save ./ckpt-tp1 \
 zerotron convert --from-megatron ./megatron-save --save ./ckpt       # Megatron import
 zerotron convert --load ./ckpt --to-megatron ./out --megatron-format mcore \
     --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2   # Megatron-LM export
-    (--megatron-format legacy, torch_dist; megatron-deepspeed: Megatron-DeepSpeed's files)
+    (--megatron-format legacy, torch_dist; megatron-deepspeed --megatron-deepspeed-qkv
+     per-head|blocks: Megatron-DeepSpeed's files)
 
 Export and conversion read a checkpoint of any layout. A converted checkpoint carries the
 optimizer state (fp32 masters, Adam moments and steps, loss scaler), the LR scheduler, step
@@ -96,6 +97,13 @@ def build_parser() -> ArgumentParser:
         choices=("mcore", "legacy", "torch_dist", "megatron-deepspeed"),
         default="mcore",
         help="--to-megatron's layout (default mcore; megatron-deepspeed: Megatron-DeepSpeed's)",
+    )
+    p.add_argument(
+        "--megatron-deepspeed-qkv",
+        choices=("per-head", "blocks"),
+        help="with --megatron-format megatron-deepspeed: the fused QKV order of the "
+        "Megatron-DeepSpeed that will load it (per-head before its commit 676a482c, blocks from "
+        "it on)",
     )
     return p
 

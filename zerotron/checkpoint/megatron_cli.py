@@ -27,6 +27,12 @@ def megatron_main(args: argparse.Namespace) -> int:
     if args.load and args.to_megatron and not (args.save or args.from_hf or args.to_hf):
         tp = args.target_tensor_parallel_size or 1
         pp = args.target_pipeline_parallel_size or 1
+        if args.megatron_deepspeed_qkv and args.megatron_format != "megatron-deepspeed":
+            raise ConfigError(
+                "--megatron-deepspeed-qkv is for --megatron-format megatron-deepspeed",
+                where="zerotron convert",
+                fix="drop it, or write Megatron-DeepSpeed's files",
+            )
         with Progress("convert", 1, unit="steps") as bar:
             path = export_megatron(
                 args.load,
@@ -36,6 +42,7 @@ def megatron_main(args: argparse.Namespace) -> int:
                 pp,
                 tag=args.tag,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                qkv_order=args.megatron_deepspeed_qkv,
             )
             bar.update(1, info=f"wrote {path}")
         deepspeed = args.megatron_format == "megatron-deepspeed"

@@ -49,6 +49,12 @@ def qkv_blocks_to_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(t.shape).contiguous()
 
 
+def qkv_heads_to_blocks(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Fused QKV rows ordered ``[heads, (q, k, v), d]`` (ours) in ``[(q, k, v), heads, d]``."""
+    rest = t.shape[1:]
+    return t.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape).contiguous()
+
+
 def _megatron_args(file: Path, mmap: bool = False) -> tuple[dict[str, Any], Any] | None:
     """(the loaded file, its Megatron args) when ``file`` holds Megatron's args, else None."""
     loaded = mio.load_safe(file, mmap=mmap)

@@ -14,9 +14,14 @@ reads):
   ``--no-pipeline-parallel`` loads;
 - ``latest`` (DeepSpeed's tracker) and ``latest_checkpointed_iteration.txt`` beside the tag.
 
-No optimizer or RNG state: load it in Megatron-DeepSpeed with ``--finetune`` (or
-``--no-load-optim --no-load-rng``). The fused QKV rows are per head, the order of
-Megatron-DeepSpeed before its FPDT commit (676a482c); its later commits read them as blocks.
+No optimizer or RNG state: load it in Megatron-DeepSpeed with ``--finetune``.
+
+The fused QKV rows of each tensor rank are in the order of the Megatron-DeepSpeed that will load
+them, which the caller names (:data:`QKV_ORDERS`): ``per-head`` before its FPDT commit
+(676a482c, December 2024), ``blocks`` from it on (its last commit included). Nothing in the
+files tells them apart to Megatron-DeepSpeed, so a wrong choice would load silently wrong
+weights; a ``blocks`` export carries the FPDT commit's args (``ds_sequence_parallel_fpdt``),
+which is how :mod:`zerotron.checkpoint.megatron_deepspeed` tells them apart on import.
 """
 
 from __future__ import annotations
@@ -27,11 +32,31 @@ from typing import Any
 
 import torch
 
+from zerotron.checkpoint.megatron_deepspeed import FPDT_ARG, qkv_heads_to_blocks
 from zerotron.checkpoint.reshard import WORD_EMBEDDING
+from zerotron.errors import ConfigError
 
 State = dict[str, torch.Tensor]
 FORMAT = "megatron-deepspeed"
 TRACKER = "latest"
+QKV_ORDERS = ("per-head", "blocks")
+FPDT_COMMIT = "676a482c"
+
+
+def check_qkv_order(order: str | None) -> str:
+    """``order`` if it is one of :data:`QKV_ORDERS`; else an error saying how to tell."""
+    if order in QKV_ORDERS:
+        return order
+    given = "needs" if order is None else f"got {order!r} for"
+    raise ConfigError(
+        f"--megatron-format megatron-deepspeed {given} --megatron-deepspeed-qkv per-head or "
+        f"blocks: Megatron-DeepSpeed's commit {FPDT_COMMIT} (December 2024) changed the order "
+        "of the fused QKV rows, and its files do not say which one they hold",
+        where="--megatron-deepspeed-qkv",
+        fix="pass per-head for a Megatron-DeepSpeed older than that commit, blocks for it and "
+        f"later (`git -C Megatron-DeepSpeed merge-base --is-ancestor {FPDT_COMMIT} HEAD && echo "
+        "blocks || echo per-head` tells)",
+    )
 
 
 def tag_name(iteration: int) -> str:
@@ -39,16 +64,30 @@ def tag_name(iteration: int) -> str:
     return f"global_step{iteration}"
 
 
-def deepspeed_args(args: argparse.Namespace) -> argparse.Namespace:
+def deepspeed_args(args: argparse.Namespace, qkv_order: str) -> argparse.Namespace:
     """Megatron-LM's ``args`` (:func:`~zerotron.checkpoint.megatron_export.args_from_config`)
-    with the fields Megatron-DeepSpeed compares when it loads without ``--finetune``."""
+    with the fields Megatron-DeepSpeed compares when it loads without ``--finetune`` (and, for
+    the ``blocks`` order, the FPDT commit's flags)."""
+    fpdt = {FPDT_ARG: False} if qkv_order == "blocks" else {}
     return argparse.Namespace(
         **vars(args),
         num_key_value_heads=args.num_attention_heads,
         add_position_embedding=True,
         data_parallel_random_init=False,
         deepspeed=True,
+        **fpdt,
     )
+
+
+def in_order(state: State, qkv_order: str, heads: int) -> State:
+    """``state`` (one tensor rank's) with its fused QKV rows in ``qkv_order`` (``heads``: the
+    rank's attention heads)."""
+    if qkv_order == "per-head":
+        return state
+    return {
+        k: qkv_heads_to_blocks(v, heads) if ".query_key_value." in k else v
+        for k, v in state.items()
+    }
 
 
 def _layer(key: str) -> tuple[int | None, str]:

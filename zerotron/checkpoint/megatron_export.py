@@ -133,10 +133,12 @@ def export_megatron(
     *,
     tag: str | None = None,
     make_vocab_size_divisible_by: int = 128,
+    qkv_order: str | None = None,
 ) -> Path:
     """Write ``load_dir``'s checkpoint as Megatron-LM's (``fmt`` one of :data:`FORMATS`) or
-    Megatron-DeepSpeed's (``fmt`` "megatron-deepspeed") for a (``tp``, ``pp``) run into
-    ``out_dir``; returns the iteration directory written.
+    Megatron-DeepSpeed's (``fmt`` "megatron-deepspeed", with the ``qkv_order`` of the version
+    that will load it, one of :data:`~zerotron.checkpoint.megatron_deepspeed_export.QKV_ORDERS`)
+    for a (``tp``, ``pp``) run into ``out_dir``; returns the iteration directory written.
 
     The vocabulary keeps the source's padding when it splits over ``tp``, else is padded as
     Megatron pads (``make_vocab_size_divisible_by × tp``). Files hold ``args``,
@@ -149,6 +151,8 @@ def export_megatron(
             where="--megatron-format",
             fix=f"use one of {', '.join((*FORMATS, mds.FORMAT))}",
         )
+    if fmt == mds.FORMAT:
+        qkv_order = mds.check_qkv_order(qkv_order)
     full, meta = load_merged_state(load_dir, tag)
     if "model" not in meta:
         raise CheckpointError("metadata.json has no model config", where=os.fspath(load_dir))
@@ -164,7 +168,9 @@ def export_megatron(
     if fmt == mds.FORMAT:
         consumed = int(load_shared_entries(load_dir, tag).get("consumed_train_samples") or 0)
         layout = (tp, pp, orig, padded)
-        return _write_deepspeed(out_dir, full, config, args, layout, iteration, consumed)
+        return _write_deepspeed(
+            out_dir, full, config, args, layout, iteration, consumed, str(qkv_order)
+        )
     target = Path(out_dir) / mio.tag_name(iteration)
     if fmt == "torch_dist":
         whole = split_model_state(full, 0, 1, orig_vocab_size=orig, padded_vocab_size=padded)
@@ -209,19 +215,21 @@ def _write_deepspeed(
     layout: tuple[int, int, int, int],
     iteration: int,
     consumed: int,
+    qkv_order: str,
 ) -> Path:
     """Megatron-DeepSpeed's ``global_stepN/`` (module docstring of
     :mod:`~zerotron.checkpoint.megatron_deepspeed_export`), written atomically, then its
     trackers."""
     tp, pp, orig, padded = layout
     target = Path(out_dir) / mds.tag_name(iteration)
-    ds_args = mds.deepspeed_args(args)
+    ds_args = mds.deepspeed_args(args, qkv_order)
     with atomic_dir(target) as tmp:
         for p in range(pp):
             for t in range(tp):
                 state = split_model_state(
                     full, t, tp, p, pp, orig_vocab_size=orig, padded_vocab_size=padded
                 )
+                state = mds.in_order(state, qkv_order, config.num_attention_heads // tp)
                 for name, tensors in mds.layer_files(state, config.num_layers, t):
                     torch.save(tensors, Path(tmp) / name)
                 module = mds.legacy_module(state) if pp == 1 else None
