@@ -45,7 +45,7 @@ FPDT_COMMIT = "676a482c"
 
 def check_qkv_order(order: str | None) -> str:
     """``order`` if it is one of :data:`QKV_ORDERS`; else an error saying how to tell."""
-    if order in QKV_ORDERS:
+    if order is not None and order in QKV_ORDERS:
         return order
     given = "needs" if order is None else f"got {order!r} for"
     raise ConfigError(
