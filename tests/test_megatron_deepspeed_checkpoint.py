@@ -127,28 +127,53 @@ def test_a_grouped_query_model_is_refused(tmp_path):
         read_megatron(gqa)
 
 
-@pytest.mark.parametrize(
-    "name, files",
-    [
-        ("pipe_tp2pp2", [f"layer_0{i}-model_01-model_states.pt" for i in range(1, 5)]),
-        ("nopipe_tp2", ["mp_rank_01_model_states.pt"]),
-    ],
-)
-def test_a_run_of_its_tensor_size_reads_only_its_tensor_ranks_files(monkeypatch, name, files):
+def _files_read(monkeypatch) -> list[str]:
+    """The files read whole from now on (memory-mapped looks at the args not counted)."""
     read, load = [], megatron_io.load_safe
 
     def recording(path, mmap=False):
-        if not mmap:  # memory-mapped: a look at the args, the weights not read
+        if not mmap:
             read.append(Path(path).name)
         return load(path, mmap)
 
     monkeypatch.setattr(megatron_io, "load_safe", recording)
-    own, _, _ = megatron_weights_for(FIXTURES / name, 1, 2, 1, 2, padded_vocab_size=64)
-    assert sorted(read) == files
+    return read
+
+
+def _layer(i: int, t: int) -> str:
+    return f"layer_0{i}-model_0{t}-model_states.pt"
+
+
+@pytest.mark.parametrize(
+    "name, rank, layout, files",
+    [
+        # its own layout: the rank's tensor rank, its stage's layer (1) and the ends (01, 04)
+        ("pipe_tp2pp2", (1, 1), (2, 2), [_layer(1, 1), _layer(3, 1), _layer(4, 1)]),
+        # another tensor size: the stage's layer (0) of every tensor rank
+        ("pipe_tp2pp2", (0, 0), (1, 2), [_layer(i, t) for i in (1, 2, 4) for t in (0, 1)]),
+        ("nopipe_tp2", (1, 1), (2, 2), ["mp_rank_01_model_states.pt"]),
+    ],
+)
+def test_a_run_reads_only_the_files_of_its_part(monkeypatch, name, rank, layout, files):
+    read = _files_read(monkeypatch)
+    (t, p), (tp, pp) = rank, layout
+    own, _, _ = megatron_weights_for(FIXTURES / name, t, tp, p, pp, padded_vocab_size=64)
+    assert sorted(read) == sorted(files)
     _, full, _ = read_megatron(FIXTURES / name)
-    expected = split_model_state(full, 1, 2, 1, 2)
+    expected = split_model_state(full, t, tp, p, pp)
     assert own.keys() == expected.keys()
     assert all(torch.equal(own[k], expected[k]) for k in own)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (1, 2), (2, 1), (4, 2)])
+def test_every_rank_of_any_layout_gets_the_full_reads_weights(tp, pp):
+    _, full, _ = read_megatron(PIPE)
+    for t in range(tp):
+        for p in range(pp):
+            own, _, _ = megatron_weights_for(PIPE, t, tp, p, pp, padded_vocab_size=64)
+            expected = split_model_state(full, t, tp, p, pp)
+            assert own.keys() == expected.keys()
+            assert all(torch.equal(own[k], expected[k]) for k in own)
 
 
 def test_generated_null_tokenizer_text_keeps_the_prompt_and_the_new_ids_apart(capsys):

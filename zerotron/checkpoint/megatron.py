@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ from zerotron.checkpoint.megatron_args import (
     tokenizer_of,
 )
 from zerotron.checkpoint.megatron_deepspeed import (
+    has_layer_files,
     is_megatron_deepspeed,
     qkv_blocks_to_heads,
     read_rank_files,
@@ -65,6 +66,7 @@ from zerotron.checkpoint.reshard import (
     WORD_EMBEDDING,
     merge_model_shards,
     split_model_state,
+    stage_layer_indices,
 )
 from zerotron.checkpoint.save_load import build_metadata
 from zerotron.errors import CheckpointError, UnsupportedError
@@ -226,7 +228,9 @@ def _unstack_torch_dist(tensors: Mapping[str, torch.Tensor], where: str) -> Stat
 
 
 def read_megatron(
-    path: str | os.PathLike, tensor_rank: int | None = None
+    path: str | os.PathLike,
+    tensor_rank: int | None = None,
+    layers: Collection[int] | None = None,
 ) -> tuple[GPTConfig, State, dict[str, Any]]:
     """A Megatron-LM checkpoint as ours: ``(config, single-process state dict, info)``.
 
@@ -240,7 +244,9 @@ def read_megatron(
     its args).
 
     ``tensor_rank`` (per-rank files only): read only that tensor-parallel rank's files and
-    return its shard of every layer, as the checkpoint's layout cut it.
+    return its shard of every layer, as the checkpoint's layout cut it. ``layers``
+    (Megatron-DeepSpeed's pipeline engine only): read only those transformer layers (global
+    indices), besides the embedding and the final LayerNorm.
     """
     tag = mio.tag_dir(path)
     if mio.is_torch_dist(tag):
@@ -265,7 +271,7 @@ def read_megatron(
     else:
         writer = "Megatron-DeepSpeed" if is_megatron_deepspeed(tag) else "Megatron-LM"
         if writer == "Megatron-DeepSpeed":  # every tensor rank's files hold the whole depth
-            files, tp, run_pp, kind = read_rank_files(tag, tensor_rank)
+            files, tp, run_pp, kind = read_rank_files(tag, tensor_rank, layers)
             pp = 1
         else:
             files, tp, pp = mio.read_rank_files(tag, tensor_rank)
@@ -298,7 +304,7 @@ def read_megatron(
     info["tokenizer"] = tokenizer_of(args)
     for key in ("consumed_train_samples", "consumed_valid_samples"):
         info[key] = int(args.get(key) or 0)
-    if tensor_rank is None:
+    if tensor_rank is None and layers is None:
         _check_shapes(state, config, str(tag))
     return config, state, info
 
@@ -352,11 +358,13 @@ def _check_shapes(state: State, config: GPTConfig, where: str) -> None:
 
 
 def read_megatron_as_ours(
-    path: str | os.PathLike, tensor_rank: int | None = None
+    path: str | os.PathLike,
+    tensor_rank: int | None = None,
+    layers: Collection[int] | None = None,
 ) -> tuple[GPTConfig, State, dict[str, Any], dict[str, Any]]:
     """:func:`read_megatron` with the metadata a zerotron checkpoint of the model would have:
     ``(config, single-process state dict, metadata, what was found)``."""
-    config, state, info = read_megatron(path, tensor_rank)
+    config, state, info = read_megatron(path, tensor_rank, layers)
     meta = build_metadata(
         model_config=config.to_dict(),
         vocab_size=config.orig_vocab_size,
@@ -383,20 +391,36 @@ def megatron_weights_for(
     the metadata a zerotron checkpoint of this model would have, what was found)``.
 
     When the run has the checkpoint's tensor-parallel size and vocabulary padding, a rank reads
-    only its tensor rank's files (every pipeline stage's: 1/tp of the model) and keeps its
-    stage's layers. Otherwise every file is read and merged (:func:`read_megatron`), then this
-    rank's part is cut, so a rank holds the whole model once while it loads.
+    only its tensor rank's files (1/tp of the model; Megatron-LM's every pipeline stage's) and
+    keeps its stage's layers. Megatron-DeepSpeed's pipeline engine saves each layer in its own
+    files: a rank reads only its stage's layers (besides the embedding and the final LayerNorm),
+    of its tensor rank or, on another tensor size, of all. Otherwise every file is read and
+    merged (:func:`read_megatron`), then this rank's part is cut, so a rank holds the whole model
+    once while it loads.
     """
     saved, _, layout = megatron_model_args(path)
-    if (
+    tag = mio.tag_dir(path)
+    same_tp = (
         layout["tensor_model_parallel_size"] == tp_size
         and saved.vocab_size == padded_vocab_size
-        and not mio.is_torch_dist(mio.tag_dir(path))
-    ):
-        _, shard, meta, info = read_megatron_as_ours(path, tensor_rank=tp_rank)
-        own = split_model_state(shard, 0, 1, pp_rank, pp_size, virtual_stages=virtual_stages)
+        and not mio.is_torch_dist(tag)
+    )
+    layers = None
+    if is_megatron_deepspeed(tag) and has_layer_files(tag):
+        layers = stage_layer_indices(saved.num_layers, pp_rank, pp_size, virtual_stages)
+    if same_tp:
+        _, shard, meta, info = read_megatron_as_ours(path, tp_rank, layers)
+        own = split_model_state(
+            shard,
+            0,
+            1,
+            pp_rank,
+            pp_size,
+            virtual_stages=virtual_stages,
+            num_layers=saved.num_layers,
+        )
         return own, meta, info
-    config, state, meta, info = read_megatron_as_ours(path)
+    config, state, meta, info = read_megatron_as_ours(path, layers=layers)
     weights = split_model_state(
         state,
         tp_rank,
@@ -406,6 +430,7 @@ def megatron_weights_for(
         orig_vocab_size=config.orig_vocab_size,
         padded_vocab_size=padded_vocab_size,
         virtual_stages=virtual_stages,
+        num_layers=config.num_layers,
     )
     return weights, meta, info
 

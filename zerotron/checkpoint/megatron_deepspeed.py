@@ -29,6 +29,7 @@ block order and is reordered here.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -86,27 +87,33 @@ def _layer_files(tag: Path) -> dict[int, dict[int, Path]]:
     return found
 
 
-def _pipeline_model(files: dict[int, Path]) -> dict[str, torch.Tensor]:
-    """One tensor rank's GPTModelPipe layer files as a legacy GPTModel state dict."""
-    model: dict[str, torch.Tensor] = {}
-    layer = 0
-    for index in sorted(files):
+def _pipeline_model(files: dict[int, Path], layers: Collection[int] | None) -> dict[str, Any]:
+    """One tensor rank's GPTModelPipe layer files as a legacy GPTModel state dict: the first
+    file is the embedding, the last the final LayerNorm, those between the transformer layers in
+    order; of those, only ``layers`` (global indices; None: all) are read."""
+    order = sorted(files)
+    roles = {order[0]: "embedding", order[-1]: "final"}
+    roles.update({index: f"layer {i}" for i, index in enumerate(order[1:-1])})
+    model: dict[str, Any] = {}
+    for index in order:
+        role = roles[index]
+        if role.startswith("layer ") and layers is not None and int(role[6:]) not in layers:
+            continue
         state = mio.load_safe(files[index])
         if not isinstance(state, dict):
             raise CheckpointError(
                 f"holds a {type(state).__name__}, not a state dict", where=str(files[index])
             )
-        if "word_embeddings.weight" in state:
+        if role == "embedding" and "word_embeddings.weight" in state:
             prefix = "language_model.embedding."
-        elif any(key.startswith("self_attention.") for key in state):
-            prefix = f"language_model.encoder.layers.{layer}."
-            layer += 1
-        elif set(state) <= {"weight", "bias"} and layer:
+        elif role.startswith("layer ") and any(k.startswith("self_attention.") for k in state):
+            prefix = f"language_model.encoder.layers.{role[6:]}."
+        elif role == "final" and set(state) <= {"weight", "bias"}:
             prefix = "language_model.encoder.final_layernorm."
         else:
             raise UnsupportedError(
-                f"a pipeline layer holds {sorted(state)[:4]}, which is no layer of a GPT-2 "
-                "GPTModelPipe (embedding, transformer layer, final LayerNorm)",
+                f"pipeline layer {index} holds {sorted(state)[:4]}, which is not the {role} of "
+                "a GPT-2 GPTModelPipe (embedding, transformer layers, final LayerNorm)",
                 where=str(files[index]),
                 fix="only GPT-2-style Megatron-DeepSpeed models convert",
             )
@@ -114,14 +121,20 @@ def _pipeline_model(files: dict[int, Path]) -> dict[str, torch.Tensor]:
     return model
 
 
+def has_layer_files(tag: Path) -> bool:
+    """Whether ``tag`` holds the pipeline engine's layer files."""
+    return bool(_layer_files(tag))
+
+
 def read_rank_files(
-    tag: Path, tensor_rank: int | None = None
+    tag: Path, tensor_rank: int | None = None, layers: Collection[int] | None = None
 ) -> tuple[dict[tuple[int, int], dict], int, int, str]:
     """A Megatron-DeepSpeed checkpoint as Megatron-LM's per-rank files: ``({(tensor rank, 0):
     {"model", "args", "checkpoint_version", "iteration"}}, tensor size, the run's pipeline
     size, its format: "pipeline-engine" or "no-pipeline-parallel")``. Every tensor rank's
     ``model`` holds all layers (global indices); with ``tensor_rank``, only that rank's files
-    are read (and the args file)."""
+    are read (and the args file); with ``layers`` (pipeline engine only), only those transformer
+    layers' files, the embedding's and the final LayerNorm's."""
     states = tag / mio.DEEPSPEED_MODEL_STATES
     found = _megatron_args(states, mmap=True)  # tensor rank 0's weights read only when used
     if found is None:
@@ -130,16 +143,16 @@ def read_rank_files(
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     stage = (first.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0)
-    layers = _layer_files(tag)
+    found_layers = _layer_files(tag)
     ranks = range(tp) if tensor_rank is None else [tensor_rank]
     models: dict[int, dict] = {}
-    if layers:
-        indices = sorted({i for files in layers.values() for i in files})
+    if found_layers:
+        indices = sorted({i for files in found_layers.values() for i in files})
         absent = [
             f"layer_{i:02d}-model_{t:02d}-model_states.pt"
             for t in range(tp)
             for i in indices
-            if i not in layers.get(t, {})
+            if i not in found_layers.get(t, {})
         ]
         if absent:
             raise CheckpointError(
@@ -148,7 +161,7 @@ def read_rank_files(
                 where=str(tag),
                 fix="copy the whole checkpoint directory",
             )
-        models = {t: _pipeline_model(layers[t]) for t in ranks}
+        models = {t: _pipeline_model(found_layers[t], layers) for t in ranks}
     else:
         if stage == 3:
             raise UnsupportedError(
@@ -185,7 +198,7 @@ def read_rank_files(
         }
         for t, model in models.items()
     }
-    return files, tp, pp, "pipeline-engine" if layers else "no-pipeline-parallel"
+    return files, tp, pp, "pipeline-engine" if found_layers else "no-pipeline-parallel"
 
 
 def _reorder_qkv(tree: dict, heads: int, prefix: str = "") -> None:

@@ -179,10 +179,13 @@ def split_model_state(
     orig_vocab_size: int | None = None,
     padded_vocab_size: int | None = None,
     virtual_stages: int = 1,
+    num_layers: int | None = None,
 ) -> State:
     """The state dict of rank (``tp_rank``, ``pp_rank``) of a (``tp_size``, ``pp_size``) layout.
 
-    ``full`` is a single-process state dict (:func:`merge_model_shards`). ``padded_vocab_size``
+    ``full`` is a single-process state dict (:func:`merge_model_shards`), or the part of one
+    that holds the word embedding and at least this rank's layers, with ``num_layers`` the
+    model's. ``padded_vocab_size``
     is the target's embedding rows (all TP ranks together); when it differs from ``full``'s, the
     vocabulary is re-padded keeping ``orig_vocab_size`` real rows. Every tensor is a fresh,
     contiguous copy (saving a view would write the whole original).
@@ -207,7 +210,7 @@ def split_model_state(
             )
         embedding = repad_vocab(embedding, orig_vocab_size, rows)
 
-    num_layers = num_layers_of(full)
+    num_layers = num_layers or num_layers_of(full)
     layers = set(stage_layer_indices(num_layers, pp_rank, pp_size, virtual_stages))
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     out: State = {}
