@@ -206,10 +206,15 @@ def test_virtual_pipeline_chunks_are_read_in_megatrons_layer_order(tmp_path):
             elif key.startswith("decoder."):
                 file["model1"][key] = value
 
-    _, chunked, _ = read_megatron(_rewrite(tmp_path / "tp1", tmp_path / "vpp", to_chunks))
+    vpp = _rewrite(tmp_path / "tp1", tmp_path / "vpp", to_chunks)
+    _, chunked, _ = read_megatron(vpp)
     _, single, _ = read_megatron(LEGACY)
     assert chunked.keys() == single.keys()
     assert all(torch.equal(chunked[k], single[k]) for k in single)
+    own, _, _ = megatron_weights_for(vpp, 0, 1, 1, 2, padded_vocab_size=64)  # a run's stage 1
+    expected = split_model_state(single, 0, 1, 1, 2)
+    assert own.keys() == expected.keys()
+    assert all(torch.equal(own[k], expected[k]) for k in own)
 
 
 def test_transformer_engine_fused_layernorm_names_are_read(tmp_path):
@@ -271,3 +276,26 @@ def test_another_tensor_size_reads_every_file(monkeypatch):
     read = _files_read(monkeypatch)
     megatron_weights_for(MCORE, 0, 1, 0, 1, padded_vocab_size=64)
     assert len(read) == 4
+
+
+def test_a_stage_of_another_tensor_size_reads_only_the_stages_it_needs(monkeypatch):
+    """Stage 0 of a tp1 pp2 run keeps layer 0: Megatron's first stage's files, both tensor
+    ranks (the second stage's are not read)."""
+    read = _files_read(monkeypatch)
+    own, _, _ = megatron_weights_for(MCORE, 0, 1, 0, 2, padded_vocab_size=64)
+    assert sorted(read) == ["mp_rank_00_000", "mp_rank_01_000"]
+    _, full, _ = read_megatron(MCORE)
+    expected = split_model_state(full, 0, 1, 0, 2)
+    assert own.keys() == expected.keys()
+    assert all(torch.equal(own[k], expected[k]) for k in own)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2)])
+def test_every_rank_of_any_layout_gets_the_full_reads_weights(tp, pp):
+    _, full, _ = read_megatron(MCORE)
+    for t in range(tp):
+        for p in range(pp):
+            own, _, _ = megatron_weights_for(MCORE, t, tp, p, pp, padded_vocab_size=64)
+            expected = split_model_state(full, t, tp, p, pp)
+            assert own.keys() == expected.keys()
+            assert all(torch.equal(own[k], expected[k]) for k in own)

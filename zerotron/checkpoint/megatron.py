@@ -48,6 +48,7 @@ import torch
 from zerotron.checkpoint import megatron_io as mio
 from zerotron.checkpoint.megatron_args import (
     args_dict,
+    args_file,
     config_from_args,
     is_legacy,
     megatron_model_args,
@@ -55,7 +56,6 @@ from zerotron.checkpoint.megatron_args import (
     tokenizer_of,
 )
 from zerotron.checkpoint.megatron_deepspeed import (
-    has_layer_files,
     is_megatron_deepspeed,
     qkv_blocks_to_heads,
     read_rank_files,
@@ -71,6 +71,7 @@ from zerotron.checkpoint.reshard import (
 from zerotron.checkpoint.save_load import build_metadata
 from zerotron.errors import CheckpointError, UnsupportedError
 from zerotron.models.gpt import GPTConfig
+from zerotron.pipeline.partition import partition_uniform
 
 FORMATS = ("mcore", "legacy", "torch_dist")
 CHECKPOINT_VERSION = 3.0
@@ -174,9 +175,16 @@ def _fix_legacy_qkv(t: torch.Tensor, version: float, heads: int) -> torch.Tensor
 
 
 def _rank_states(
-    files: Mapping[tuple[int, int], dict], tp: int, pp: int, heads: int, root: Path
+    files: Mapping[tuple[int, int], dict],
+    tp: int,
+    pp: int,
+    heads: int,
+    root: Path,
+    uniform: int | None = None,
 ) -> tuple[dict[tuple[int, int], State], str, float]:
-    """Each rank's state in our names with global layer indices; the layout and version."""
+    """Each rank's state in our names with global layer indices; the layout and version.
+    ``uniform``: the model's layer count, its stages' equal parts giving the layer offsets (the
+    files may then be some stages' only); else the stages' own layer counts do."""
     per_chunk: dict[tuple[int, int, int], State] = {}
     kind = ""
     version = float(files[(0, 0)].get("checkpoint_version", CHECKPOINT_VERSION) or 0)
@@ -196,13 +204,26 @@ def _rank_states(
             per_chunk[(t, p, c)] = state
     # Local layer indices -> global: chunk-major, then stage (Megatron's interleaved order).
     chunks = 1 + max(c for _, _, c in per_chunk)
+
+    def count(p: int, c: int) -> int:
+        return len({k.split(".")[1] for k in per_chunk[(0, p, c)] if k.startswith("layers.")})
+
     offset, offsets = 0, {}
+    bounds = partition_uniform(uniform, pp, chunks) if uniform else None
     for c in range(chunks):
         for p in range(pp):
-            offsets[(p, c)] = offset
-            offset += len(
-                {k.split(".")[1] for k in per_chunk[(0, p, c)] if k.startswith("layers.")}
-            )
+            if bounds is None:
+                offsets[(p, c)] = offset
+                offset += count(p, c)
+                continue
+            offsets[(p, c)] = bounds[c * pp + p]
+            size = bounds[c * pp + p + 1] - offsets[(p, c)]
+            if (0, p, c) in per_chunk and count(p, c) != size:
+                raise CheckpointError(
+                    f"pipeline stage {p} holds {count(p, c)} layers, not the {size} of equal "
+                    "stages",
+                    where=str(root),
+                )
     states: dict[tuple[int, int], State] = {}
     for (t, p, c), state in per_chunk.items():
         shifted = states.setdefault((t, p), {})
@@ -212,6 +233,35 @@ def _rank_states(
                 key = f"layers.{int(i) + offsets[(p, c)]}.{rest}"
             shifted[key] = value
     return states, kind, version
+
+
+# Megatron-LM's flags for pipeline stages of unequal layer counts: with any, read every stage.
+UNEVEN_STAGES = (
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "pipeline_model_parallel_layout",
+)
+
+
+def _stages_holding(tag: Path, layers: Collection[int]) -> list[int] | None:
+    """The pipeline stages of a Megatron-LM per-rank checkpoint whose files hold ``layers``
+    (global indices), and the first (the word embedding, which every cut starts from); None
+    (every stage) unless its args say the stages are equal parts."""
+    file, loaded = args_file(tag)
+    args = args_dict(loaded.get("args"), str(file))
+    if any(args.get(key) for key in UNEVEN_STAGES):
+        return None
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    chunks = int(args.get("virtual_pipeline_model_parallel_size") or 1)
+    num_layers = int(args["num_layers"])
+    if num_layers % (pp * chunks):
+        return None
+    per_part = num_layers // (pp * chunks)
+    return sorted({0} | {(i // per_part) % pp for i in layers})
 
 
 def _unstack_torch_dist(tensors: Mapping[str, torch.Tensor], where: str) -> State:
@@ -270,11 +320,13 @@ def read_megatron(
         }
     else:
         writer = "Megatron-DeepSpeed" if is_megatron_deepspeed(tag) else "Megatron-LM"
+        stages = None
         if writer == "Megatron-DeepSpeed":  # every tensor rank's files hold the whole depth
             files, tp, run_pp, kind = read_rank_files(tag, tensor_rank, layers)
             pp = 1
         else:
-            files, tp, pp = mio.read_rank_files(tag, tensor_rank)
+            stages = None if layers is None else _stages_holding(tag, layers)
+            files, tp, pp = mio.read_rank_files(tag, tensor_rank, stages)
             run_pp, kind = pp, ""
         first = next(iter(files.values()))
         args = args_dict(first.get("args"), str(tag))
@@ -284,7 +336,8 @@ def read_megatron(
         if tensor_rank is not None:  # one tensor rank's files: its shards, merged over stages
             files = {(0, p): file for (_, p), file in files.items()}
             heads, tp = heads // tp, 1
-        states, layout, version = _rank_states(files, tp, pp, heads, tag)
+        uniform = config.num_layers if writer == "Megatron-LM" and stages is not None else None
+        states, layout, version = _rank_states(files, tp, pp, heads, tag, uniform)
         if pp == 1 and any(TIED_COPY in s for s in states.values()):
             raise UnsupportedError(
                 "the checkpoint has an output layer beside the word embedding at pipeline size "
@@ -292,6 +345,10 @@ def read_megatron(
                 where=str(tag),
                 fix="zerotron's GPT ties the output layer to the word embedding",
             )
+        if uniform:  # some stages' files: merged as the stages of a shorter pipeline
+            rank = {p: i for i, p in enumerate(sorted({p for _, p in states}))}
+            states = {(t, rank[p]): s for (t, p), s in states.items()}
+            pp = len(rank)
         state = merge_model_shards(states, tp, pp, where=str(tag))
         info = {
             "writer": writer,
@@ -390,37 +447,44 @@ def megatron_weights_for(
     rank (tp_rank, pp_rank) of a (tp_size, pp_size) run with padded_vocab_size embedding rows,
     the metadata a zerotron checkpoint of this model would have, what was found)``.
 
-    When the run has the checkpoint's tensor-parallel size and vocabulary padding, a rank reads
-    only its tensor rank's files (1/tp of the model; Megatron-LM's every pipeline stage's) and
-    keeps its stage's layers. Megatron-DeepSpeed's pipeline engine saves each layer in its own
-    files: a rank reads only its stage's layers (besides the embedding and the final LayerNorm),
-    of its tensor rank or, on another tensor size, of all. Otherwise every file is read and
-    merged (:func:`read_megatron`), then this rank's part is cut, so a rank holds the whole model
-    once while it loads.
+    A rank reads only what it keeps where the files allow: its tensor rank's files when the run
+    has the checkpoint's tensor-parallel size and vocabulary padding (else every tensor rank's),
+    and of the pipeline only its stage's layers besides the embedding (and the final LayerNorm):
+    the stages holding them (Megatron-LM's per-rank files, when its args give equal stages) or
+    those layers' own files (Megatron-DeepSpeed's pipeline engine). A torch_dist checkpoint, or
+    one whose stages turn out otherwise, is read and merged whole (:func:`read_megatron`), so a
+    rank then holds the whole model once while it loads.
     """
     saved, _, layout = megatron_model_args(path)
     tag = mio.tag_dir(path)
-    same_tp = (
-        layout["tensor_model_parallel_size"] == tp_size
-        and saved.vocab_size == padded_vocab_size
-        and not mio.is_torch_dist(tag)
-    )
-    layers = None
-    if is_megatron_deepspeed(tag) and has_layer_files(tag):
+    if not mio.is_torch_dist(tag):
         layers = stage_layer_indices(saved.num_layers, pp_rank, pp_size, virtual_stages)
-    if same_tp:
-        _, shard, meta, info = read_megatron_as_ours(path, tp_rank, layers)
-        own = split_model_state(
-            shard,
-            0,
-            1,
-            pp_rank,
-            pp_size,
-            virtual_stages=virtual_stages,
-            num_layers=saved.num_layers,
+        same_tp = (
+            layout["tensor_model_parallel_size"] == tp_size
+            and saved.vocab_size == padded_vocab_size
         )
-        return own, meta, info
-    config, state, meta, info = read_megatron_as_ours(path, layers=layers)
+        try:
+            config, part, meta, info = read_megatron_as_ours(
+                path, tp_rank if same_tp else None, layers
+            )
+        except CheckpointError:  # stages not equal parts after all: read it whole below
+            part = {}
+        found = {int(k.split(".")[1]) for k in part if k.startswith("layers.")}
+        if part and set(layers) <= found:
+            t, tp = (0, 1) if same_tp else (tp_rank, tp_size)  # a shard already, or to cut
+            own = split_model_state(
+                part,
+                t,
+                tp,
+                pp_rank,
+                pp_size,
+                orig_vocab_size=config.orig_vocab_size,
+                padded_vocab_size=None if same_tp else padded_vocab_size,
+                virtual_stages=virtual_stages,
+                num_layers=saved.num_layers,
+            )
+            return own, meta, info
+    config, state, meta, info = read_megatron_as_ours(path)
     weights = split_model_state(
         state,
         tp_rank,
@@ -430,7 +494,6 @@ def megatron_weights_for(
         orig_vocab_size=config.orig_vocab_size,
         padded_vocab_size=padded_vocab_size,
         virtual_stages=virtual_stages,
-        num_layers=config.num_layers,
     )
     return weights, meta, info
 

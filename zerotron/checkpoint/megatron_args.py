@@ -18,7 +18,7 @@ from typing import Any
 from zerotron.checkpoint import megatron_io as mio
 from zerotron.checkpoint.layout import METADATA_FILE
 from zerotron.checkpoint.load import read_latest_tag
-from zerotron.checkpoint.megatron_deepspeed import is_megatron_deepspeed
+from zerotron.checkpoint.megatron_deepspeed import has_layer_files, is_megatron_deepspeed
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.models.gpt import GPTConfig
 
@@ -212,8 +212,8 @@ def describe_megatron(path: str | os.PathLike) -> dict[str, Any] | None:
         writer, kind = "Megatron-LM", "torch_dist"
     elif is_megatron_deepspeed(tag):
         writer = "Megatron-DeepSpeed"
-        layers = any(tag.glob("layer_*-model_*-model_states.pt"))  # read first, as it reads them
-        kind = "pipeline-engine" if layers else "no-pipeline-parallel"
+        # the layer files, when there are any, are what is read
+        kind = "pipeline-engine" if has_layer_files(tag) else "no-pipeline-parallel"
     else:
         chunks = model_chunks(loaded, str(file))
         writer, kind = "Megatron-LM", "legacy" if is_legacy(chunks[0]) else "mcore"

@@ -28,7 +28,7 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -201,10 +201,11 @@ def rank_dirs(path: Path) -> dict[tuple[int, int], Path]:
 
 
 def read_rank_files(
-    path: Path, tensor_rank: int | None = None
+    path: Path, tensor_rank: int | None = None, stages: Collection[int] | None = None
 ) -> tuple[dict[tuple[int, int], dict], int, int]:
     """Every rank's file of a per-rank checkpoint: ``({(t, p): loaded dict}, tp, pp)``; with
-    ``tensor_rank``, only that tensor rank's files are read."""
+    ``tensor_rank`` and ``stages``, only the files of that tensor rank and those pipeline
+    stages are read."""
     dirs = rank_dirs(path)
     tp = 1 + max(t for t, _ in dirs)
     pp = 1 + max(p for _, p in dirs)
@@ -218,6 +219,8 @@ def read_rank_files(
     files = {}
     for key, file in dirs.items():
         if tensor_rank is not None and key[0] != tensor_rank:
+            continue
+        if stages is not None and key[1] not in stages:
             continue
         if not file.is_file():
             raise CheckpointError(f"{MODEL_FILE} is missing", where=str(file.parent))
