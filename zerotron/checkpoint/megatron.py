@@ -56,6 +56,7 @@ from zerotron.checkpoint.megatron_args import (
     tokenizer_of,
 )
 from zerotron.checkpoint.megatron_deepspeed import (
+    FPDT_ARG,
     is_megatron_deepspeed,
     qkv_blocks_to_heads,
     read_rank_files,
@@ -188,6 +189,8 @@ def _rank_states(
     per_chunk: dict[tuple[int, int, int], State] = {}
     kind = ""
     version = float(files[(0, 0)].get("checkpoint_version", CHECKPOINT_VERSION) or 0)
+    # Megatron-DeepSpeed from its FPDT commit on: legacy version 0's QKV order, at version 3
+    qkv_order = 0 if hasattr(files[(0, 0)].get("args"), FPDT_ARG) else version
     for (t, p), file in files.items():
         where = f"{root}/mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
         for c, chunk in enumerate(model_chunks(file, where)):
@@ -198,8 +201,8 @@ def _rank_states(
                 if key.endswith("_extra_state") or not torch.is_tensor(value):
                     continue
                 ours = to_ours(key, where)
-                if kind == "legacy" and version < 2 and ".query_key_value." in ours:
-                    value = _fix_legacy_qkv(value, version, heads // tp)
+                if kind == "legacy" and qkv_order < 2 and ".query_key_value." in ours:
+                    value = _fix_legacy_qkv(value, qkv_order, heads // tp)
                 state[ours] = value
             per_chunk[(t, p, c)] = state
     # Local layer indices -> global: chunk-major, then stage (Megatron's interleaved order).

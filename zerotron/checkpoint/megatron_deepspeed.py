@@ -23,7 +23,8 @@ QKV rows: Megatron-DeepSpeed ordered each tensor rank's fused QKV rows per head 
 k, v), d]``, Megatron-LM's and ours) until its FPDT commit (676a482c, December 2024), which
 split them as ``[(q, k, v), heads, d]`` blocks instead. That commit also added the
 ``--ds-sequence-parallel-fpdt`` flag, so a checkpoint whose args have it was written with the
-block order and is reordered here.
+block order: :func:`zerotron.checkpoint.megatron.read_megatron` reorders its rows as it does
+legacy checkpoint version 0's, which have that order too.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def read_rank_files(
     """A Megatron-DeepSpeed checkpoint as Megatron-LM's per-rank files: ``({(tensor rank, 0):
     {"model", "args", "checkpoint_version", "iteration"}}, tensor size, the run's pipeline
     size, its format: "pipeline-engine" or "no-pipeline-parallel")``. Every tensor rank's
-    ``model`` holds all layers (global indices); with ``tensor_rank``, only that rank's files
+    ``model`` holds all layers (global indices) and the QKV rows as saved (:data:`FPDT_ARG`
+    in ``args`` tells their order); with ``tensor_rank``, only that rank's files
     are read (and the args file); with ``layers`` (pipeline engine only), only those transformer
     layers' files, the embedding's and the final LayerNorm's."""
     states = tag / mio.DEEPSPEED_MODEL_STATES
@@ -185,10 +187,6 @@ def read_rank_files(
                 raise CheckpointError("no 'module' state dict", where=str(file))
             models[t] = module
         pp = 1  # --no-pipeline-parallel: the whole model on every tensor rank
-    if hasattr(args, FPDT_ARG):
-        heads = int(args.num_attention_heads) // tp
-        for model in models.values():
-            _reorder_qkv(model, heads)
     files = {
         (t, 0): {
             "model": model,
@@ -199,13 +197,3 @@ def read_rank_files(
         for t, model in models.items()
     }
     return files, tp, pp, "pipeline-engine" if found_layers else "no-pipeline-parallel"
-
-
-def _reorder_qkv(tree: dict, heads: int, prefix: str = "") -> None:
-    """Every ``query_key_value`` tensor of a (possibly nested) state dict in per-head order."""
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            _reorder_qkv(value, heads, name + ".")
-        elif ".query_key_value." in name and torch.is_tensor(value):
-            tree[key] = qkv_blocks_to_heads(value, heads)
