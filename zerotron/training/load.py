@@ -102,11 +102,10 @@ def _load_megatron(run: Run, state: TrainState) -> None:
     """Megatron-LM's checkpoint in ``--load``: its weights, cut for this rank; with
     ``--no-load-optim --no-load-rng`` also its iteration and consumed samples."""
     c = run.cfg.checkpoint
-    writer = megatron_writer(c.load)
     if not c.finetune and not (c.no_load_optim and c.no_load_rng):
         raise CheckpointError(
-            f"the checkpoint was written by {writer}: zerotron reads its weights, not its "
-            "optimizer and RNG states",
+            f"the checkpoint was written by {megatron_writer(c.load)}: zerotron reads its "
+            "weights, not its optimizer and RNG states",
             where=c.load,
             fix="add --finetune to start from its weights at iteration 0, or --no-load-optim "
             "--no-load-rng to go on from its iteration with a fresh optimizer",
@@ -123,7 +122,7 @@ def _load_megatron(run: Run, state: TrainState) -> None:
         virtual_stages=ps.virtual_pipeline_size or 1,
     )
     where = f"{c.load}/{read_latest_tag(c.load)}"
-    saved = f"{writer}'s tp{info['tensor_parallel']} pp{info['pipeline_parallel']}"
+    saved = f"{info['writer']}'s tp{info['tensor_parallel']} pp{info['pipeline_parallel']}"
     refuse_other_model(
         meta,
         run.engine.checkpoint_metadata.get("model"),
