@@ -212,9 +212,7 @@ def test_virtual_pipeline_chunks_are_read_in_megatrons_layer_order(tmp_path):
     assert chunked.keys() == single.keys()
     assert all(torch.equal(chunked[k], single[k]) for k in single)
     own, _, _ = megatron_weights_for(vpp, 0, 1, 1, 2, padded_vocab_size=64)  # a run's stage 1
-    expected = split_model_state(single, 0, 1, 1, 2)
-    assert own.keys() == expected.keys()
-    assert all(torch.equal(own[k], expected[k]) for k in own)
+    assert_same_cut(own, single, 0, 1, 1, 2)
 
 
 def test_transformer_engine_fused_layernorm_names_are_read(tmp_path):
@@ -249,31 +247,34 @@ def test_an_untied_output_layer_is_refused(tmp_path):
         read_megatron(_rewrite(LEGACY, tmp_path, untie))
 
 
-def _files_read(monkeypatch) -> list[str]:
-    """The Megatron files read whole from now on (memory-mapped looks at args not counted)."""
+def files_read(monkeypatch, name=lambda path: path.parent.name) -> list[str]:
+    """The Megatron files read whole from now on, by ``name(path)`` (memory-mapped looks at the
+    args not counted)."""
     read, load = [], megatron_io.load_safe
 
     def recording(path, mmap=False):
         if not mmap:
-            read.append(Path(path).parent.name)
+            read.append(name(Path(path)))
         return load(path, mmap)
 
     monkeypatch.setattr(megatron_io, "load_safe", recording)
     return read
 
 
+def assert_same_cut(own: dict, full: dict, t: int, tp: int, p: int, pp: int) -> None:
+    """``own`` (a rank's weights) is the full read's cut for rank (t, p) of a (tp, pp) run."""
+    _assert_same_tensors(own, split_model_state(full, t, tp, p, pp))
+
+
 def test_a_run_of_the_checkpoints_tensor_size_reads_only_its_tensor_ranks_files(monkeypatch):
-    read = _files_read(monkeypatch)
+    read = files_read(monkeypatch)
     own, _, _ = megatron_weights_for(MCORE, 1, 2, 1, 2, padded_vocab_size=64)
     assert sorted(read) == ["mp_rank_01_000", "mp_rank_01_001"]
-    _, full, _ = read_megatron(MCORE)
-    expected = split_model_state(full, 1, 2, 1, 2)
-    assert own.keys() == expected.keys()
-    assert all(torch.equal(own[k], expected[k]) for k in own)
+    assert_same_cut(own, read_megatron(MCORE)[1], 1, 2, 1, 2)
 
 
 def test_another_tensor_size_reads_every_file(monkeypatch):
-    read = _files_read(monkeypatch)
+    read = files_read(monkeypatch)
     megatron_weights_for(MCORE, 0, 1, 0, 1, padded_vocab_size=64)
     assert len(read) == 4
 
@@ -281,13 +282,10 @@ def test_another_tensor_size_reads_every_file(monkeypatch):
 def test_a_stage_of_another_tensor_size_reads_only_the_stages_it_needs(monkeypatch):
     """Stage 0 of a tp1 pp2 run keeps layer 0: Megatron's first stage's files, both tensor
     ranks (the second stage's are not read)."""
-    read = _files_read(monkeypatch)
+    read = files_read(monkeypatch)
     own, _, _ = megatron_weights_for(MCORE, 0, 1, 0, 2, padded_vocab_size=64)
     assert sorted(read) == ["mp_rank_00_000", "mp_rank_01_000"]
-    _, full, _ = read_megatron(MCORE)
-    expected = split_model_state(full, 0, 1, 0, 2)
-    assert own.keys() == expected.keys()
-    assert all(torch.equal(own[k], expected[k]) for k in own)
+    assert_same_cut(own, read_megatron(MCORE)[1], 0, 1, 0, 2)
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2)])
@@ -296,6 +294,4 @@ def test_every_rank_of_any_layout_gets_the_full_reads_weights(tp, pp):
     for t in range(tp):
         for p in range(pp):
             own, _, _ = megatron_weights_for(MCORE, t, tp, p, pp, padded_vocab_size=64)
-            expected = split_model_state(full, t, tp, p, pp)
-            assert own.keys() == expected.keys()
-            assert all(torch.equal(own[k], expected[k]) for k in own)
+            assert_same_cut(own, full, t, tp, p, pp)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_megatron_checkpoint import assert_same_cut, files_read
 from zerotron.checkpoint import megatron_io
 from zerotron.checkpoint.megatron import (
     _flatten,
@@ -25,7 +26,6 @@ from zerotron.checkpoint.megatron import (
     read_megatron,
 )
 from zerotron.checkpoint.megatron_export import export_megatron
-from zerotron.checkpoint.reshard import split_model_state
 from zerotron.config import parse_megatron_args
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.models.gpt import GPT
@@ -127,19 +127,6 @@ def test_a_grouped_query_model_is_refused(tmp_path):
         read_megatron(gqa)
 
 
-def _files_read(monkeypatch) -> list[str]:
-    """The files read whole from now on (memory-mapped looks at the args not counted)."""
-    read, load = [], megatron_io.load_safe
-
-    def recording(path, mmap=False):
-        if not mmap:
-            read.append(Path(path).name)
-        return load(path, mmap)
-
-    monkeypatch.setattr(megatron_io, "load_safe", recording)
-    return read
-
-
 def _layer(i: int, t: int) -> str:
     return f"layer_0{i}-model_0{t}-model_states.pt"
 
@@ -155,14 +142,11 @@ def _layer(i: int, t: int) -> str:
     ],
 )
 def test_a_run_reads_only_the_files_of_its_part(monkeypatch, name, rank, layout, files):
-    read = _files_read(monkeypatch)
+    read = files_read(monkeypatch, name=lambda path: path.name)
     (t, p), (tp, pp) = rank, layout
     own, _, _ = megatron_weights_for(FIXTURES / name, t, tp, p, pp, padded_vocab_size=64)
     assert sorted(read) == sorted(files)
-    _, full, _ = read_megatron(FIXTURES / name)
-    expected = split_model_state(full, t, tp, p, pp)
-    assert own.keys() == expected.keys()
-    assert all(torch.equal(own[k], expected[k]) for k in own)
+    assert_same_cut(own, read_megatron(FIXTURES / name)[1], t, tp, p, pp)
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (1, 2), (2, 1), (4, 2)])
@@ -171,9 +155,7 @@ def test_every_rank_of_any_layout_gets_the_full_reads_weights(tp, pp):
     for t in range(tp):
         for p in range(pp):
             own, _, _ = megatron_weights_for(PIPE, t, tp, p, pp, padded_vocab_size=64)
-            expected = split_model_state(full, t, tp, p, pp)
-            assert own.keys() == expected.keys()
-            assert all(torch.equal(own[k], expected[k]) for k in own)
+            assert_same_cut(own, full, t, tp, p, pp)
 
 
 def test_generated_null_tokenizer_text_keeps_the_prompt_and_the_new_ids_apart(capsys):
