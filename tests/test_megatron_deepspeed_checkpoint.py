@@ -1,6 +1,7 @@
 """Megatron-DeepSpeed's own checkpoints (tests/fixtures/megatron_deepspeed/, written by its
 ``pretrain_gpt.py`` under DeepSpeed: the pipeline engine at TP=2 x PP=2, ``--no-pipeline-parallel``
-at TP=2, and the latter at its last commit, whose fused QKV rows are ordered differently).
+at TP=2, and the latter at its last commit, whose fused QKV rows are ordered differently, alone
+and at TP=2 x DP=2 under ZeRO 2; its optimizer state: test_megatron_deepspeed_optim.py).
 
 fixtures.json has Megatron-DeepSpeed's logits on fixed tokens, computed by the model it had just
 saved; no DeepSpeed is needed here. The commands (``convert --from-megatron``, ``pretrain
@@ -19,13 +20,9 @@ import torch
 
 from tests.test_megatron_checkpoint import assert_same_cut, files_read
 from zerotron.checkpoint import megatron_io
-from zerotron.checkpoint.megatron import (
-    _flatten,
-    import_megatron,
-    megatron_weights_for,
-    read_megatron,
-)
+from zerotron.checkpoint.megatron import _flatten, megatron_weights_for, read_megatron
 from zerotron.checkpoint.megatron_export import export_megatron
+from zerotron.checkpoint.megatron_import import import_megatron
 from zerotron.config import parse_megatron_args
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.models.gpt import GPT
@@ -76,6 +73,7 @@ def test_import_says_who_wrote_it_and_how():
         "pipe_tp2pp2": ("Megatron-DeepSpeed", "pipeline-engine", 2, 2, 3),
         "nopipe_tp2": ("Megatron-DeepSpeed", "no-pipeline-parallel", 2, 1, 3),
         "fpdt_nopipe_tp2": ("Megatron-DeepSpeed", "no-pipeline-parallel", 2, 1, 3),
+        "fpdt_nopipe_tp2dp2_zero2": ("Megatron-DeepSpeed", "no-pipeline-parallel", 2, 1, 3),
     }
     assert {i["consumed_train_samples"] for i in found.values()} == {12}  # 3 x 4
 
