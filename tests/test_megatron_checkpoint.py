@@ -17,14 +17,10 @@ import torch
 
 from zerotron.checkpoint import megatron_io
 from zerotron.checkpoint.convert import main as convert_main
-from zerotron.checkpoint.megatron import (
-    _flatten,
-    import_megatron,
-    megatron_weights_for,
-    read_megatron,
-)
+from zerotron.checkpoint.megatron import _flatten, megatron_weights_for, read_megatron
 from zerotron.checkpoint.megatron_args import config_from_args
 from zerotron.checkpoint.megatron_export import export_megatron
+from zerotron.checkpoint.megatron_import import import_megatron
 from zerotron.checkpoint.reshard import split_model_state
 from zerotron.errors import CheckpointError, UnsupportedError
 from zerotron.models.gpt import GPT

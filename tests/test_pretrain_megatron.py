@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zerotron.checkpoint.megatron import import_megatron
+from zerotron.checkpoint.megatron_import import import_megatron
 from zerotron.config import parse_megatron_args
 from zerotron.errors import CheckpointError, ConfigError
 from zerotron.training.loop import TrainSummary

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from zerotron.checkpoint import layout as names
-from zerotron.checkpoint.canonical import Layout, open_checkpoint
+from zerotron.checkpoint.canonical import CanonicalCheckpoint, Layout, open_checkpoint
+from zerotron.checkpoint.in_memory import InMemoryCheckpoint
 from zerotron.checkpoint.reshard import target_padded_vocab_size
 from zerotron.checkpoint.stream_save import save_streaming
 from zerotron.checkpoint.target import check_target, rank_files, target_metadata
@@ -125,32 +126,47 @@ def convert_checkpoint(
                 ckpt.meta, target.tensor_parallel, make_vocab_size_divisible_by
             )
             target = replace(target, padded_vocab_size=rows)
-        target = check_target(ckpt, target)
+        return write_layout(ckpt, save_dir, target, progress=progress, on_tensor=on_tensor)
+
+
+def write_layout(
+    ckpt: CanonicalCheckpoint | InMemoryCheckpoint,
+    save_dir: str | os.PathLike,
+    target: Layout,
+    *,
+    progress: Progress | None = None,
+    on_tensor: Callable[[torch.Tensor], None] | None = None,
+) -> Path:
+    """Write ``ckpt`` into ``save_dir`` under its tag, laid out as ``target``, and commit it;
+    return the tag directory. ``target.padded_vocab_size`` None: the vocabulary padded as
+    :meth:`Layout.with_defaults` pads it. ``progress`` and ``on_tensor`` as for
+    :func:`convert_checkpoint`."""
+    target = check_target(ckpt, target)
+    if progress is not None:
+        progress.update(1, info=f"read {ckpt.tag} ({ckpt.layout.describe()})")
+    save = Path(save_dir)
+    tmp = start_tag(save, ckpt.tag)
+    try:
+        for t, p in target.mp_ranks():
+            for d in range(target.data_parallel):
+                for rel, tree in rank_files(ckpt, target, t, p, d).items():
+                    path = tmp / rel
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    with disk_full_is_clear(path), open(path, "wb") as f:
+                        save_streaming(tree, f, on_tensor=on_tensor)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    if record_checksum is not None:
+                        record_checksum(tmp, rel)
+                    if progress is not None:
+                        progress.update(1, info=f"wrote {rel}")
+        path = finish_tag(save, ckpt.tag, tmp, target_metadata(ckpt, target))
         if progress is not None:
-            progress.update(1, info=f"read {ckpt.tag} ({ckpt.layout.describe()})")
-        save = Path(save_dir)
-        tmp = start_tag(save, ckpt.tag)
-        try:
-            for t, p in target.mp_ranks():
-                for d in range(target.data_parallel):
-                    for rel, tree in rank_files(ckpt, target, t, p, d).items():
-                        path = tmp / rel
-                        path.parent.mkdir(parents=True, exist_ok=True)
-                        with disk_full_is_clear(path), open(path, "wb") as f:
-                            save_streaming(tree, f, on_tensor=on_tensor)
-                            f.flush()
-                            os.fsync(f.fileno())
-                        if record_checksum is not None:
-                            record_checksum(tmp, rel)
-                        if progress is not None:
-                            progress.update(1, info=f"wrote {rel}")
-            path = finish_tag(save, ckpt.tag, tmp, target_metadata(ckpt, target))
-            if progress is not None:
-                progress.update(1, info=f"wrote {path}")
-            return path
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            progress.update(1, info=f"wrote {path}")
+        return path
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def progress_steps(target: Layout) -> int:

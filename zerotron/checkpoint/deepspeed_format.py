@@ -239,7 +239,7 @@ def read_deepspeed_checkpoint(
     # stage 3 keeps no weights in its model files: they come from the masters, so the
     # optimizer files are read even for the weights alone
     osds = [osd] + [load_deepspeed_file(tag_dir / f)[OSD] for f in optim_files[1:]]
-    _consolidate(ckpt, osds, shapes, stage)
+    consolidate(ckpt, osds, shapes, stage)
     ckpt.loss_scaler = fp16_loss_scaler(module, osd.get("loss_scaler"))
     if stage == 3:
         weights_from_masters(module, ckpt.masters)  # as DeepSpeed restores stage-3 weights
@@ -328,7 +328,7 @@ def require_entries(obj: Any, keys: Sequence[str], where: Path) -> dict[str, Any
     return obj
 
 
-def _consolidate(
+def consolidate(
     ckpt: DeepSpeedCheckpoint,
     osds: list[dict[str, Any]],
     shapes: list[dict[str, tuple[int, ...]]],

@@ -18,6 +18,7 @@ import torch
 
 from zerotron.checkpoint import layout
 from zerotron.checkpoint.megatron_args import describe_megatron, is_megatron_checkpoint
+from zerotron.checkpoint.megatron_deepspeed_optim import optimizer_files
 from zerotron.checkpoint.metadata import read_metadata
 from zerotron.checkpoint.save_load import read_latest_tag
 from zerotron.checkpoint.verify import (
@@ -134,6 +135,8 @@ def megatron_checkpoint_info(described: Mapping[str, Any]) -> dict[str, Any]:
         "progress": progress,
         "files": files,
         "total_size": sum(f["size"] for f in files),
+        "optimizer_partitions": described["writer"] == "Megatron-DeepSpeed"
+        and bool(optimizer_files(root)),
         "read_by": list(MEGATRON_READERS),
     }
 
@@ -230,7 +233,13 @@ def _format_megatron_info(info: Mapping[str, Any]) -> str:
         f"{lay['pipeline_model_parallel_size']} (virtual "
         f"{lay['virtual_pipeline_model_parallel_size']})"
         + (f" x data {dp}" if dp else "")
-        + f"; its optimizer and RNG states are {info['writer']}'s (zerotron reads the weights)"
+        + (
+            "; its optimizer state is in DeepSpeed's partitions, which `zerotron convert "
+            "--from-megatron` carries (its RNG states are not read)"
+            if info.get("optimizer_partitions")
+            else f"; its optimizer and RNG states are {info['writer']}'s (zerotron reads the "
+            "weights)"
+        )
     )
     lines.append("  model       " + ", ".join(f"{k} {v}" for k, v in model.items()))
     vocab, tok = info["vocab"], info["tokenizer"]

@@ -61,7 +61,6 @@ from zerotron.checkpoint.megatron_deepspeed import (
     qkv_blocks_to_heads,
     read_rank_files,
 )
-from zerotron.checkpoint.model import save_gpt
 from zerotron.checkpoint.reshard import (
     TIED_COPY,
     WORD_EMBEDDING,
@@ -175,7 +174,7 @@ def _fix_legacy_qkv(t: torch.Tensor, version: float, heads: int) -> torch.Tensor
 # ---- import ------------------------------------------------------------------------------------
 
 
-def _rank_states(
+def rank_states(
     files: Mapping[tuple[int, int], dict],
     tp: int,
     pp: int,
@@ -340,7 +339,7 @@ def read_megatron(
             files = {(0, p): file for (_, p), file in files.items()}
             heads, tp = heads // tp, 1
         uniform = config.num_layers if writer == "Megatron-LM" and stages is not None else None
-        states, layout, version = _rank_states(files, tp, pp, heads, tag, uniform)
+        states, layout, version = rank_states(files, tp, pp, heads, tag, uniform)
         if pp == 1 and any(TIED_COPY in s for s in states.values()):
             raise UnsupportedError(
                 "the checkpoint has an output layer beside the word embedding at pipeline size "
@@ -499,23 +498,3 @@ def megatron_weights_for(
         virtual_stages=virtual_stages,
     )
     return weights, meta, info
-
-
-def import_megatron(
-    path: str | os.PathLike, save_dir: str | os.PathLike, tag: str | None = None
-) -> tuple[str, dict[str, Any]]:
-    """Convert a Megatron-LM checkpoint into a zerotron one; returns (its path, what was found)."""
-    config, state, info = read_megatron(path)
-    iteration = info.get("iteration")
-    if tag is None:
-        tag = f"iter_{int(iteration):07d}" if iteration else "release"
-    out = save_gpt(
-        save_dir,
-        config,
-        state,
-        tag=tag,
-        tokenizer=info.pop("tokenizer"),
-        source=os.fspath(path),
-        megatron=info,
-    )
-    return out, info

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from zerotron.checkpoint.megatron import import_megatron
 from zerotron.checkpoint.megatron_export import export_megatron
+from zerotron.checkpoint.megatron_import import describe_import, import_megatron
 from zerotron.errors import ConfigError
 from zerotron.progress import Progress
 
@@ -22,7 +22,7 @@ def megatron_main(args: argparse.Namespace) -> int:
             f"{info['tensor_parallel']}, pipeline parallel {info['pipeline_parallel']}, "
             f"iteration {info['iteration']}, checkpoint version {info['checkpoint_version']})"
         )
-        print(f"imported {args.from_megatron} -> {path}")
+        print(f"imported {args.from_megatron} -> {path} ({describe_import(info)})")
         return 0
     if args.load and args.to_megatron and not (args.save or args.from_hf or args.to_hf):
         tp = args.target_tensor_parallel_size or 1

@@ -78,8 +78,9 @@ def is_megatron_deepspeed(tag: Path) -> bool:
         return False
 
 
-def _layer_files(tag: Path) -> dict[int, dict[int, Path]]:
-    """``{tensor rank: {layer index: file}}`` of a pipeline engine's layer files."""
+def layer_files(tag: Path) -> dict[int, dict[int, Path]]:
+    """``{tensor rank: {layer index: file}}`` of a pipeline engine's layer files (none without
+    the pipeline engine)."""
     found: dict[int, dict[int, Path]] = {}
     for child in tag.iterdir():
         m = _LAYER_STATES.fullmatch(child.name)
@@ -88,15 +89,22 @@ def _layer_files(tag: Path) -> dict[int, dict[int, Path]]:
     return found
 
 
+def layer_roles(indices: Collection[int]) -> dict[int, str]:
+    """What each of GPTModelPipe's layer indices is: the first "embedding", the last "final"
+    (LayerNorm), those between "layer N" (the transformer layers, N counted from 0)."""
+    order = sorted(indices)
+    roles = {order[0]: "embedding", order[-1]: "final"}
+    roles.update({index: f"layer {i}" for i, index in enumerate(order[1:-1])})
+    return roles
+
+
 def _pipeline_model(files: dict[int, Path], layers: Collection[int] | None) -> dict[str, Any]:
     """One tensor rank's GPTModelPipe layer files as a legacy GPTModel state dict: the first
     file is the embedding, the last the final LayerNorm, those between the transformer layers in
     order; of those, only ``layers`` (global indices; None: all) are read."""
-    order = sorted(files)
-    roles = {order[0]: "embedding", order[-1]: "final"}
-    roles.update({index: f"layer {i}" for i, index in enumerate(order[1:-1])})
+    roles = layer_roles(files)
     model: dict[str, Any] = {}
-    for index in order:
+    for index in sorted(files):
         role = roles[index]
         if role.startswith("layer ") and layers is not None and int(role[6:]) not in layers:
             continue
@@ -124,7 +132,7 @@ def _pipeline_model(files: dict[int, Path], layers: Collection[int] | None) -> d
 
 def has_layer_files(tag: Path) -> bool:
     """Whether ``tag`` holds the pipeline engine's layer files."""
-    return bool(_layer_files(tag))
+    return bool(layer_files(tag))
 
 
 def read_rank_files(
@@ -145,7 +153,7 @@ def read_rank_files(
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     stage = (first.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0)
-    found_layers = _layer_files(tag)
+    found_layers = layer_files(tag)
     ranks = range(tp) if tensor_rank is None else [tensor_rank]
     models: dict[int, dict] = {}
     if found_layers:

@@ -23,6 +23,8 @@ from zerotron.checkpoint.megatron_args import (
     megatron_model_args,
     megatron_writer,
 )
+from zerotron.checkpoint.megatron_deepspeed_optim import optimizer_files
+from zerotron.checkpoint.megatron_io import tag_dir
 from zerotron.checkpoint.relayout import refuse_other_model
 from zerotron.distributed.state import state as parallel_state
 from zerotron.errors import CheckpointError
@@ -103,12 +105,19 @@ def _load_megatron(run: Run, state: TrainState) -> None:
     ``--no-load-optim --no-load-rng`` also its iteration and consumed samples."""
     c = run.cfg.checkpoint
     if not c.finetune and not (c.no_load_optim and c.no_load_rng):
+        writer = megatron_writer(c.load)
+        carry = (
+            "; or `zerotron convert --from-megatron DIR --save CKPT` and --load CKPT to go on "
+            "with its optimizer state (Megatron-DeepSpeed's ZeRO or bf16 runs)"
+            if writer == "Megatron-DeepSpeed" and optimizer_files(tag_dir(c.load))
+            else ""
+        )
         raise CheckpointError(
-            f"the checkpoint was written by {megatron_writer(c.load)}: zerotron reads its "
-            "weights, not its optimizer and RNG states",
+            f"the checkpoint was written by {writer}: zerotron reads its weights here, not its "
+            "optimizer and RNG states",
             where=c.load,
             fix="add --finetune to start from its weights at iteration 0, or --no-load-optim "
-            "--no-load-rng to go on from its iteration with a fresh optimizer",
+            "--no-load-rng to go on from its iteration with a fresh optimizer" + carry,
         )
     ps = parallel_state()
     vocab = run.engine.checkpoint_metadata["vocab"]

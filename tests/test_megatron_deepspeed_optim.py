@@ -1,0 +1,199 @@
+"""Megatron-DeepSpeed's optimizer state carried by ``zerotron convert --from-megatron``.
+
+Fixtures (tests/fixtures/megatron_deepspeed/, written by Megatron-DeepSpeed's own
+``pretrain_gpt.py`` under DeepSpeed, fp32): ``pipe_tp2pp2`` (the pipeline engine, ZeRO stage 1,
+one data-parallel rank) and ``fpdt_nopipe_tp2dp2_zero2`` (``--no-pipeline-parallel`` at its last
+commit, two data-parallel ranks, ZeRO stage 2). fixtures.json records, per model-parallel rank
+and parameter, the sha256 of the fp32 master and Adam moments as DeepSpeed's own
+``safe_get_full_*`` returned them right after the save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerotron.checkpoint.canonical import open_checkpoint
+from zerotron.checkpoint.megatron import read_megatron
+from zerotron.checkpoint.megatron_deepspeed_optim import optimizer_files, read_rank
+from zerotron.checkpoint.megatron_import import import_megatron, read_megatron_optimizer
+from zerotron.config import parse_megatron_args
+from zerotron.errors import CheckpointError
+from zerotron.training.pretrain import pretrain
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron_deepspeed"
+EXPECTED = json.loads((FIXTURES / "fixtures.json").read_text())
+TAG = "global_step3"
+WITH_OPTIMIZER = ["pipe_tp2pp2", "fpdt_nopipe_tp2dp2_zero2"]
+KIND_OF = {"fp32": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+TRAIN = [
+    *EXPECTED["model_flags"],
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-4",
+    "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2", "0.95",
+    "--mock-data", "--eval-iters", "0", "--log-interval", "1", "--seed", "1234",
+    "--num-workers", "0",
+]  # fmt: skip
+RUN = [*TRAIN, "--lr-warmup-iters", "1", "--lr-decay-iters", "3"]
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module", params=WITH_OPTIMIZER)
+def name(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def imported(name, tmp_path_factory) -> Path:
+    """The fixture converted by ``zerotron convert --from-megatron`` (its tag directory)."""
+    return Path(import_megatron(FIXTURES / name, tmp_path_factory.mktemp(name))[0])
+
+
+def test_each_ranks_state_is_what_deepspeed_had(name):
+    """Every model-parallel rank's files, read back per parameter, give DeepSpeed's own full
+    tensors byte for byte (the data-parallel slices joined, the padding dropped)."""
+    recorded = EXPECTED["fixtures"][name]["optimizer_digests"]
+    tp = 2
+    files = optimizer_files(FIXTURES / name / TAG)
+    assert len(files) == len(recorded)
+    for entry in recorded:
+        mp = entry["pipeline_rank"] * tp + entry["tensor_rank"]
+        part = read_rank(FIXTURES / name / TAG, mp, files[mp])
+        ours = {"master": part.masters, **part.moments}
+        got = {
+            param: {key: _digest(ours[kind][param]) for key, kind in KIND_OF.items()}
+            for param in entry["params"]
+        }
+        assert got == entry["params"]
+
+
+def test_the_merged_masters_are_the_weights(name):
+    """An fp32 run's masters are its weights: merged over tensor ranks (and reordered, at the
+    last commit, from its QKV block order) exactly as the weights are."""
+    merged, _ = read_megatron_optimizer(FIXTURES / name)
+    _, weights, _ = read_megatron(FIXTURES / name)
+    assert set(merged["master"]) == set(weights)
+    for key, weight in weights.items():
+        assert torch.equal(merged["master"][key], weight), key
+    assert all((merged["exp_avg_sq"][k] >= 0).all() for k in weights)
+
+
+def test_what_the_optimizer_files_say_of_the_run(name):
+    _, found = read_megatron_optimizer(FIXTURES / name)
+    stage, dp = {"pipe_tp2pp2": (1, 1), "fpdt_nopipe_tp2dp2_zero2": (2, 2)}[name]
+    assert (found.zero_stage, found.data_parallel) == (stage, dp)
+    assert float(found.step) == 3.0
+    assert [g["weight_decay"] for g in found.param_groups] == [0.1, 0.0]
+
+
+def test_the_conversion_holds_the_training_state(name, imported):
+    merged, _ = read_megatron_optimizer(FIXTURES / name)
+    meta = json.loads((imported / "metadata.json").read_text())
+    assert meta["optimizer_states"] is True
+    assert meta["converted_from"]["data_parallel_size"] == (2 if "dp2" in name else 1)
+    with open_checkpoint(imported.parent) as ckpt:
+        assert ckpt.tag == "iter_0000003" and ckpt.state_keys == ("exp_avg", "exp_avg_sq")
+        for key in ckpt.names:
+            for kind in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(ckpt.tensor(key, kind), merged[kind][key]), (key, kind)
+            assert float(ckpt.step(key)) == 3.0
+        assert ckpt.client_state() == {
+            "iteration": 3,
+            "consumed_train_samples": 12,
+            "consumed_valid_samples": 0,
+        }
+        scheduler = ckpt.engine_entry("opt_param_scheduler")
+        assert (scheduler["num_steps"], scheduler["max_lr"], scheduler["min_lr"]) == (
+            12,
+            1e-3,
+            1e-4,
+        )
+        decayed = ckpt.group_settings(False)
+        assert (decayed["betas"], decayed["eps"], decayed["weight_decay"]) == (
+            (0.9, 0.95),
+            1e-8,
+            0.1,
+        )
+        assert ckpt.group_settings(True)["weight_decay"] == 0.0
+
+
+def test_pretrain_goes_on_from_the_conversion_with_its_optimizer(tmp_path):
+    """The converted checkpoint resumes as a zerotron one: iteration 3 and 12 samples on, and
+    the engine's Adam state after the load is the imported one."""
+    from zerotron.training.build import build_run
+    from zerotron.training.load import resume
+    from zerotron.training.loop import TrainState
+
+    load = Path(import_megatron(FIXTURES / "pipe_tp2pp2", tmp_path / "ckpt")[0]).parent
+    run = build_run(parse_megatron_args([*RUN, "--train-iters", "5", "--load", str(load)]))
+    state = TrainState()
+    resume(run, state)
+    assert (state.iteration, state.consumed_train_samples) == (3, 12)
+    merged, _ = read_megatron_optimizer(FIXTURES / "pipe_tp2pp2")
+    opt = run.engine.optimizer
+    while not isinstance(opt, torch.optim.AdamW):  # the wrappers around torch's AdamW
+        opt = opt.optimizer
+    for key, master in run.model.named_parameters():  # fp32: the parameters are the masters
+        assert torch.equal(opt.state[master]["exp_avg"], merged["exp_avg"][key]), key
+        assert torch.equal(opt.state[master]["exp_avg_sq"], merged["exp_avg_sq"][key]), key
+        assert float(opt.state[master]["step"]) == 3.0
+    summary = pretrain(parse_megatron_args([*RUN, "--train-iters", "5", "--load", str(load)]))
+    assert sorted(summary.losses) == [4, 5]
+    assert summary.state.consumed_train_samples == 12 + 2 * 4
+
+
+def test_pretrain_on_the_checkpoint_itself_says_how_to_carry_the_optimizer():
+    with pytest.raises(CheckpointError, match="written by Megatron-DeepSpeed") as e:
+        pretrain(parse_megatron_args([*RUN, "--train-iters", "5", "--load",
+                                      str(FIXTURES / "pipe_tp2pp2")]))  # fmt: skip
+    assert "zerotron convert --from-megatron" in e.value.fix
+
+
+def test_a_stage_0_fp32_run_converts_its_weights_only(tmp_path):
+    path, info = import_megatron(FIXTURES / "nopipe_tp2", tmp_path / "ckpt")
+    assert info["optimizer"] is False
+    assert json.loads((Path(path) / "metadata.json").read_text()).get("optimizer_states") is None
+
+
+def test_a_missing_data_parallel_file_is_refused(tmp_path):
+    copy = shutil.copytree(FIXTURES / "fpdt_nopipe_tp2dp2_zero2", tmp_path / "ckpt")
+    (copy / TAG / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="say 2 data-parallel ranks, 1 are present"):
+        read_megatron_optimizer(copy)
+
+
+def test_a_token_based_schedule_is_carried_in_samples(tmp_path):
+    """Megatron-DeepSpeed's --lr-decay-tokens / --lr-warmup-tokens positions become samples as
+    zerotron's config makes them of the same flags (tokens / seq_length)."""
+    from zerotron.checkpoint import megatron_io
+
+    copy = shutil.copytree(FIXTURES / "pipe_tp2pp2", tmp_path / "ckpt")
+    file = copy / TAG / "mp_rank_00_model_states.pt"
+    loaded = megatron_io.load_safe(file)
+    loaded["lr_scheduler"].update(lr_decay_tokens=1000, lr_warmup_tokens=40)
+    torch.save(loaded, file)
+    out = Path(import_megatron(copy, tmp_path / "out")[0])
+    with open_checkpoint(out.parent) as ckpt:
+        scheduler = ckpt.engine_entry("opt_param_scheduler")
+    cfg = parse_megatron_args([*TRAIN, "--train-iters", "5", "--lr-decay-tokens", "1000",
+                               "--lr-warmup-tokens", "40"])  # fmt: skip
+    assert (scheduler["lr_decay_steps"], scheduler["lr_warmup_steps"]) == (1000 / 16, 40 / 16)
+    assert (cfg.lr_decay_steps, cfg.lr_warmup_steps) == (1000 / 16, 40 / 16)
+
+
+def test_checkpoint_info_says_which_carry_their_optimizer():
+    from zerotron.checkpoint.info import checkpoint_info, format_info
+
+    found = {n: checkpoint_info(FIXTURES / n) for n in ("pipe_tp2pp2", "nopipe_tp2")}
+    assert {n: i["optimizer_partitions"] for n, i in found.items()} == {
+        "pipe_tp2pp2": True,
+        "nopipe_tp2": False,
+    }
+    assert "`zerotron convert --from-megatron` carries" in format_info(found["pipe_tp2pp2"])
