@@ -17,10 +17,11 @@ import torch
 
 from zerotron.checkpoint import megatron_io
 from zerotron.checkpoint.convert import main as convert_main
-from zerotron.checkpoint.megatron import _flatten, megatron_weights_for, read_megatron
+from zerotron.checkpoint.megatron import _flatten, read_megatron
 from zerotron.checkpoint.megatron_args import config_from_args
 from zerotron.checkpoint.megatron_export import export_megatron
 from zerotron.checkpoint.megatron_import import import_megatron
+from zerotron.checkpoint.megatron_rank import megatron_weights_for
 from zerotron.checkpoint.reshard import split_model_state
 from zerotron.errors import CheckpointError, UnsupportedError
 from zerotron.models.gpt import GPT
@@ -284,10 +285,52 @@ def test_a_stage_of_another_tensor_size_reads_only_the_stages_it_needs(monkeypat
     assert_same_cut(own, read_megatron(MCORE)[1], 0, 1, 0, 2)
 
 
+@pytest.mark.parametrize("source", [MCORE, TORCH_DIST], ids=lambda p: p.name)
 @pytest.mark.parametrize("tp, pp", [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2)])
-def test_every_rank_of_any_layout_gets_the_full_reads_weights(tp, pp):
-    _, full, _ = read_megatron(MCORE)
+def test_every_rank_of_any_layout_gets_the_full_reads_weights(source, tp, pp):
+    _, full, _ = read_megatron(source)
     for t in range(tp):
         for p in range(pp):
-            own, _, _ = megatron_weights_for(MCORE, t, tp, p, pp, padded_vocab_size=64)
+            own, _, _ = megatron_weights_for(source, t, tp, p, pp, padded_vocab_size=64)
             assert_same_cut(own, full, t, tp, p, pp)
+
+
+def torch_dist_chunks_read(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
+    """The saved chunks of torch_dist tensors read from now on: (key, the chunk's offsets)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    read, original = [], FileSystemReader.read_data
+
+    def recording(self, plan, planner):
+        read.extend((i.storage_index.fqn, tuple(i.storage_index.offset)) for i in plan.items)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", recording)
+    return read
+
+
+@pytest.mark.parametrize(
+    "rank, layout, layer, tensor_shard",
+    [
+        ((1, 1), (2, 2), 1, 1),  # its own layout: layer 1 of the stacked tensors, its rows
+        ((0, 1), (1, 2), 1, None),  # another tensor size: layer 1, every tensor rank's rows
+    ],
+)
+def test_a_torch_dist_rank_reads_only_its_rows(monkeypatch, rank, layout, layer, tensor_shard):
+    """torch_dist stacks each layer tensor over the layers, and Megatron's ranks saved their
+    rows of it as chunks: a rank reads the chunks of its stage's layers (and of its tensor
+    rank, at the checkpoint's tensor size), and the embedding and final LayerNorm."""
+    read = torch_dist_chunks_read(monkeypatch)
+    (t, p), (tp, pp) = rank, layout
+    own, _, _ = megatron_weights_for(TORCH_DIST, t, tp, p, pp, padded_vocab_size=64)
+    read = list(read)  # (the full read below is not the rank's)
+    assert_same_cut(own, read_megatron(TORCH_DIST)[1], t, tp, p, pp)
+    stacked = {(k, o) for k, o in read if k.startswith("decoder.layers.")}
+    assert {o[0] for _, o in stacked} == {layer}  # the stage's layer alone
+    if tensor_shard is not None:  # its rows: one chunk of each split tensor, the second
+        qkv = [o for k, o in stacked if k.endswith("linear_qkv.weight")]
+        assert qkv == [(layer, 48 * tensor_shard, 0)]
+        rows = [o for k, o in read if k == "embedding.word_embeddings.weight"]
+        assert rows == [(32 * tensor_shard, 0)]
+    else:
+        assert len([o for k, o in stacked if k.endswith("linear_qkv.weight")]) == 2

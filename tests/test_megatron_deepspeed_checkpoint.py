@@ -20,9 +20,10 @@ import torch
 
 from tests.test_megatron_checkpoint import assert_same_cut, files_read
 from zerotron.checkpoint import megatron_io
-from zerotron.checkpoint.megatron import _flatten, megatron_weights_for, read_megatron
+from zerotron.checkpoint.megatron import _flatten, read_megatron
 from zerotron.checkpoint.megatron_export import export_megatron
 from zerotron.checkpoint.megatron_import import import_megatron
+from zerotron.checkpoint.megatron_rank import megatron_weights_for
 from zerotron.config import parse_megatron_args
 from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.models.gpt import GPT

@@ -65,8 +65,7 @@ from zerotron.checkpoint.reshard import (
     TIED_COPY,
     WORD_EMBEDDING,
     merge_model_shards,
-    split_model_state,
-    stage_layer_indices,
+    partition_dim,
 )
 from zerotron.checkpoint.save_load import build_metadata
 from zerotron.errors import CheckpointError, UnsupportedError
@@ -266,17 +265,46 @@ def _stages_holding(tag: Path, layers: Collection[int]) -> list[int] | None:
     return sorted({0} | {(i // per_part) % pp for i in layers})
 
 
-def _unstack_torch_dist(tensors: Mapping[str, torch.Tensor], where: str) -> State:
-    """torch_dist's stacked ``decoder.layers.X`` tensors split into ours per layer."""
+_STACKED = "decoder.layers."
+
+
+def _unstack_torch_dist(
+    tensors: Mapping[str, torch.Tensor], where: str, first_layer: int = 0
+) -> State:
+    """torch_dist's stacked ``decoder.layers.X`` tensors (their layers from ``first_layer``
+    on) split into ours per layer."""
     out: State = {}
     for key, t in tensors.items():
-        if key.startswith("decoder.layers."):
-            rest = key.removeprefix("decoder.layers.")
+        if key.startswith(_STACKED):
+            rest = key.removeprefix(_STACKED)
             for i in range(t.shape[0]):
-                out[to_ours(f"decoder.layers.{i}.{rest}", where)] = t[i].clone()
+                out[to_ours(f"{_STACKED}{first_layer + i}.{rest}", where)] = t[i].clone()
         else:
             out[to_ours(key, where)] = t
     return out
+
+
+def _torch_dist_regions(
+    tag: Path, tp: int, tensor_rank: int | None, layers: Collection[int] | None
+) -> dict[str, mio.Region | None]:
+    """The box of each global tensor holding tensor rank ``tensor_rank``'s shard (of ``tp``,
+    the checkpoint's size: the rows Megatron's rank had) of ``layers`` (the smallest range of
+    them; the embedding and final LayerNorm too); None where nothing is cut."""
+    regions: dict[str, mio.Region | None] = {}
+    for key, shape in mio.torch_dist_shapes(tag).items():
+        offsets, sizes = [0] * len(shape), list(shape)
+        stacked = key.startswith(_STACKED)
+        ours = to_ours(f"{_STACKED}0.{key.removeprefix(_STACKED)}" if stacked else key, str(tag))
+        if stacked and layers:
+            offsets[0], sizes[0] = min(layers), max(layers) + 1 - min(layers)
+        dim = partition_dim(ours)
+        if tensor_rank is not None and dim is not None:
+            dim += stacked
+            sizes[dim] = shape[dim] // tp
+            offsets[dim] = tensor_rank * sizes[dim]
+        cut = offsets != [0] * len(shape)
+        regions[key] = (tuple(offsets), tuple(sizes)) if cut or sizes != list(shape) else None
+    return regions
 
 
 def read_megatron(
@@ -295,17 +323,22 @@ def read_megatron(
     samples Megatron had consumed (``consumed_train_samples``, ``consumed_valid_samples``, from
     its args).
 
-    ``tensor_rank`` (per-rank files only): read only that tensor-parallel rank's files and
-    return its shard of every layer, as the checkpoint's layout cut it. ``layers``
-    (Megatron-DeepSpeed's pipeline engine only): read only those transformer layers (global
-    indices), besides the embedding and the final LayerNorm.
+    ``tensor_rank``: read only that tensor-parallel rank's part (its files; of a torch_dist
+    directory, the rows of its tensors that rank saved) and return its shard of every layer,
+    as the checkpoint's layout cut it. ``layers`` (torch_dist, and Megatron-DeepSpeed's pipeline
+    engine): read only those transformer layers (global indices; of torch_dist, the smallest
+    range holding them), besides the embedding and the final LayerNorm.
     """
     tag = mio.tag_dir(path)
     if mio.is_torch_dist(tag):
-        tensors, common = mio.read_torch_dist(tag)
+        regions = None
+        if tensor_rank is not None or layers is not None:
+            tp = int(megatron_model_args(tag)[2]["tensor_model_parallel_size"])
+            regions = _torch_dist_regions(tag, tp, tensor_rank, layers)
+        tensors, common = mio.read_torch_dist(tag, regions)
         args = args_dict(common.get("args"), str(tag / mio.COMMON_FILE))
         config = config_from_args(args, str(tag / mio.COMMON_FILE))
-        state = _unstack_torch_dist(tensors, str(tag))
+        state = _unstack_torch_dist(tensors, str(tag), min(layers) if layers else 0)
         if TIED_COPY in state:
             raise UnsupportedError(
                 "the checkpoint has its own output layer (untied)",
@@ -433,68 +466,3 @@ def read_megatron_as_ours(
         tokenizer=info["tokenizer"],
     )
     return config, state, meta, info
-
-
-def megatron_weights_for(
-    path: str | os.PathLike,
-    tp_rank: int,
-    tp_size: int,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    *,
-    padded_vocab_size: int,
-    virtual_stages: int = 1,
-) -> tuple[State, dict[str, Any], dict[str, Any]]:
-    """One rank's weights of a Megatron checkpoint, for a run of any layout: ``(weights of
-    rank (tp_rank, pp_rank) of a (tp_size, pp_size) run with padded_vocab_size embedding rows,
-    the metadata a zerotron checkpoint of this model would have, what was found)``.
-
-    A rank reads only what it keeps where the files allow: its tensor rank's files when the run
-    has the checkpoint's tensor-parallel size and vocabulary padding (else every tensor rank's),
-    and of the pipeline only its stage's layers besides the embedding (and the final LayerNorm):
-    the stages holding them (Megatron-LM's per-rank files, when its args give equal stages) or
-    those layers' own files (Megatron-DeepSpeed's pipeline engine). A torch_dist checkpoint, or
-    one whose stages turn out otherwise, is read and merged whole (:func:`read_megatron`), so a
-    rank then holds the whole model once while it loads.
-    """
-    saved, _, layout = megatron_model_args(path)
-    tag = mio.tag_dir(path)
-    if not mio.is_torch_dist(tag):
-        layers = stage_layer_indices(saved.num_layers, pp_rank, pp_size, virtual_stages)
-        same_tp = (
-            layout["tensor_model_parallel_size"] == tp_size
-            and saved.vocab_size == padded_vocab_size
-        )
-        try:
-            config, part, meta, info = read_megatron_as_ours(
-                path, tp_rank if same_tp else None, layers
-            )
-        except CheckpointError:  # stages not equal parts after all: read it whole below
-            part = {}
-        found = {int(k.split(".")[1]) for k in part if k.startswith("layers.")}
-        if part and set(layers) <= found:
-            t, tp = (0, 1) if same_tp else (tp_rank, tp_size)  # a shard already, or to cut
-            own = split_model_state(
-                part,
-                t,
-                tp,
-                pp_rank,
-                pp_size,
-                orig_vocab_size=config.orig_vocab_size,
-                padded_vocab_size=None if same_tp else padded_vocab_size,
-                virtual_stages=virtual_stages,
-                num_layers=saved.num_layers,
-            )
-            return own, meta, info
-    config, state, meta, info = read_megatron_as_ours(path)
-    weights = split_model_state(
-        state,
-        tp_rank,
-        tp_size,
-        pp_rank,
-        pp_size,
-        orig_vocab_size=config.orig_vocab_size,
-        padded_vocab_size=padded_vocab_size,
-        virtual_stages=virtual_stages,
-    )
-    return weights, meta, info

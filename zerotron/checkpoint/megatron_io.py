@@ -300,28 +300,90 @@ def _safe_reader(path: Path):
     return SafeReader(str(path))
 
 
-def read_torch_dist(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every global tensor of a ``torch_dist`` directory, and its ``common.pt`` entries."""
+Region = tuple[tuple[int, ...], tuple[int, ...]]
+"""A box of a global tensor: (offsets, sizes), one per dimension."""
+
+
+def torch_dist_shapes(path: Path) -> dict[str, torch.Size]:
+    """The global shape of every tensor of a ``torch_dist`` directory (its metadata alone)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _safe_reader(path).read_metadata()
+    return {
+        key: torch.Size(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def read_torch_dist(
+    path: Path, regions: Mapping[str, Region | None] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The global tensors of a ``torch_dist`` directory, and its ``common.pt`` entries.
+
+    ``regions`` None: every tensor, whole. Else only its keys: a key's region (offsets, sizes)
+    is read alone, into a tensor of those sizes (only the saved chunks it overlaps are read);
+    None reads that tensor whole."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = _safe_reader(path)
     metadata = reader.read_metadata()
-    tensors = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+    stored = {
+        key: meta
         for key, meta in metadata.state_dict_metadata.items()
         if isinstance(meta, TensorStorageMetadata)
+    }
+    wanted = dict.fromkeys(stored) if regions is None else dict(regions)
+    missing = sorted(set(wanted) - set(stored))
+    if missing:
+        raise CheckpointError(
+            f"no tensor {missing[0]!r} in the torch_dist metadata", where=str(path)
+        )
+    boxes = {k: r or ((0,) * len(stored[k].size), tuple(stored[k].size)) for k, r in wanted.items()}
+    tensors = {
+        k: torch.empty(sizes, dtype=stored[k].properties.dtype) for k, (_, sizes) in boxes.items()
     }
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
-            dcp.load(tensors, storage_reader=reader, no_dist=True)
+            dcp.load(tensors, storage_reader=reader, planner=_region_planner(boxes), no_dist=True)
     except CheckpointError:
         raise
     except Exception as e:  # torch wraps reader errors in CheckpointException
         raise _corrupt(path, e) from None
     common = load_safe(path / COMMON_FILE) if (path / COMMON_FILE).is_file() else {}
     return tensors, common if isinstance(common, dict) else {}
+
+
+def _region_planner(boxes: Mapping[str, Region]) -> Any:
+    """A load planner reading ``boxes`` (torch's checkpoint modules load on first use, as the
+    rest of this module's torch_dist code does)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class RegionPlanner(DefaultLoadPlanner):
+        """torch's load planner reading one box of each global tensor into a tensor of the
+        box's size (torch's own reads whole tensors into plain tensors)."""
+
+        def __init__(self, boxes: Mapping[str, Region]) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.boxes = boxes
+
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for key, (offsets, sizes) in self.boxes.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                md = self.metadata.state_dict_metadata[key]
+                items += create_read_items_for_chunk_list(key, md, [chunk])
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            return self.state_dict[index.fqn]  # the box itself: offsets are relative to it
+
+    return RegionPlanner(boxes)
 
 
 def write_torch_dist(

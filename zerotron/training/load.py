@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from zerotron.checkpoint import read_latest_tag, read_metadata, resolve_tag
-from zerotron.checkpoint.megatron import megatron_weights_for
 from zerotron.checkpoint.megatron_args import (
     is_megatron_checkpoint,
     megatron_model_args,
@@ -25,6 +24,7 @@ from zerotron.checkpoint.megatron_args import (
 )
 from zerotron.checkpoint.megatron_deepspeed_optim import optimizer_files
 from zerotron.checkpoint.megatron_io import tag_dir
+from zerotron.checkpoint.megatron_rank import megatron_weights_for
 from zerotron.checkpoint.relayout import refuse_other_model
 from zerotron.distributed.state import state as parallel_state
 from zerotron.errors import CheckpointError
