@@ -1,7 +1,8 @@
 """Megatron-DeepSpeed's own checkpoints (tests/fixtures/megatron_deepspeed/, written by its
 ``pretrain_gpt.py`` under DeepSpeed: the pipeline engine at TP=2 x PP=2, ``--no-pipeline-parallel``
 at TP=2, and the latter at its last commit, whose fused QKV rows are ordered differently, alone
-and at TP=2 x DP=2 under ZeRO 2; its optimizer state: test_megatron_deepspeed_optim.py).
+and at TP=2 x DP=2 under ZeRO 2, and the pipeline engine at its last commit in bf16; their
+optimizer state: test_megatron_deepspeed_optim.py).
 
 fixtures.json has Megatron-DeepSpeed's logits on fixed tokens, computed by the model it had just
 saved; no DeepSpeed is needed here. The commands (``convert --from-megatron``, ``pretrain
@@ -62,7 +63,11 @@ def _theirs(name: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_import_gives_megatron_deepspeeds_logits(name):
-    torch.testing.assert_close(_logits(FIXTURES / name), _theirs(name), rtol=0, atol=1e-5)
+    # The bf16 run's logits came from bf16 arithmetic (ours: fp32 on its bf16 weights): they
+    # differ by about one bf16 step (2^-8 at logits near 1; measured 4.4e-3); a misplaced
+    # tensor or QKV row moves them by more than 0.1.
+    atol = 1e-2 if name.endswith("_bf16") else 1e-5
+    torch.testing.assert_close(_logits(FIXTURES / name), _theirs(name), rtol=0, atol=atol)
 
 
 def test_import_says_who_wrote_it_and_how():
@@ -75,6 +80,7 @@ def test_import_says_who_wrote_it_and_how():
         "nopipe_tp2": ("Megatron-DeepSpeed", "no-pipeline-parallel", 2, 1, 3),
         "fpdt_nopipe_tp2": ("Megatron-DeepSpeed", "no-pipeline-parallel", 2, 1, 3),
         "fpdt_nopipe_tp2dp2_zero2": ("Megatron-DeepSpeed", "no-pipeline-parallel", 2, 1, 3),
+        "fpdt_pipe_tp2pp2_bf16": ("Megatron-DeepSpeed", "pipeline-engine", 2, 2, 3),
     }
     assert {i["consumed_train_samples"] for i in found.values()} == {12}  # 3 x 4
 

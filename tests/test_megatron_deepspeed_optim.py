@@ -1,11 +1,12 @@
 """Megatron-DeepSpeed's optimizer state carried by ``zerotron convert --from-megatron``.
 
 Fixtures (tests/fixtures/megatron_deepspeed/, written by Megatron-DeepSpeed's own
-``pretrain_gpt.py`` under DeepSpeed, fp32): ``pipe_tp2pp2`` (the pipeline engine, ZeRO stage 1,
-one data-parallel rank) and ``fpdt_nopipe_tp2dp2_zero2`` (``--no-pipeline-parallel`` at its last
-commit, two data-parallel ranks, ZeRO stage 2). fixtures.json records, per model-parallel rank
-and parameter, the sha256 of the fp32 master and Adam moments as DeepSpeed's own
-``safe_get_full_*`` returned them right after the save.
+``pretrain_gpt.py`` under DeepSpeed): ``pipe_tp2pp2`` (the pipeline engine, ZeRO stage 1, one
+data-parallel rank, fp32), ``fpdt_nopipe_tp2dp2_zero2`` (``--no-pipeline-parallel`` at its last
+commit, two data-parallel ranks, ZeRO stage 2, fp32) and ``fpdt_pipe_tp2pp2_bf16`` (the pipeline
+engine at its last commit with ``--bf16``, ZeRO stage 0: DeepSpeed's bf16 optimizer's files).
+fixtures.json records, per model-parallel rank and parameter, the sha256 of the fp32 master and
+Adam moments as DeepSpeed's own ``safe_get_full_*`` returned them right after the save.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from zerotron.training.pretrain import pretrain
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_deepspeed"
 EXPECTED = json.loads((FIXTURES / "fixtures.json").read_text())
 TAG = "global_step3"
-WITH_OPTIMIZER = ["pipe_tp2pp2", "fpdt_nopipe_tp2dp2_zero2"]
+WITH_OPTIMIZER = ["pipe_tp2pp2", "fpdt_nopipe_tp2dp2_zero2", "fpdt_pipe_tp2pp2_bf16"]
 KIND_OF = {"fp32": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 TRAIN = [
     *EXPECTED["model_flags"],
@@ -75,19 +76,28 @@ def test_each_ranks_state_is_what_deepspeed_had(name):
 
 
 def test_the_merged_masters_are_the_weights(name):
-    """An fp32 run's masters are its weights: merged over tensor ranks (and reordered, at the
-    last commit, from its QKV block order) exactly as the weights are."""
+    """An fp32 run's masters are its weights, a bf16 run's weights are its masters rounded to
+    bf16 (DeepSpeed copies them after every step): merged over tensor ranks (and reordered,
+    at the last commit, from its QKV block order) exactly as the weights are."""
     merged, _ = read_megatron_optimizer(FIXTURES / name)
     _, weights, _ = read_megatron(FIXTURES / name)
     assert set(merged["master"]) == set(weights)
     for key, weight in weights.items():
-        assert torch.equal(merged["master"][key], weight), key
+        assert merged["master"][key].dtype == torch.float32
+        assert torch.equal(merged["master"][key].to(weight.dtype), weight), key
+    if name.endswith("_bf16"):  # (so that the rounding above could hide nothing)
+        assert all(w.dtype == torch.bfloat16 for w in weights.values())
+        assert any(not torch.equal(merged["master"][k], w.float()) for k, w in weights.items())
     assert all((merged["exp_avg_sq"][k] >= 0).all() for k in weights)
 
 
 def test_what_the_optimizer_files_say_of_the_run(name):
     _, found = read_megatron_optimizer(FIXTURES / name)
-    stage, dp = {"pipe_tp2pp2": (1, 1), "fpdt_nopipe_tp2dp2_zero2": (2, 2)}[name]
+    stage, dp = {
+        "pipe_tp2pp2": (1, 1),
+        "fpdt_nopipe_tp2dp2_zero2": (2, 2),
+        "fpdt_pipe_tp2pp2_bf16": (0, 1),  # DeepSpeed's bf16 optimizer, at ZeRO stage 0
+    }[name]
     assert (found.zero_stage, found.data_parallel) == (stage, dp)
     assert float(found.step) == 3.0
     assert [g["weight_decay"] for g in found.param_groups] == [0.1, 0.0]
