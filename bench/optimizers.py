@@ -1,7 +1,8 @@
 """CPU optimizer step time: zerotron's DeepSpeedCPUAdam against torch's fused AdamW and, when it
 builds, DeepSpeed's own DeepSpeedCPUAdam (its JIT-compiled AVX C++ op), side by side;
 ``--optimizer lion`` / ``adagrad`` compare DeepSpeedCPULion / DeepSpeedCPUAdagrad the same way
-(torch has no peer with their math).
+(torch has no peer with their math; Lion also runs on zerotron's foreach path, beside its
+compiled kernel).
 
 A GPT-2 124M parameter set (fp32 tensors of GPT-2 small's shapes, 124.4M elements) with one
 fixed random gradient set shared by every side; each side has its own parameters and state,
@@ -36,6 +37,20 @@ def gpt2_shapes(layers: int, h: int, vocab: int, positions: int) -> list[tuple[i
         shapes += [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,)]  # ln_1, attn c_attn, c_proj
         shapes += [(h,), (h,), (h, 4 * h), (4 * h,), (4 * h, h), (h,)]  # ln_2, mlp c_fc, c_proj
     return [*shapes, (h,), (h,)]  # ln_f
+
+
+class ForeachLion:
+    """zerotron's Lion stepped on its foreach path (``ZEROTRON_COMPILED_LION=0`` while it steps)."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        os.environ["ZEROTRON_COMPILED_LION"] = "0"
+        try:
+            self.optimizer.step()
+        finally:
+            del os.environ["ZEROTRON_COMPILED_LION"]
 
 
 def main() -> None:
@@ -90,6 +105,8 @@ def main() -> None:
     ours_cls = getattr(getattr(ops, module), cls_name)
     ours = f"zerotron {cls_name}"
     sides = {ours: lambda ps: ours_cls(ps, **hyper)}
+    if args.optimizer == "lion":  # its other CPU path, for the record of what compiling gains
+        sides[f"{ours} (foreach)"] = lambda ps: ForeachLion(ours_cls(ps, **hyper))
     if peer is not None:
         sides[peer[0]] = lambda ps: peer[1](ps, **hyper)
     missing = ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import io
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -141,16 +142,24 @@ def test_adam_with_bias_correction_is_torchs_adam_bitwise(adamw):
     assert torch.equal(got, want)
 
 
+@pytest.fixture(params=["compiled", "foreach"])
+def lion_path(request, monkeypatch) -> str:
+    """Lion's two CPU paths: the compiled kernel (the default) and torch's foreach ops."""
+    if request.param == "foreach":
+        monkeypatch.setenv("ZEROTRON_COMPILED_LION", "0")
+    return request.param
+
+
 @pytest.mark.parametrize("cls", [DeepSpeedCPULion, FusedLion])
 @pytest.mark.parametrize("wd", [0.0, WD])
-def test_lion_matches_deepspeed_math(cls, wd):
+def test_lion_matches_deepspeed_math(cls, wd, lion_path):
     p0, grads = _start()
     b1, b2 = 0.9, 0.99
     got = _run(cls, p0, grads, lr=LR, betas=(b1, b2), weight_decay=wd)
     _assert_ulps(got, _ref_lion(p0, grads, LR, b1, b2, wd))
 
 
-def test_lion_leaves_an_element_with_zero_gradient_and_momentum_in_place():
+def test_lion_leaves_an_element_with_zero_gradient_and_momentum_in_place(lion_path):
     p = torch.zeros(4, requires_grad=True)
     opt = DeepSpeedCPULion([p], lr=LR, weight_decay=WD)
     p.grad = torch.tensor([0.0, 1.0, -1.0, 0.0])
@@ -346,6 +355,7 @@ def test_client_optimizer_with_nvme_offload_in_small_sub_groups_equals_no_zero(c
 def test_lion_in_cache_sized_batches_equals_one_pass(monkeypatch):
     import zerotron.optim.lion as lion
 
+    monkeypatch.setenv("ZEROTRON_COMPILED_LION", "0")  # the batches are the foreach path's
     g = torch.Generator().manual_seed(0)
     shapes = [(lion.BLOCK * 2 + 5,), (3, 7), (lion.BLOCK - 1,), (5,)]
     start = [torch.randn(s, generator=g) for s in shapes] + [torch.randn(6, 4, generator=g).t()]
@@ -364,3 +374,74 @@ def test_lion_in_cache_sized_batches_equals_one_pass(monkeypatch):
     blocked = run()
     monkeypatch.setattr(lion, "BLOCK", 1 << 40)
     assert all(torch.equal(a, b) for a, b in zip(blocked, run()))
+
+
+def _lion_run(
+    params: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+    before_step: Callable[[int], None] = lambda step: None,
+) -> list[torch.Tensor]:
+    """Each parameter after the steps, its momentum after it (the paths' roundings differ
+    there first); ``before_step(i)`` runs before step i."""
+    ps = [t.clone().requires_grad_() for t in params]
+    opt = DeepSpeedCPULion(ps, lr=LR, weight_decay=WD)
+    for i, gs in enumerate(grads):
+        for p, gr in zip(ps, gs):
+            p.grad = gr.clone()
+        before_step(i)
+        opt.step()
+    return [torch.cat([p.detach().reshape(-1), opt.state[p]["exp_avg"].reshape(-1)]) for p in ps]
+
+
+def test_compiled_lion_gives_each_element_the_same_bits_however_a_tensor_is_cut():
+    """What ZeRO relies on: a flat tensor stepped whole, or cut into pieces of any length (the
+    kernel's vector loop and its tail; the small pieces joined into one call), gives the same
+    bits."""
+    g = torch.Generator().manual_seed(1)
+    whole = torch.randn(100_003, generator=g)
+    grads = [torch.randn(whole.shape, generator=g) for _ in range(3)]
+    cuts = [0, 7, 20, 4_115, 50_000, 100_003]
+    pieces = _lion_run(
+        [whole[a:b] for a, b in zip(cuts, cuts[1:])],
+        [[gr[a:b] for a, b in zip(cuts, cuts[1:])] for gr in grads],
+    )
+    n = [b - a for a, b in zip(cuts, cuts[1:])]
+    joined = torch.cat(
+        [piece[:k] for piece, k in zip(pieces, n)] + [piece[k:] for piece, k in zip(pieces, n)]
+    )
+    assert torch.equal(joined, _lion_run([whole], [[gr] for gr in grads])[0])
+
+
+def test_lion_steps_by_foreach_when_compiling_fails(monkeypatch):
+    """A compile that fails (no C++ compiler, say) warns once, and the tensors it had not
+    stepped are stepped by foreach, none twice: failing at the second tensor of the second
+    step, the first tensor is stepped as the compiled kernel steps it, the second as foreach
+    does (momenta compared too: the paths round them differently)."""
+    import zerotron.optim.lion as lion
+
+    g = torch.Generator().manual_seed(2)
+    n = lion.SMALL  # large enough for a kernel call each
+    start = [torch.randn(n, generator=g), torch.randn(3, n // 2, generator=g)]
+    grads = [[torch.randn(t.shape, generator=g) for t in start] for _ in range(2)]
+
+    def foreach_from(first: int) -> Callable[[int], None]:
+        return lambda step: monkeypatch.setenv("ZEROTRON_COMPILED_LION", str(int(step < first)))
+
+    compiled = _lion_run(start, grads, foreach_from(2))
+    foreach_second = _lion_run(start, grads, foreach_from(1))
+    monkeypatch.delenv("ZEROTRON_COMPILED_LION")
+    kernel, calls = lion._kernel(), []
+
+    def fourth_call_fails(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("no C++ compiler")
+        return kernel(*args)
+
+    monkeypatch.setattr(lion, "_kernel", lambda: fourth_call_fails)
+    monkeypatch.setattr(lion, "_failed", False)
+    with pytest.warns(UserWarning, match="compiled CPU kernel is unavailable"):
+        got = _lion_run(start, grads)
+    assert torch.equal(got[0], compiled[0]) and torch.equal(got[1], foreach_second[1])
+    assert not torch.equal(compiled[1], foreach_second[1])  # (so the check above can fail)
+    assert lion._failed and len(calls) == 4
