@@ -102,8 +102,8 @@ def _legacy_name(name: str, roles: dict[int, str] | None, stage: int, where: str
 
 def read_optimizer(tag: Path, tp: int, pp: int) -> MegatronDeepSpeedOptimizer | None:
     """The optimizer state of the Megatron-DeepSpeed checkpoint in ``tag`` (tensor size ``tp``,
-    pipeline size ``pp``), or None when it has no optimizer files (ZeRO stage 0 without bf16:
-    DeepSpeed keeps torch's optimizer state in the model-states files, which is not read)."""
+    pipeline size ``pp``), or None when it has no optimizer files (ZeRO stage 0 in fp32 or fp16:
+    DeepSpeed keeps the optimizer state in the model-states files, which is not read)."""
     by_mp = optimizer_files(tag)
     if not by_mp:
         return None

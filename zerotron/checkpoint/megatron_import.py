@@ -77,7 +77,7 @@ def read_megatron_optimizer(
     """A Megatron-DeepSpeed checkpoint's optimizer state as ours: (``{"master" | "exp_avg" |
     "exp_avg_sq": single-process state dict}``, what else was read); None where the checkpoint
     has no optimizer partitions (Megatron-LM's formats; Megatron-DeepSpeed at ZeRO stage 0 in
-    fp32, whose torch optimizer state is not read)."""
+    fp32 or fp16, whose optimizer state inside the model-states files is not read)."""
     tag = mio.tag_dir(path)
     if mio.is_torch_dist(tag) or not is_megatron_deepspeed(tag):
         return None
