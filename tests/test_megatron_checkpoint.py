@@ -334,3 +334,21 @@ def test_a_torch_dist_rank_reads_only_its_rows(monkeypatch, rank, layout, layer,
         assert rows == [(32 * tensor_shard, 0)]
     else:
         assert len([o for k, o in stacked if k.endswith("linear_qkv.weight")]) == 2
+
+
+def test_an_import_is_laid_out_as_the_target_flags_say(tmp_path):
+    """``--target-*`` with ``--from-megatron`` (weights only): written for the layout they
+    name, the same weights; ZeRO, which needs optimizer state, is refused."""
+    from zerotron.checkpoint.canonical import open_checkpoint
+
+    out = tmp_path / "pp2"
+    argv = ["--from-megatron", str(MCORE), "--save", str(out), "--target-pipeline-parallel-size"]
+    assert convert_main([*argv, "2"]) == 0
+    _, full, _ = read_megatron(MCORE)
+    with open_checkpoint(out) as ckpt:
+        assert (ckpt.layout.tensor_parallel, ckpt.layout.pipeline_parallel) == (1, 2)
+        assert not ckpt.has_optimizer
+        _assert_same_tensors({k: ckpt.tensor(k) for k in ckpt.names}, full)
+    with pytest.raises(CheckpointError, match="no optimizer state to partition for ZeRO"):
+        convert_main(["--from-megatron", str(MCORE), "--save", str(tmp_path / "z1"),
+                      "--target-zero-stage", "1"])  # fmt: skip

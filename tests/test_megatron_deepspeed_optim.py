@@ -207,3 +207,21 @@ def test_checkpoint_info_says_which_carry_their_optimizer():
         "nopipe_tp2": False,
     }
     assert "`zerotron convert --from-megatron` carries" in format_info(found["pipe_tp2pp2"])
+
+
+def test_convert_lays_the_import_out_as_the_target_flags_say(tmp_path):
+    """``--target-*`` with ``--from-megatron``: the training state written for tp2 dp2 ZeRO-1,
+    holding the same tensors as the one-process import."""
+    from zerotron.checkpoint.convert import main as convert_main
+
+    argv = ["--from-megatron", str(FIXTURES / "pipe_tp2pp2"), "--save", str(tmp_path / "out"),
+            "--target-tensor-parallel-size", "2", "--target-data-parallel-size", "2",
+            "--target-zero-stage", "1"]  # fmt: skip
+    assert convert_main(argv) == 0
+    merged, _ = read_megatron_optimizer(FIXTURES / "pipe_tp2pp2")
+    with open_checkpoint(tmp_path / "out") as ckpt:
+        lay = ckpt.layout
+        assert (lay.tensor_parallel, lay.data_parallel, lay.zero_stage) == (2, 2, 1)
+        for key in ckpt.names:
+            assert torch.equal(ckpt.tensor(key, "exp_avg_sq"), merged["exp_avg_sq"][key]), key
+            assert torch.equal(ckpt.tensor(key, "master"), merged["master"][key]), key

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from zerotron.checkpoint.canonical import Layout
+from zerotron.checkpoint.convert import TARGET_FLAGS
 from zerotron.checkpoint.megatron_export import export_megatron
 from zerotron.checkpoint.megatron_import import describe_import, import_megatron
 from zerotron.errors import ConfigError
@@ -11,18 +13,36 @@ from zerotron.progress import Progress
 
 
 def megatron_main(args: argparse.Namespace) -> int:
-    """Run the import (``--from-megatron DIR --save CKPT``) or the export (``--load CKPT
-    --to-megatron DIR --megatron-format F [--target-*-parallel-size]``)."""
+    """Run the import (``--from-megatron DIR --save CKPT [--target-*]``: one process at ZeRO
+    stage 0 unless the target flags say otherwise) or the export (``--load CKPT --to-megatron
+    DIR --megatron-format F [--target-*-parallel-size]``)."""
     if args.from_megatron and args.save and not (args.load or args.to_megatron or args.from_hf):
+        target = None
+        if any(getattr(args, flag) is not None for flag in TARGET_FLAGS):
+            target = Layout(
+                tensor_parallel=args.target_tensor_parallel_size or 1,
+                pipeline_parallel=args.target_pipeline_parallel_size or 1,
+                virtual_stages=args.target_virtual_pipeline_parallel_size or 1,
+                data_parallel=args.target_data_parallel_size or 1,
+                zero_stage=args.target_zero_stage or 0,
+                sub_group_size=args.target_sub_group_size,
+            )
         with Progress("convert", 1, unit="steps") as bar:
-            path, info = import_megatron(args.from_megatron, args.save, args.tag)
+            path, info = import_megatron(
+                args.from_megatron,
+                args.save,
+                args.tag,
+                target,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            )
             bar.update(1, info=f"wrote {path}")
         print(
             f"found a {info['writer']} {info['format']} checkpoint (tensor parallel "
             f"{info['tensor_parallel']}, pipeline parallel {info['pipeline_parallel']}, "
             f"iteration {info['iteration']}, checkpoint version {info['checkpoint_version']})"
         )
-        print(f"imported {args.from_megatron} -> {path} ({describe_import(info)})")
+        laid_out = f"; {target.describe()}" if target is not None else ""
+        print(f"imported {args.from_megatron} -> {path} ({describe_import(info)}{laid_out})")
         return 0
     if args.load and args.to_megatron and not (args.save or args.from_hf or args.to_hf):
         tp = args.target_tensor_parallel_size or 1

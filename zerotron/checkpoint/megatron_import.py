@@ -13,6 +13,7 @@ tool's), an fp16 run's loss scale (the resumed run starts a fresh dynamic scaler
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,7 +26,11 @@ from zerotron.checkpoint.megatron import State, rank_states, read_megatron, read
 from zerotron.checkpoint.megatron_deepspeed import is_megatron_deepspeed
 from zerotron.checkpoint.megatron_deepspeed_optim import MegatronDeepSpeedOptimizer, read_optimizer
 from zerotron.checkpoint.model import save_gpt
-from zerotron.checkpoint.reshard import merge_model_shards
+from zerotron.checkpoint.reshard import (
+    WORD_EMBEDDING,
+    merge_model_shards,
+    target_padded_vocab_size,
+)
 from zerotron.errors import CheckpointError, UnsupportedError
 from zerotron.optim import build_optimizer, get_param_groups
 
@@ -48,27 +53,44 @@ TOKEN_SCHEDULE_KEYS = {"lr_warmup_tokens": "lr_warmup_steps", "lr_decay_tokens":
 
 
 def import_megatron(
-    path: str | os.PathLike, save_dir: str | os.PathLike, tag: str | None = None
+    path: str | os.PathLike,
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    target: Layout | None = None,
+    make_vocab_size_divisible_by: int = 128,
 ) -> tuple[str, dict[str, Any]]:
     """Convert a Megatron checkpoint into a zerotron one; returns (its path, what was found:
-    ``read_megatron``'s info, with ``optimizer`` True when the training state came along)."""
+    ``read_megatron``'s info, with ``optimizer`` True when the training state came along).
+
+    ``target``: the layout to write (default: one process, ZeRO stage 0); its vocabulary rows,
+    if not given, are the source's when they split over its tensor size, else padded to
+    ``make_vocab_size_divisible_by`` x its tensor size.
+    """
     optimizer = read_megatron_optimizer(path)
-    if optimizer is not None:
-        return _import_training_state(path, save_dir, tag, *optimizer)
-    config, state, info = read_megatron(path)
-    iteration = info.get("iteration")
-    if tag is None:
-        tag = f"iter_{int(iteration):07d}" if iteration else "release"
-    out = save_gpt(
-        save_dir,
-        config,
-        state,
-        tag=tag,
-        tokenizer=info.pop("tokenizer"),
-        source=os.fspath(path),
-        megatron=info,
-    )
-    return out, {**info, "optimizer": False}
+    if optimizer is None and target is None:  # weights alone, one process: Megatron's release
+        config, state, info = read_megatron(path)
+        iteration = info.get("iteration")
+        out = save_gpt(
+            save_dir,
+            config,
+            state,
+            tag=tag or (f"iter_{int(iteration):07d}" if iteration else "release"),
+            tokenizer=info.pop("tokenizer"),
+            source=os.fspath(path),
+            megatron=info,
+        )
+        return out, {**info, "optimizer": False}
+    ckpt, info = _imported(path, tag, optimizer)
+    target = target or Layout()
+    if target.padded_vocab_size is None:
+        rows = ckpt.shapes[WORD_EMBEDDING][0]
+        if rows % target.tensor_parallel:
+            rows = target_padded_vocab_size(
+                ckpt.meta, target.tensor_parallel, make_vocab_size_divisible_by
+            )
+        target = replace(target, padded_vocab_size=rows)
+    out = write_layout(ckpt, save_dir, target)
+    return str(out), {**info, "optimizer": optimizer is not None}
 
 
 def read_megatron_optimizer(
@@ -104,20 +126,28 @@ def read_megatron_optimizer(
     return merged, found
 
 
-def _import_training_state(
+def _imported(
     path: str | os.PathLike,
-    save_dir: str | os.PathLike,
     tag: str | None,
-    merged: dict[str, State],
-    found: MegatronDeepSpeedOptimizer,
-) -> tuple[str, dict[str, Any]]:
+    optimizer: tuple[dict[str, State], MegatronDeepSpeedOptimizer] | None,
+) -> tuple[InMemoryCheckpoint, dict[str, Any]]:
+    """The Megatron checkpoint as an in-memory zerotron checkpoint (with its training state
+    when ``optimizer``, a Megatron-DeepSpeed run's, is given), and what was found."""
     config, weights, meta, info = read_megatron_as_ours(path)
     source = mio.tag_dir(path)
-    first = mio.load_safe(source / mio.DEEPSPEED_MODEL_STATES, mmap=True)
     iteration = int(info.get("iteration") or 0)
     tag = tag or (f"iter_{iteration:07d}" if iteration else "release")
     meta = {**meta, "tokenizer": info.pop("tokenizer"), "source": os.fspath(path),
             "megatron": info}  # fmt: skip
+    layout = Layout(
+        tensor_parallel=int(info["tensor_parallel"]),
+        pipeline_parallel=int(info["pipeline_parallel"]),
+    )
+    if optimizer is None:
+        return InMemoryCheckpoint(root=source, tag=tag, meta=meta, layout=layout,
+                                  weights=weights), info  # fmt: skip
+    merged, found = optimizer
+    first = mio.load_safe(source / mio.DEEPSPEED_MODEL_STATES, mmap=True)
     engine: dict[str, Any] = {
         "global_steps": int(first.get("global_steps") or iteration),
         "global_samples": int(first.get("global_samples") or info["consumed_train_samples"]),
@@ -129,12 +159,7 @@ def _import_training_state(
         root=source,
         tag=tag,
         meta=meta,
-        layout=Layout(
-            tensor_parallel=int(info["tensor_parallel"]),
-            pipeline_parallel=int(info["pipeline_parallel"]),
-            data_parallel=found.data_parallel,
-            zero_stage=found.zero_stage,
-        ),
+        layout=replace(layout, data_parallel=found.data_parallel, zero_stage=found.zero_stage),
         weights=weights,
         masters=merged["master"],
         moments={k: merged[k] for k in ("exp_avg", "exp_avg_sq")},
@@ -148,8 +173,7 @@ def _import_training_state(
         engine=engine,
         extras={"num_skipped_steps": int(first.get("skipped_steps") or 0)},
     )
-    out = write_layout(ckpt, save_dir, Layout(padded_vocab_size=config.vocab_size))
-    return str(out), {**info, "optimizer": True}
+    return ckpt, info
 
 
 def _group_settings(saved: list[dict[str, Any]], where: str) -> dict[bool, dict[str, Any]]:
