@@ -159,11 +159,17 @@ def test_pretrain_goes_on_from_the_conversion_with_its_optimizer(tmp_path):
     assert summary.state.consumed_train_samples == 12 + 2 * 4
 
 
-def test_pretrain_on_the_checkpoint_itself_says_how_to_carry_the_optimizer():
-    with pytest.raises(CheckpointError, match="written by Megatron-DeepSpeed") as e:
-        pretrain(parse_megatron_args([*RUN, "--train-iters", "5", "--load",
-                                      str(FIXTURES / "pipe_tp2pp2")]))  # fmt: skip
-    assert "zerotron convert --from-megatron" in e.value.fix
+@pytest.mark.parametrize("name", ["pipe_tp2pp2", "fpdt_pipe_tp2pp2_bf16"])
+def test_pretrain_goes_on_from_the_checkpoint_itself_as_from_its_conversion(name, tmp_path):
+    """``--load`` on Megatron-DeepSpeed's own directory takes its training state as the
+    conversion does: the same losses, bit for bit, from iteration 3 on."""
+    load = Path(import_megatron(FIXTURES / name, tmp_path / "ckpt")[0]).parent
+    bf16 = ["--bf16"] if name.endswith("_bf16") else []
+    argv = [*RUN, *bf16, "--train-iters", "5", "--load"]
+    direct = pretrain(parse_megatron_args([*argv, str(FIXTURES / name)]))
+    assert sorted(direct.losses) == [4, 5]
+    assert direct.state.consumed_train_samples == 12 + 2 * 4
+    assert direct.losses == pretrain(parse_megatron_args([*argv, str(load)])).losses
 
 
 def test_a_stage_0_fp32_run_converts_its_weights_only(tmp_path):
@@ -206,7 +212,7 @@ def test_checkpoint_info_says_which_carry_their_optimizer():
         "pipe_tp2pp2": True,
         "nopipe_tp2": False,
     }
-    assert "`zerotron convert --from-megatron` carries" in format_info(found["pipe_tp2pp2"])
+    assert "`zerotron convert --from-megatron` carry" in format_info(found["pipe_tp2pp2"])
 
 
 def test_convert_lays_the_import_out_as_the_target_flags_say(tmp_path):

@@ -234,8 +234,8 @@ def _format_megatron_info(info: Mapping[str, Any]) -> str:
         f"{lay['virtual_pipeline_model_parallel_size']})"
         + (f" x data {dp}" if dp else "")
         + (
-            "; its optimizer state is in DeepSpeed's partitions, which `zerotron convert "
-            "--from-megatron` carries (its RNG states are not read)"
+            "; its optimizer state is in DeepSpeed's partitions, which `zerotron pretrain "
+            "--load` and `zerotron convert --from-megatron` carry (its RNG states are not read)"
             if info.get("optimizer_partitions")
             else f"; its optimizer and RNG states are {info['writer']}'s (zerotron reads the "
             "weights)"

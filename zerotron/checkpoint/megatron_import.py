@@ -1,4 +1,5 @@
-"""``zerotron convert --from-megatron``: a Megatron checkpoint written as a zerotron one.
+"""``zerotron convert --from-megatron``: a Megatron checkpoint written as a zerotron one (or,
+for ``zerotron pretrain --load``, held in memory as one).
 
 The weights of every format :func:`~zerotron.checkpoint.megatron.read_megatron` reads; and,
 where a Megatron-DeepSpeed run left DeepSpeed's optimizer partitions
@@ -91,6 +92,14 @@ def import_megatron(
         target = replace(target, padded_vocab_size=rows)
     out = write_layout(ckpt, save_dir, target)
     return str(out), {**info, "optimizer": optimizer is not None}
+
+
+def training_state(path: str | os.PathLike) -> tuple[InMemoryCheckpoint, dict[str, Any]] | None:
+    """A Megatron-DeepSpeed checkpoint's weights and training state in memory, as an Engine
+    loads them (:meth:`~zerotron.engine.core.Engine.load_imported`), and what was found; None
+    where it has no optimizer partitions (see :func:`read_megatron_optimizer`)."""
+    optimizer = read_megatron_optimizer(path)
+    return None if optimizer is None else _imported(path, None, optimizer)
 
 
 def read_megatron_optimizer(

@@ -35,6 +35,7 @@ from zerotron.checkpoint import (
     set_rng_state,
 )
 from zerotron.checkpoint.canonical import ENGINE_ENTRIES
+from zerotron.checkpoint.in_memory import InMemoryCheckpoint
 from zerotron.checkpoint.layout import (
     CHECKPOINT_VERSION,
     DP_SIZE_KEY,
@@ -290,7 +291,6 @@ def load_engine_checkpoint(
     where = str(Path(load_dir) / tag)
     ps = state()
     meta = read_metadata(load_dir, tag)
-    part, fitter = engine.optimizer_part, engine.state_fitter
     weights_only = load_module_only or not load_optimizer_states
     files = CheckpointFiles(load_dir, tag)
     if not weights_only:
@@ -298,6 +298,44 @@ def load_engine_checkpoint(
         converted = relayout.converted_files(engine, load_dir, tag, meta, ps, where)
         if converted is not None:
             files, meta = converted
+    return _load_files(
+        engine, files, meta, where, ps, load_optimizer_states, load_lr_scheduler_states,
+        load_module_only, load_rng, strict, custom_load_fn,
+    )  # fmt: skip
+
+
+def load_imported_checkpoint(
+    engine: Engine, ckpt: InMemoryCheckpoint, load_optimizer_states: bool = True
+) -> tuple[str, dict[str, Any]]:
+    """Load a checkpoint another tool wrote, read into memory (``ckpt``: weights, and the
+    training state when it has one), as if this Engine had saved it: this rank's part is cut
+    as its own save would have written it. No RNG state (another tool's streams do not carry
+    over). Returns ``(where, client_state)``."""
+    writer = getattr(engine, "checkpoint_writer", None)
+    if writer is not None:
+        writer.wait()
+    ps = state()
+    files, meta = relayout.imported_files(engine, ckpt, ps)
+    load = load_optimizer_states and ckpt.has_optimizer
+    return _load_files(engine, files, meta, ckpt.where, ps, load, load, False, False, True, None)
+
+
+def _load_files(
+    engine: Engine,
+    files: CheckpointFiles,
+    meta: Mapping[str, Any],
+    where: str,
+    ps: ParallelState,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+    load_rng: bool,
+    strict: bool,
+    custom_load_fn: Callable[..., None] | None,
+) -> tuple[str, dict[str, Any]]:
+    """:func:`load_engine_checkpoint` once this rank's ``files`` and their ``meta`` are known."""
+    part, fitter = engine.optimizer_part, engine.state_fitter
+    weights_only = load_module_only or not load_optimizer_states
     saved = _read_model_file(engine, files, meta, ps, weights_only)
     if "model" not in saved:
         raise CheckpointError("no 'model' entry in the checkpoint", where=where)

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from zerotron.checkpoint.fit import StateFitter
+from zerotron.checkpoint.in_memory import InMemoryCheckpoint
 from zerotron.distributed import comm
 from zerotron.distributed.init import get_world_size
 from zerotron.distributed.state import state
@@ -499,6 +500,14 @@ class Engine(DeepSpeedSurface, nn.Module):
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
             load_module_only, load_rng, load_module_strict, custom_load_fn,
         )  # fmt: skip
+
+    def load_imported(
+        self, ckpt: InMemoryCheckpoint, load_optimizer_states: bool = True
+    ) -> tuple[str, dict[str, Any]]:
+        """Load a checkpoint another tool wrote, read into memory (Megatron-DeepSpeed's
+        training state, say), as if this Engine had saved it; returns ``(where,
+        client_state)`` (see :func:`~zerotron.engine.checkpoint_io.load_imported_checkpoint`)."""
+        return checkpoint_io.load_imported_checkpoint(self, ckpt, load_optimizer_states)
 
     def load_weights(
         self, weights: Mapping[str, Tensor], meta: Mapping[str, Any], where: str

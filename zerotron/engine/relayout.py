@@ -20,7 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zerotron.checkpoint.canonical import Layout, open_checkpoint
+from zerotron.checkpoint.canonical import CanonicalCheckpoint, Layout, open_checkpoint
+from zerotron.checkpoint.in_memory import InMemoryCheckpoint
 from zerotron.checkpoint.layout import model_file, zero_file
 from zerotron.checkpoint.relayout import CheckpointFiles, describe_layout, refuse_other_model
 from zerotron.checkpoint.stream_save import materialize
@@ -114,15 +115,9 @@ def converted_files(
         was,
         now,
     )
-    t, p, d = ps.tp_rank, ps.pp_rank, ps.dp_rank
-    wanted = [model_file(t, p, ps.pp_size)] + ([zero_file(d, t, p)] if target.zero_stage else [])
     try:
         with open_checkpoint(load_dir, tag) as ckpt:
-            target = check_target(ckpt, target)
-            # Only data-parallel rank 0 writes the model file; every rank reads it.
-            trees = {**rank_files(ckpt, target, t, p, 0), **rank_files(ckpt, target, t, p, d)}
-            files = {rel: materialize(trees[rel], f"{ckpt.where} -> {rel}") for rel in wanted}
-            new_meta = target_metadata(ckpt, target)
+            files, new_meta = _files_of(ckpt, target, ps)
     except (CheckpointError, ConfigError) as e:
         raise CheckpointError(
             f"the checkpoint, saved at {was}, cannot be converted for this run ({now}): {e.what}",
@@ -134,6 +129,39 @@ def converted_files(
     if ps.rank == 0:
         _say(was, now, _converted(saved, target))
     return CheckpointFiles(load_dir, tag, files, converted_from=was), new_meta
+
+
+def _files_of(
+    ckpt: CanonicalCheckpoint | InMemoryCheckpoint, target: Layout, ps: ParallelState
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's files of ``ckpt`` laid out as ``target``, in memory, and their metadata."""
+    t, p, d = ps.tp_rank, ps.pp_rank, ps.dp_rank
+    wanted = [model_file(t, p, ps.pp_size)] + ([zero_file(d, t, p)] if target.zero_stage else [])
+    target = check_target(ckpt, target)
+    # Only data-parallel rank 0 writes the model file; every rank reads it.
+    trees = {**rank_files(ckpt, target, t, p, 0), **rank_files(ckpt, target, t, p, d)}
+    files = {rel: materialize(trees[rel], f"{ckpt.where} -> {rel}") for rel in wanted}
+    return files, target_metadata(ckpt, target)
+
+
+def imported_files(
+    engine: Engine, ckpt: InMemoryCheckpoint, ps: ParallelState
+) -> tuple[CheckpointFiles, dict[str, Any]]:
+    """This rank's files of a checkpoint another tool wrote, held in memory (``ckpt``), as this
+    Engine's own save would have written them, and the metadata they go with."""
+    target = running_layout(engine, ps)
+    was = f"{ckpt.meta.get('source', ckpt.where)} ({describe_layout(ckpt.layout, 'none')})"
+    now = describe_layout(target, offload_of(engine))
+    refuse_other_model(
+        ckpt.meta,
+        engine.checkpoint_metadata.get("model"),
+        (engine.checkpoint_metadata.get("vocab") or {}).get("size"),
+        ckpt.where,
+        was,
+        now,
+    )
+    files, meta = _files_of(ckpt, target, ps)
+    return CheckpointFiles(ckpt.root, ckpt.tag, files, converted_from=was), meta
 
 
 def _flags(layout: Layout) -> str:

@@ -23,6 +23,7 @@ from zerotron.checkpoint.megatron_args import (
     megatron_writer,
 )
 from zerotron.checkpoint.megatron_deepspeed_optim import optimizer_files
+from zerotron.checkpoint.megatron_import import training_state
 from zerotron.checkpoint.megatron_io import tag_dir
 from zerotron.checkpoint.megatron_rank import megatron_weights_for
 from zerotron.checkpoint.relayout import refuse_other_model
@@ -100,24 +101,45 @@ def resume(run: Run, state: TrainState) -> None:
     print_rank_0(f"  successfully loaded checkpoint from {path} at iteration {state.iteration}")
 
 
+def _load_training_state(run: Run, state: TrainState) -> None:
+    """A Megatron-DeepSpeed checkpoint with DeepSpeed's optimizer partitions in ``--load``: its
+    weights and training state (every rank reads it whole, then keeps its part), so the run
+    goes on where it stopped, on this run's layout."""
+    c = run.cfg.checkpoint
+    found = training_state(c.load)
+    assert found is not None  # it has optimizer files
+    ckpt, info = found
+    where, client = run.engine.load_imported(ckpt)
+    if not c.reset_iteration:
+        state.iteration = int(client.get("iteration", 0))
+        state.consumed_train_samples = int(client.get("consumed_train_samples", 0))
+        state.consumed_valid_samples = int(client.get("consumed_valid_samples", 0))
+    else:
+        run.engine.global_steps = run.engine.global_samples = 0
+    print_rank_0(
+        f"  loaded the weights and training state (fp32 masters, Adam moments and step, "
+        f"schedule) of a {info['writer']} {info['format']} checkpoint (tensor parallel "
+        f"{info['tensor_parallel']}, pipeline parallel {info['pipeline_parallel']}) from {where}; "
+        f"going on from iteration {state.iteration} (consumed samples "
+        f"{state.consumed_train_samples}); its RNG states are not carried"
+    )
+
+
 def _load_megatron(run: Run, state: TrainState) -> None:
     """Megatron-LM's checkpoint in ``--load``: its weights, cut for this rank; with
     ``--no-load-optim --no-load-rng`` also its iteration and consumed samples."""
     c = run.cfg.checkpoint
+    if not (c.finetune or c.no_load_optim) and optimizer_files(tag_dir(c.load)):
+        _load_training_state(run, state)  # Megatron-DeepSpeed's, from DeepSpeed's partitions
+        return
     if not c.finetune and not (c.no_load_optim and c.no_load_rng):
-        writer = megatron_writer(c.load)
-        carry = (
-            "; or `zerotron convert --from-megatron DIR --save CKPT` and --load CKPT to go on "
-            "with its optimizer state (Megatron-DeepSpeed's ZeRO or bf16 runs)"
-            if writer == "Megatron-DeepSpeed" and optimizer_files(tag_dir(c.load))
-            else ""
-        )
         raise CheckpointError(
-            f"the checkpoint was written by {writer}: zerotron reads its weights here, not its "
-            "optimizer and RNG states",
+            f"the checkpoint was written by {megatron_writer(c.load)}: zerotron reads its "
+            "weights (and a Megatron-DeepSpeed run's optimizer partitions), not its optimizer "
+            "and RNG states",
             where=c.load,
             fix="add --finetune to start from its weights at iteration 0, or --no-load-optim "
-            "--no-load-rng to go on from its iteration with a fresh optimizer" + carry,
+            "--no-load-rng to go on from its iteration with a fresh optimizer",
         )
     ps = parallel_state()
     vocab = run.engine.checkpoint_metadata["vocab"]
