@@ -435,7 +435,7 @@ def test_lion_steps_by_foreach_when_compiling_fails(monkeypatch):
     def fourth_call_fails(*args):
         calls.append(1)
         if len(calls) == 4:
-            raise RuntimeError("no C++ compiler")
+            raise torch._dynamo.exc.TorchDynamoException("no C++ compiler")
         return kernel(*args)
 
     monkeypatch.setattr(lion, "_kernel", lambda: fourth_call_fails)

@@ -94,8 +94,8 @@ def lion_step(
         for i, call in enumerate(calls):
             try:
                 _run_call(call, hyper)
-            except Exception as e:  # compiling failed: the rest (not yet stepped) by foreach
-                _compile_failed(e)
+            except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed (inductor's
+                _compile_failed(e)  # errors derive from it): the rest, not yet stepped, by foreach
                 strided += [t for later in calls[i:] for t in later]
                 break
         rest = strided
@@ -183,8 +183,9 @@ def _compile_failed(e: Exception) -> None:
     global _failed
     _failed = True
     warnings.warn(
-        f"Lion's compiled CPU kernel is unavailable ({type(e).__name__}: {e}); stepping with "
-        "torch's foreach ops instead (slower; ZEROTRON_COMPILED_LION=0 skips the attempt)",
+        f"Lion's compiled CPU kernel is unavailable ({type(e).__name__}: {e}); this process "
+        "steps with torch's foreach ops from now on (slower, and rounded a little differently "
+        "from ranks that compiled; ZEROTRON_COMPILED_LION=0 on every rank skips the attempt)",
         stacklevel=3,
     )
 
