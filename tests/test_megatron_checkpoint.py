@@ -352,3 +352,21 @@ def test_an_import_is_laid_out_as_the_target_flags_say(tmp_path):
     with pytest.raises(CheckpointError, match="no optimizer state to partition for ZeRO"):
         convert_main(["--from-megatron", str(MCORE), "--save", str(tmp_path / "z1"),
                       "--target-zero-stage", "1"])  # fmt: skip
+
+
+def test_a_torch_dist_read_outside_a_tensor_is_refused():
+    with pytest.raises(CheckpointError, match="is not inside its shape"):
+        megatron_io.read_torch_dist(
+            TORCH_DIST / ITER, {"decoder.final_layernorm.weight": ((16,), (32,))}
+        )
+
+
+def test_a_torch_dist_directory_with_optimizer_state_reads_its_model(tmp_path):
+    """Megatron-LM saves its optimizer state in the same torch_dist directory, under
+    ``optimizer.``: the model is read as without it."""
+    tensors, common = megatron_io.read_torch_dist(TORCH_DIST / ITER)
+    extra = {f"optimizer.state.exp_avg.{k}": torch.zeros_like(v) for k, v in tensors.items()}
+    path = tmp_path / ITER
+    megatron_io.write_torch_dist(path, {**tensors, **extra}, {}, common)
+    _, state, _ = read_megatron(path)
+    _assert_same_tensors(state, read_megatron(TORCH_DIST)[1])

@@ -68,7 +68,7 @@ from zerotron.checkpoint.reshard import (
     partition_dim,
 )
 from zerotron.checkpoint.save_load import build_metadata
-from zerotron.errors import CheckpointError, UnsupportedError
+from zerotron.errors import CheckpointError, ConfigError, UnsupportedError
 from zerotron.models.gpt import GPTConfig
 from zerotron.pipeline.partition import partition_uniform
 
@@ -266,6 +266,9 @@ def _stages_holding(tag: Path, layers: Collection[int]) -> list[int] | None:
 
 
 _STACKED = "decoder.layers."
+# The model's keys in a torch_dist directory (Megatron-LM saves its optimizer state beside them,
+# under "optimizer.", which is not read).
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
 def _unstack_torch_dist(
@@ -287,11 +290,14 @@ def _unstack_torch_dist(
 def _torch_dist_regions(
     tag: Path, tp: int, tensor_rank: int | None, layers: Collection[int] | None
 ) -> dict[str, mio.Region | None]:
-    """The box of each global tensor holding tensor rank ``tensor_rank``'s shard (of ``tp``,
-    the checkpoint's size: the rows Megatron's rank had) of ``layers`` (the smallest range of
-    them; the embedding and final LayerNorm too); None where nothing is cut."""
+    """The box of each of the model's global tensors holding tensor rank ``tensor_rank``'s
+    shard (of ``tp``, the checkpoint's size: the rows Megatron's rank had; None: all ranks') of
+    ``layers`` (the smallest range of them; None: all; the embedding and final LayerNorm too);
+    None where nothing is cut."""
     regions: dict[str, mio.Region | None] = {}
     for key, shape in mio.torch_dist_shapes(tag).items():
+        if not key.startswith(MODEL_PREFIXES):  # optimizer state saved beside the model
+            continue
         offsets, sizes = [0] * len(shape), list(shape)
         stacked = key.startswith(_STACKED)
         ours = to_ours(f"{_STACKED}0.{key.removeprefix(_STACKED)}" if stacked else key, str(tag))
@@ -331,10 +337,10 @@ def read_megatron(
     """
     tag = mio.tag_dir(path)
     if mio.is_torch_dist(tag):
-        regions = None
-        if tensor_rank is not None or layers is not None:
-            tp = int(megatron_model_args(tag)[2]["tensor_model_parallel_size"])
-            regions = _torch_dist_regions(tag, tp, tensor_rank, layers)
+        tp = int(megatron_model_args(tag)[2]["tensor_model_parallel_size"])
+        if tensor_rank is not None and not 0 <= tensor_rank < tp:
+            raise ConfigError(f"tensor rank {tensor_rank} is outside 0..{tp - 1}", where=str(tag))
+        regions = _torch_dist_regions(tag, tp, tensor_rank, layers)
         tensors, common = mio.read_torch_dist(tag, regions)
         args = args_dict(common.get("args"), str(tag / mio.COMMON_FILE))
         config = config_from_args(args, str(tag / mio.COMMON_FILE))

@@ -341,6 +341,16 @@ def read_torch_dist(
             f"no tensor {missing[0]!r} in the torch_dist metadata", where=str(path)
         )
     boxes = {k: r or ((0,) * len(stored[k].size), tuple(stored[k].size)) for k, r in wanted.items()}
+    for key, (offsets, sizes) in boxes.items():
+        shape = tuple(stored[key].size)
+        if len(offsets) != len(shape) or any(
+            o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)
+        ):
+            raise CheckpointError(
+                f"the region {list(offsets)} + {list(sizes)} of {key!r} is not inside its "
+                f"shape {list(shape)}",
+                where=str(path),
+            )
     tensors = {
         k: torch.empty(sizes, dtype=stored[k].properties.dtype) for k, (_, sizes) in boxes.items()
     }
