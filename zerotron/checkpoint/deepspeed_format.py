@@ -344,13 +344,19 @@ def consolidate(
         masters = [osd[FP32_GROUPS_12] for osd in osds]
         base = [osd[BASE_STATE_12] for osd in osds]
     n_groups = len(masters[0])
-    ckpt.param_groups = [{k: v for k, v in g.items()} for g in base[0]["param_groups"]]
+    # DeepSpeed's elastic form (zero_optimization.elastic_checkpoint) keeps a list of the
+    # groups' states and no param groups; its rigid form, torch's optimizer state_dict
+    states = [dict(enumerate(b)) if isinstance(b, list) else b["state"] for b in base]
+    groups = [] if isinstance(base[0], list) else base[0]["param_groups"]
+    ckpt.param_groups = [{k: v for k, v in g.items()} for g in groups]
+    if "base_optimizer_state_step" in osds[0]:  # the elastic form's copy of a group-held step
+        ckpt.scalars["base_optimizer_state_step"] = osds[0]["base_optimizer_state_step"]
     # per rank and group: {key: flat tensor} of the elementwise state, scalars aside
     elementwise: list[list[dict[str, Tensor]]] = []
-    for b in base:
+    for state in states:
         per_group = []
         for i in range(n_groups):
-            entry = b["state"].get(i, {})
+            entry = state.get(i, {})
             flat = {}
             for key, value in entry.items():
                 if isinstance(value, Tensor) and value.dim() == 1 and key != "step":

@@ -53,6 +53,21 @@ def megatron_main(args: argparse.Namespace) -> int:
                 where="zerotron convert",
                 fix="drop it, or write Megatron-DeepSpeed's files",
             )
+        ignored = [
+            f"--{flag.replace('_', '-')}"
+            for flag in ("target_virtual_pipeline_parallel_size", "target_sub_group_size")
+            if getattr(args, flag) is not None
+        ]
+        if args.target_data_parallel_size is not None and args.target_zero_stage is None:
+            ignored.append("--target-data-parallel-size (without --target-zero-stage)")
+        if ignored:
+            raise ConfigError(
+                f"{', '.join(ignored)} does not apply to --to-megatron",
+                where="zerotron convert",
+                fix="drop it; an export takes --target-tensor-parallel-size, "
+                "--target-pipeline-parallel-size and, for megatron-deepspeed with the training "
+                "state, --target-zero-stage 1|2 with --target-data-parallel-size",
+            )
         with Progress("convert", 1, unit="steps") as bar:
             path = export_megatron(
                 args.load,
@@ -63,14 +78,24 @@ def megatron_main(args: argparse.Namespace) -> int:
                 tag=args.tag,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                 qkv_order=args.megatron_deepspeed_qkv,
+                zero_stage=args.target_zero_stage,
+                data_parallel=args.target_data_parallel_size or 1,
             )
             bar.update(1, info=f"wrote {path}")
         deepspeed = args.megatron_format == "megatron-deepspeed"
         what = "Megatron-DeepSpeed's files" if deepspeed else f"Megatron-LM {args.megatron_format}"
-        how = "--finetune" if deepspeed else "--finetune, or --no-load-optim --no-load-rng"
+        if args.target_zero_stage is not None:
+            dp = args.target_data_parallel_size or 1
+            held = (
+                f"with the training state for ZeRO stage {args.target_zero_stage} at data "
+                f"parallel {dp}: load with --no-load-rng"
+            )
+        else:
+            how = "--finetune" if deepspeed else "--finetune, or --no-load-optim --no-load-rng"
+            held = f"weights only: load with {how}"
         print(
             f"exported {args.load} -> {path} ({what}, tensor parallel {tp}, pipeline parallel "
-            f"{pp}; weights only: load with {how})"
+            f"{pp}; {held})"
         )
         return 0
     raise ConfigError(

@@ -40,6 +40,14 @@ from zerotron.checkpoint import megatron_io as mio
 from zerotron.checkpoint.layout import METADATA_FILE
 from zerotron.errors import CheckpointError, UnsupportedError
 
+ZERO3_REFUSAL = (
+    "the weights of a ZeRO stage 3 run are in its zero_pp_rank_* optimizer files, partitioned; "
+    "its mp_rank_* files hold none"
+)
+ZERO3_FIX = (
+    "save with DeepSpeed's stage3_gather_16bit_weights_on_model_save, or convert with "
+    "DeepSpeed's zero_to_fp32 first"
+)
 _LAYER_STATES = re.compile(r"layer_(\d{2,})-model_(\d{2,})-model_states\.pt")
 # An args key only Megatron-DeepSpeed's FPDT commit and later have (see the module docstring).
 FPDT_ARG = "ds_sequence_parallel_fpdt"
@@ -174,13 +182,7 @@ def read_rank_files(
         models = {t: _pipeline_model(found_layers[t], layers) for t in ranks}
     else:
         if stage == 3:
-            raise UnsupportedError(
-                "the weights of a ZeRO stage 3 run are in its zero_pp_rank_* optimizer files, "
-                "partitioned; its mp_rank_* files hold none",
-                where=str(tag),
-                fix="save with DeepSpeed's stage3_gather_16bit_weights_on_model_save, or convert "
-                "with DeepSpeed's zero_to_fp32 first",
-            )
+            raise UnsupportedError(ZERO3_REFUSAL, where=str(tag), fix=ZERO3_FIX)
         for t in ranks:
             file = tag / f"mp_rank_{t:02d}_model_states.pt"
             if not file.is_file():

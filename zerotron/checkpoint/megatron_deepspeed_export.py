@@ -14,7 +14,21 @@ reads):
   ``--no-pipeline-parallel`` loads;
 - ``latest`` (DeepSpeed's tracker) and ``latest_checkpointed_iteration.txt`` beside the tag.
 
-No optimizer or RNG state: load it in Megatron-DeepSpeed with ``--finetune``.
+With the training state (``--target-zero-stage 1`` or ``2``, for a Megatron-DeepSpeed run under
+DeepSpeed's ZeRO optimizer at that stage and ``--target-data-parallel-size`` ranks), also:
+
+- ``zero_pp_rank_D_mp_rank_MM_optim_states.pt`` per data-parallel rank D and model-parallel rank
+  MM: per parameter group (GPTModelPipe's parameters in the order it registers them, the
+  decayed ones, then biases and norms, as Megatron-DeepSpeed groups them), D's slice of the flat
+  fp32 masters and of each Adam moment, cut as DeepSpeed cuts them (the group padded to a
+  multiple of 2 x the data-parallel size, the padding left out of the last slice), with Adam's
+  step, in DeepSpeed's elastic form (a list per group), whose loader restores the state
+  tensors alone and keeps the run's own optimizer settings;
+- in each model-states file, the learning-rate schedule (``lr_scheduler``), the parameter
+  shapes per group and the consumed samples in ``args``.
+
+The RNG state is not written: load it with ``--no-load-rng`` (or ``--finetune`` for the weights
+alone, which is all an export without ``--target-zero-stage`` holds).
 
 The fused QKV rows of each tensor rank are in the order of the Megatron-DeepSpeed that will load
 them, which the caller names (:data:`QKV_ORDERS`): ``per-head`` before its FPDT commit
@@ -27,7 +41,9 @@ which is how :mod:`zerotron.checkpoint.megatron_deepspeed` tells them apart on i
 from __future__ import annotations
 
 import argparse
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +57,22 @@ FORMAT = "megatron-deepspeed"
 TRACKER = "latest"
 QKV_ORDERS = ("per-head", "blocks")
 FPDT_COMMIT = "676a482c"
+DS_FORMAT_VERSION = "0.16.2"
+"""The DeepSpeed release whose ZeRO-1/2 optimizer-file format these files follow (its loader
+checks that the writer's version is at least 0.3.17)."""
+# One GPT-2 transformer layer's parameters in the order GPTModelPipe's modules register them.
+LAYER_PARAMS = tuple(
+    f"{module}.{param}"
+    for module in (
+        "input_layernorm",
+        "self_attention.query_key_value",
+        "self_attention.dense",
+        "post_attention_layernorm",
+        "mlp.dense_h_to_4h",
+        "mlp.dense_4h_to_h",
+    )
+    for param in ("weight", "bias")
+)
 
 
 def check_qkv_order(order: str | None) -> str:
@@ -171,4 +203,113 @@ def model_states(
         "checkpoint_version": version,
         "iteration": iteration,
         "tokens": consumed_samples * args.seq_length,
+    }
+
+
+# ---- the training state ---------------------------------------------------------------------
+
+
+@dataclass
+class TrainingState:
+    """What an export with the training state carries besides the weights."""
+
+    kinds: dict[str, State]
+    """``master``, ``exp_avg``, ``exp_avg_sq``: fp32 single-process tensors, our names."""
+    step: int
+    scheduler: dict[str, Any] | None
+    adam: dict[str, float]
+    """Megatron's flags for the optimizer's settings (``adam_beta1``, ``adam_beta2``,
+    ``adam_eps``, ``weight_decay``): in the files' ``args``, where an import finds them (the
+    elastic form keeps no param groups)."""
+    zero_stage: int
+    data_parallel: int
+
+
+def pipe_parameters(
+    stage: int, stages: int, layers: list[int], num_layers: int
+) -> list[tuple[str, str]]:
+    """``(DeepSpeed's name, our key)`` of one pipeline stage's parameters, in the order
+    GPTModelPipe registers them: its tied embedding module (word and position embeddings) on
+    the first and the last stage, the stage's transformer ``layers``, the final LayerNorm on the
+    last stage."""
+    out = []
+    if stage in (0, stages - 1):
+        out += [
+            ("tied_modules.embed.word_embeddings.weight", WORD_EMBEDDING),
+            (
+                "tied_modules.embed.position_embeddings.weight",
+                "embedding.position_embeddings.weight",
+            ),
+        ]
+    for i in layers:
+        out += [(f"{i + 2}.{name}", f"layers.{i}.{name}") for name in LAYER_PARAMS]
+    if stage == stages - 1:
+        out += [(f"{num_layers + 2}.{p}", f"final_layernorm.{p}") for p in ("weight", "bias")]
+    return out
+
+
+def _decayed(name: str, shape: torch.Size) -> bool:
+    """Megatron-DeepSpeed's weight-decay rule: no decay for biases and 1-D parameters."""
+    return not (name.endswith(".bias") or len(shape) == 1)
+
+
+def param_groups(params: list[tuple[str, str]], rank: State) -> list[list[tuple[str, str]]]:
+    """``params`` as Megatron-DeepSpeed's optimizer groups them: decayed, then not decayed."""
+    decayed = [p for p in params if _decayed(p[0], rank[p[1]].shape)]
+    other = [p for p in params if not _decayed(p[0], rank[p[1]].shape)]
+    return [g for g in (decayed, other) if g]
+
+
+def zero_files(
+    kinds: dict[str, State], groups: list[list[tuple[str, str]]], mp_rank: int, train: TrainingState
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(file name, contents)`` of model-parallel rank ``mp_rank``'s ZeRO optimizer files, one
+    per data-parallel rank (``kinds``: the rank's fp32 master and moments, cut and ordered as
+    its weights are)."""
+    dp = train.data_parallel
+    flats = {
+        kind: [torch.cat([state[key].reshape(-1).float() for _, key in g]) for g in groups]
+        for kind, state in kinds.items()
+    }
+    sizes = [flat.numel() for flat in flats["master"]]
+    padded = [-(-n // (2 * dp)) * 2 * dp for n in sizes]  # DeepSpeed's alignment: 2 x dp
+    step = torch.tensor(float(train.step))
+    for d in range(dp):
+        cut = [(d * m // dp, min(n, (d + 1) * m // dp)) for n, m in zip(sizes, padded)]
+
+        def part(kind: str, cut: list[tuple[int, int]] = cut) -> list[torch.Tensor]:
+            return [flat[a:b].clone() for flat, (a, b) in zip(flats[kind], cut)]
+
+        moments = dict(exp_avg=part("exp_avg"), exp_avg_sq=part("exp_avg_sq"))
+        osd = {  # no clip_grad, loss scaler or overflow flag: the loading run keeps its own
+            "base_optimizer_state": [
+                {"step": step.clone(), "exp_avg": a, "exp_avg_sq": b}
+                for a, b in zip(moments["exp_avg"], moments["exp_avg_sq"])
+            ],
+            "base_optimizer_state_step": train.step,
+            "single_partition_of_fp32_groups": part("master"),
+            "zero_stage": train.zero_stage,
+            "group_paddings": [m - n if d == dp - 1 else 0 for n, m in zip(sizes, padded)],
+            "partition_count": [dp] * len(groups),
+            "ds_version": DS_FORMAT_VERSION,
+        }
+        name = f"zero_pp_rank_{d}_mp_rank_{mp_rank:02d}_optim_states.pt"
+        yield name, {"optimizer_state_dict": osd, "ds_version": DS_FORMAT_VERSION}
+
+
+def param_shapes(groups: list[list[tuple[str, str]]], rank: State) -> list[OrderedDict]:
+    """DeepSpeed's ``param_shapes`` of a model-states file: per group, name -> shape."""
+    return [OrderedDict((name, rank[key].shape) for name, key in g) for g in groups]
+
+
+def scheduler_state(
+    scheduler: dict[str, Any], consumed_samples: int, seq_length: int
+) -> dict[str, Any]:
+    """zerotron's (Megatron's) scheduler state with the token counts Megatron-DeepSpeed's
+    scheduler also reads (a schedule in samples: no token lengths)."""
+    return {
+        **scheduler,
+        "lr_warmup_tokens": None,
+        "lr_decay_tokens": None,
+        "num_tokens": consumed_samples * seq_length,
     }

@@ -43,11 +43,17 @@ from zerotron.checkpoint.deepspeed_format import (
     load_deepspeed_file,
     require_entries,
 )
-from zerotron.checkpoint.megatron_deepspeed import layer_files, layer_roles
+from zerotron.checkpoint.megatron_deepspeed import (
+    ZERO3_FIX,
+    ZERO3_REFUSAL,
+    layer_files,
+    layer_roles,
+)
 from zerotron.errors import CheckpointError, UnsupportedError
 
 OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2,})_optim_states\.pt")
 KINDS = ("master", "exp_avg", "exp_avg_sq")
+STEP_KEY = "base_optimizer_state_step"  # DeepSpeed's copy of a group-held step (elastic form)
 """The per-parameter tensors read: the fp32 master and Adam's two moments."""
 _EMBEDDING = "tied_modules.embed."
 
@@ -130,10 +136,31 @@ def read_optimizer(tag: Path, tp: int, pp: int) -> MegatronDeepSpeedOptimizer | 
                 if legacy is not None:
                     dest[legacy] = tensor
         if mp == 0:
-            out.step = part.scalars.get("step")
+            out.step = _step(part, str(tag / files[0]))
             out.param_groups = part.param_groups
             out.zero_stage, out.data_parallel = part.zero_stage, part.dp_size
     return out
+
+
+def _step(part: DeepSpeedCheckpoint, where: str) -> Any:
+    """Adam's step count: per parameter (torch's Adam), or per param group (apex's
+    ``FusedAdam``, Megatron-DeepSpeed's optimizer on GPUs), or DeepSpeed's own copy of it."""
+    step = part.scalars.get("step")
+    if step is None:
+        steps = {g["step"] for g in part.param_groups if g.get("step") is not None}
+        if len(steps) > 1:
+            raise CheckpointError(
+                f"the param groups hold different steps {sorted(steps)}", where=where
+            )
+        step = next(iter(steps), part.scalars.get(STEP_KEY))
+    if step is None:
+        raise CheckpointError(
+            "the optimizer state holds no step count (neither per parameter nor per group)",
+            where=where,
+            fix="load the weights alone (--finetune), or --no-load-optim to go on from its "
+            "iteration with a fresh optimizer",
+        )
+    return step
 
 
 def read_rank(tag: Path, mp: int, files: list[str]) -> DeepSpeedCheckpoint:
@@ -154,8 +181,8 @@ def read_rank(tag: Path, mp: int, files: list[str]) -> DeepSpeedCheckpoint:
             where=str(tag),
             fix="copy the whole checkpoint directory (every rank wrote one file)",
         )
-    if zero_stage == 3:  # the weights' reader refuses it first, saying what to do
-        raise UnsupportedError("ZeRO stage 3 optimizer files", where=str(tag))
+    if zero_stage == 3:
+        raise UnsupportedError(ZERO3_REFUSAL, where=str(tag), fix=ZERO3_FIX)
     shapes = [{n: tuple(s) for n, s in g.items()} for g in shapes_of]
     part = DeepSpeedCheckpoint(tag, zero_stage, dp, {}, {})
     consolidate(part, osds, shapes, zero_stage)

@@ -18,6 +18,7 @@ import torch
 
 from zerotron.checkpoint import megatron_deepspeed_export as mds
 from zerotron.checkpoint import megatron_io as mio
+from zerotron.checkpoint.canonical import open_checkpoint
 from zerotron.checkpoint.megatron import (
     CHECKPOINT_VERSION,
     FORMATS,
@@ -134,6 +135,8 @@ def export_megatron(
     tag: str | None = None,
     make_vocab_size_divisible_by: int = 128,
     qkv_order: str | None = None,
+    zero_stage: int | None = None,
+    data_parallel: int = 1,
 ) -> Path:
     """Write ``load_dir``'s checkpoint as Megatron-LM's (``fmt`` one of :data:`FORMATS`) or
     Megatron-DeepSpeed's (``fmt`` "megatron-deepspeed", with the ``qkv_order`` of the version
@@ -143,7 +146,10 @@ def export_megatron(
     The vocabulary keeps the source's padding when it splits over ``tp``, else is padded as
     Megatron pads (``make_vocab_size_divisible_by × tp``). Files hold ``args``,
     ``checkpoint_version``, ``iteration`` and the model, no optimizer or RNG state: load them in
-    Megatron-LM with ``--finetune`` (or ``--no-load-optim --no-load-rng``).
+    Megatron-LM with ``--finetune`` (or ``--no-load-optim --no-load-rng``). ``zero_stage`` (1
+    or 2; Megatron-DeepSpeed only): the training state too, as DeepSpeed's ZeRO optimizer of a
+    run with ``data_parallel`` data-parallel ranks saves it
+    (:mod:`~zerotron.checkpoint.megatron_deepspeed_export`).
     """
     if fmt not in (*FORMATS, mds.FORMAT):
         raise ConfigError(
@@ -153,6 +159,14 @@ def export_megatron(
         )
     if fmt == mds.FORMAT:
         qkv_order = mds.check_qkv_order(qkv_order)
+    if zero_stage is not None and (fmt != mds.FORMAT or zero_stage not in (1, 2)):
+        raise ConfigError(
+            f"--target-zero-stage {zero_stage} with --megatron-format {fmt}: the training state "
+            "is written for Megatron-DeepSpeed under DeepSpeed's ZeRO stage 1 or 2 only",
+            where="--target-zero-stage",
+            fix="drop it to export the weights (load them with --finetune), or export "
+            "--megatron-format megatron-deepspeed --target-zero-stage 1 for a ZeRO-1 run",
+        )
     full, meta = load_merged_state(load_dir, tag)
     if "model" not in meta:
         raise CheckpointError("metadata.json has no model config", where=os.fspath(load_dir))
@@ -166,10 +180,17 @@ def export_megatron(
     args = args_from_config(config, padded, tp, pp, iteration, divisible_by, meta.get("tokenizer"))
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
     if fmt == mds.FORMAT:
-        consumed = int(load_shared_entries(load_dir, tag).get("consumed_train_samples") or 0)
+        shared = load_shared_entries(load_dir, tag)
+        consumed = int(shared.get("consumed_train_samples") or 0)
+        args.consumed_train_samples = consumed
+        args.consumed_valid_samples = int(shared.get("consumed_valid_samples") or 0)
+        train = None
+        if zero_stage is not None:
+            train = _training_state(load_dir, tag, zero_stage, data_parallel)
+            vars(args).update(train.adam)
         layout = (tp, pp, orig, padded)
         return _write_deepspeed(
-            out_dir, full, config, args, layout, iteration, consumed, str(qkv_order)
+            out_dir, full, config, args, layout, iteration, consumed, str(qkv_order), train
         )
     target = Path(out_dir) / mio.tag_name(iteration)
     if fmt == "torch_dist":
@@ -216,31 +237,90 @@ def _write_deepspeed(
     iteration: int,
     consumed: int,
     qkv_order: str,
+    train: mds.TrainingState | None = None,
 ) -> Path:
     """Megatron-DeepSpeed's ``global_stepN/`` (module docstring of
     :mod:`~zerotron.checkpoint.megatron_deepspeed_export`), written atomically, then its
     trackers."""
     tp, pp, orig, padded = layout
+    heads = config.num_attention_heads // tp
     target = Path(out_dir) / mds.tag_name(iteration)
     ds_args = mds.deepspeed_args(args, qkv_order)
+
+    def cut(state: State, t: int, p: int, stages: int) -> State:
+        own = split_model_state(
+            state, t, tp, p, stages, orig_vocab_size=orig, padded_vocab_size=padded
+        )
+        return mds.in_order(own, qkv_order, heads)
+
     with atomic_dir(target) as tmp:
-        for p in range(pp):
-            for t in range(tp):
-                state = split_model_state(
-                    full, t, tp, p, pp, orig_vocab_size=orig, padded_vocab_size=padded
-                )
-                state = mds.in_order(state, qkv_order, config.num_attention_heads // tp)
+        for t in range(tp):
+            # the training state of tensor rank t, whole depth (each stage takes its part)
+            kinds = {k: cut(v, t, 0, 1) for k, v in train.kinds.items()} if train else {}
+            for p in range(pp):
+                state = cut(full, t, p, pp)
                 for name, tensors in mds.layer_files(state, config.num_layers, t):
                     torch.save(tensors, Path(tmp) / name)
                 module = mds.legacy_module(state) if pp == 1 else None
                 entries = mds.model_states(
                     ds_args, iteration, consumed, tp * pp, module, CHECKPOINT_VERSION
                 )
+                if train is not None:
+                    layers = stage_layer_indices(config.num_layers, p, pp)
+                    params = mds.pipe_parameters(p, pp, layers, config.num_layers)
+                    groups = mds.param_groups(params, kinds["master"])
+                    for name, obj in mds.zero_files(kinds, groups, p * tp + t, train):
+                        torch.save(obj, Path(tmp) / name)
+                    entries.update(
+                        param_shapes=mds.param_shapes(groups, kinds["master"]),
+                        dp_world_size=train.data_parallel,
+                        ds_config={"zero_optimization": {"stage": train.zero_stage}},
+                    )
+                    if train.scheduler is not None:
+                        entries["lr_scheduler"] = mds.scheduler_state(
+                            train.scheduler, consumed, config.seq_length
+                        )
                 torch.save(entries, Path(tmp) / f"mp_rank_{p * tp + t:02d}_model_states.pt")
         commit_dir(tmp, target)
     atomic_write_text(Path(out_dir) / mds.TRACKER, target.name)
     mio.write_tracker(out_dir, iteration)
     return target
+
+
+def _training_state(
+    load_dir: str | os.PathLike, tag: str | None, zero_stage: int, data_parallel: int
+) -> mds.TrainingState:
+    """A zerotron checkpoint's fp32 masters, Adam moments and step, schedule and clipping, for
+    a Megatron-DeepSpeed export with its training state."""
+    with open_checkpoint(load_dir, tag) as ckpt:
+        if not ckpt.has_optimizer or set(ckpt.state_keys) != {"exp_avg", "exp_avg_sq"}:
+            raise CheckpointError(
+                "the checkpoint holds no Adam state to export"
+                + ("" if ckpt.has_optimizer else " (no optimizer state at all)"),
+                where=ckpt.where,
+                fix="drop --target-zero-stage to export the weights alone (load them with "
+                "--finetune)",
+            )
+        kinds = {
+            kind: {name: ckpt.tensor(name, kind) for name in ckpt.names}
+            for kind in ("master", "exp_avg", "exp_avg_sq")
+        }
+        step = ckpt.step(ckpt.names[0])
+        group = ckpt.group_settings(False)
+        betas = group.get("betas", (0.9, 0.999))
+        return mds.TrainingState(
+            kinds=kinds,
+            step=int(step.item() if isinstance(step, torch.Tensor) else step or 0),
+            scheduler=ckpt.engine_entry("opt_param_scheduler"),
+            adam={
+                "adam_beta1": float(betas[0]),
+                "adam_beta2": float(betas[1]),
+                "adam_eps": float(group.get("eps", 1e-8)),
+                "weight_decay": float(group.get("weight_decay", 0.0)),
+            },
+            zero_stage=zero_stage,
+            data_parallel=data_parallel,
+        )
 
 
 def _divisible_by(orig: int, padded: int, tp: int, preferred: int) -> int:

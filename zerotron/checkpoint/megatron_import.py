@@ -172,8 +172,9 @@ def _imported(
         weights=weights,
         masters=merged["master"],
         moments={k: merged[k] for k in ("exp_avg", "exp_avg_sq")},
-        step=found.step,
-        groups=_group_settings(found.param_groups, str(source)),
+        # a 0-d fp32 tensor, as torch's Adam keeps it (apex's FusedAdam kept an int per group)
+        step=torch.as_tensor(found.step, dtype=torch.float32).clone(),
+        groups=_group_settings(found.param_groups or [_args_group(first["args"])], str(source)),
         client={
             "iteration": iteration,
             "consumed_train_samples": info["consumed_train_samples"],
@@ -215,6 +216,17 @@ def _group_settings(saved: list[dict[str, Any]], where: str) -> dict[bool, dict[
     return {
         not g["wd_mult"]: {k: v for k, v in g.items() if k != "params"}
         for g in ours.state_dict()["param_groups"]
+    }
+
+
+def _args_group(args: Any) -> dict[str, Any]:
+    """The optimizer's settings from Megatron's flags (for files whose optimizer state keeps no
+    param groups: DeepSpeed's elastic form)."""
+    return {
+        "lr": float(getattr(args, "lr", 0.0) or 0.0),
+        "betas": (float(args.adam_beta1), float(args.adam_beta2)),
+        "eps": float(args.adam_eps),
+        "weight_decay": float(args.weight_decay),
     }
 
 
