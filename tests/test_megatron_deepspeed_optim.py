@@ -30,6 +30,7 @@ from zerotron.training.pretrain import pretrain
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_deepspeed"
 EXPECTED = json.loads((FIXTURES / "fixtures.json").read_text())
 TAG = "global_step3"
+ZERO_00 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 WITH_OPTIMIZER = ["pipe_tp2pp2", "fpdt_nopipe_tp2dp2_zero2", "fpdt_pipe_tp2pp2_bf16"]
 KIND_OF = {"fp32": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 TRAIN = [
@@ -352,3 +353,55 @@ def test_megatron_deepspeed_went_on_from_the_export_as_from_its_own_checkpoint()
         for t in (0, 1)
         for kind in ("exp_avg", "exp_avg_sq", "fp32")
     )
+
+
+def test_an_export_pads_each_group_inside_its_last_slice(tmp_path):
+    """With padding (groups that do not split into 2 x dp evenly: dp 3 here), every
+    data-parallel rank's slice has DeepSpeed's partition size, with the padding zeros inside the
+    last one and group_paddings 0 (DeepSpeed's loader would pad Adam's step too), and zerotron
+    reads the files back to the same tensors."""
+    from zerotron.checkpoint.deepspeed_format import load_deepspeed_file
+
+    out = _export_state(tmp_path, "pipe_tp2pp2", "per-head", 2, 3, 1)
+    theirs = load_deepspeed_file(FIXTURES / "pipe_tp2pp2" / TAG / ZERO_00)["optimizer_state_dict"]
+    osds = [load_deepspeed_file(f)["optimizer_state_dict"]
+            for f in sorted(out.glob("zero_pp_rank_*_mp_rank_00_*"))]  # fmt: skip
+    assert len(osds) == 3 and all(o["group_paddings"] == [0, 0] for o in osds)
+    for group, whole in enumerate(theirs["single_partition_of_fp32_groups"]):
+        slices = [o["single_partition_of_fp32_groups"][group] for o in osds]
+        padded = -(-whole.numel() // 6) * 6
+        assert [s.numel() for s in slices] == [padded // 3] * 3 and padded > whole.numel()
+        joined = torch.cat(slices)
+        assert torch.equal(joined[: whole.numel()], whole)
+        assert torch.count_nonzero(joined[whole.numel() :]) == 0
+    back, _ = read_megatron_optimizer(out.parent)
+    first, _ = read_megatron_optimizer(FIXTURES / "pipe_tp2pp2")
+    assert all(torch.equal(back["exp_avg"][k], v) for k, v in first["exp_avg"].items())
+
+
+def test_a_bf16_export_names_its_files_as_a_bf16_run_looks_for_them(tmp_path):
+    out = _export_state(tmp_path, "fpdt_pipe_tp2pp2_bf16", "blocks", 2, 1, 1)
+    assert sorted(f.name for f in out.glob("*optim_states.pt")) == [
+        f"bf16_zero_pp_rank_0_mp_rank_{m:02d}_optim_states.pt" for m in range(4)
+    ]
+    back, _ = read_megatron_optimizer(out.parent)
+    first, _ = read_megatron_optimizer(FIXTURES / "fpdt_pipe_tp2pp2_bf16")
+    assert all(torch.equal(back["master"][k], v) for k, v in first["master"].items())
+
+
+def test_an_export_without_a_schedule_or_with_zero_2_pipelines_is_refused(tmp_path, monkeypatch):
+    from zerotron.checkpoint.canonical import CanonicalCheckpoint
+    from zerotron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="pipeline engine runs ZeRO stage 0 or 1"):
+        _export_state(tmp_path / "a", "pipe_tp2pp2", "per-head", 2, 1, 2)
+    entry = CanonicalCheckpoint.engine_entry
+    monkeypatch.setattr(
+        CanonicalCheckpoint,
+        "engine_entry",
+        lambda self, key, default=None: (
+            None if key == "opt_param_scheduler" else entry(self, key, default)
+        ),
+    )
+    with pytest.raises(CheckpointError, match="no learning-rate schedule"):
+        _export_state(tmp_path / "b", "pipe_tp2pp2", "per-head", 2, 1, 1)

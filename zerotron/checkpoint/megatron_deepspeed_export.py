@@ -17,13 +17,14 @@ reads):
 With the training state (``--target-zero-stage 1`` or ``2``, for a Megatron-DeepSpeed run under
 DeepSpeed's ZeRO optimizer at that stage and ``--target-data-parallel-size`` ranks), also:
 
-- ``zero_pp_rank_D_mp_rank_MM_optim_states.pt`` per data-parallel rank D and model-parallel rank
-  MM: per parameter group (GPTModelPipe's parameters in the order it registers them, the
-  decayed ones, then biases and norms, as Megatron-DeepSpeed groups them), D's slice of the flat
-  fp32 masters and of each Adam moment, cut as DeepSpeed cuts them (the group padded to a
-  multiple of 2 x the data-parallel size, the padding left out of the last slice), with Adam's
-  step, in DeepSpeed's elastic form (a list per group), whose loader restores the state
-  tensors alone and keeps the run's own optimizer settings;
+- ``[bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt`` per data-parallel rank D and
+  model-parallel rank MM (``bf16_`` for bf16 weights, as DeepSpeed names a bf16 run's): per
+  parameter group (GPTModelPipe's parameters in the order it registers them, the decayed ones,
+  then biases and norms, as Megatron-DeepSpeed groups them), D's slice of the flat fp32 masters
+  and of each Adam moment, cut as DeepSpeed cuts them (the group padded with zeros to a multiple
+  of 2 x the data-parallel size), with Adam's step, in DeepSpeed's elastic form (a list per
+  group), whose loader restores the state tensors alone and keeps the run's own optimizer
+  settings;
 - in each model-states file, the learning-rate schedule (``lr_scheduler``), the parameter
   shapes per group and the consumed samples in ``args``.
 
@@ -216,13 +217,16 @@ class TrainingState:
     kinds: dict[str, State]
     """``master``, ``exp_avg``, ``exp_avg_sq``: fp32 single-process tensors, our names."""
     step: int
-    scheduler: dict[str, Any] | None
+    scheduler: dict[str, Any]
     adam: dict[str, float]
     """Megatron's flags for the optimizer's settings (``adam_beta1``, ``adam_beta2``,
     ``adam_eps``, ``weight_decay``): in the files' ``args``, where an import finds them (the
     elastic form keeps no param groups)."""
     zero_stage: int
     data_parallel: int
+    bf16: bool
+    """Whether the weights are bf16: the loading run then has ``--bf16``, and DeepSpeed looks
+    for its optimizer files under ``bf16_zero_pp_rank_*``."""
 
 
 def pipe_parameters(
@@ -271,14 +275,19 @@ def zero_files(
         kind: [torch.cat([state[key].reshape(-1).float() for _, key in g]) for g in groups]
         for kind, state in kinds.items()
     }
-    sizes = [flat.numel() for flat in flats["master"]]
-    padded = [-(-n // (2 * dp)) * 2 * dp for n in sizes]  # DeepSpeed's alignment: 2 x dp
+    # DeepSpeed pads each group to a multiple of 2 x dp and saves the slices without the
+    # padding, recording it in group_paddings; its loader pads every state tensor of the
+    # (still empty) optimizer by that much again, Adam's 0-d step included, which torch's Adam
+    # cannot step with. So the padding is written here as zeros inside the last slice, with
+    # group_paddings 0: the same tensors once loaded.
+    for kind, flat in flats.items():
+        flats[kind] = [torch.nn.functional.pad(f, (0, -f.numel() % (2 * dp))) for f in flat]
     step = torch.tensor(float(train.step))
+    prefix = "bf16_" if train.bf16 else ""  # as DeepSpeed names them in a bf16 run
     for d in range(dp):
-        cut = [(d * m // dp, min(n, (d + 1) * m // dp)) for n, m in zip(sizes, padded)]
 
-        def part(kind: str, cut: list[tuple[int, int]] = cut) -> list[torch.Tensor]:
-            return [flat[a:b].clone() for flat, (a, b) in zip(flats[kind], cut)]
+        def part(kind: str, d: int = d) -> list[torch.Tensor]:
+            return [f.chunk(dp)[d].clone() for f in flats[kind]]
 
         moments = dict(exp_avg=part("exp_avg"), exp_avg_sq=part("exp_avg_sq"))
         osd = {  # no clip_grad, loss scaler or overflow flag: the loading run keeps its own
@@ -289,11 +298,11 @@ def zero_files(
             "base_optimizer_state_step": train.step,
             "single_partition_of_fp32_groups": part("master"),
             "zero_stage": train.zero_stage,
-            "group_paddings": [m - n if d == dp - 1 else 0 for n, m in zip(sizes, padded)],
+            "group_paddings": [0] * len(groups),
             "partition_count": [dp] * len(groups),
             "ds_version": DS_FORMAT_VERSION,
         }
-        name = f"zero_pp_rank_{d}_mp_rank_{mp_rank:02d}_optim_states.pt"
+        name = f"{prefix}zero_pp_rank_{d}_mp_rank_{mp_rank:02d}_optim_states.pt"
         yield name, {"optimizer_state_dict": osd, "ds_version": DS_FORMAT_VERSION}
 
 

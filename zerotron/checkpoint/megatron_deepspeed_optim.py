@@ -147,7 +147,7 @@ def _step(part: DeepSpeedCheckpoint, where: str) -> Any:
     ``FusedAdam``, Megatron-DeepSpeed's optimizer on GPUs), or DeepSpeed's own copy of it."""
     step = part.scalars.get("step")
     if step is None:
-        steps = {g["step"] for g in part.param_groups if g.get("step") is not None}
+        steps = {float(g["step"]) for g in part.param_groups if g.get("step") is not None}
         if len(steps) > 1:
             raise CheckpointError(
                 f"the param groups hold different steps {sorted(steps)}", where=where

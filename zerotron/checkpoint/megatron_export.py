@@ -159,6 +159,13 @@ def export_megatron(
         )
     if fmt == mds.FORMAT:
         qkv_order = mds.check_qkv_order(qkv_order)
+    if zero_stage == 2 and pp > 1:
+        raise ConfigError(
+            "--target-zero-stage 2 with --target-pipeline-parallel-size > 1: DeepSpeed's "
+            "pipeline engine runs ZeRO stage 0 or 1",
+            where="--target-zero-stage",
+            fix="export --target-zero-stage 1 for a pipeline-parallel run",
+        )
     if zero_stage is not None and (fmt != mds.FORMAT or zero_stage not in (1, 2)):
         raise ConfigError(
             f"--target-zero-stage {zero_stage} with --megatron-format {fmt}: the training state "
@@ -276,10 +283,9 @@ def _write_deepspeed(
                         dp_world_size=train.data_parallel,
                         ds_config={"zero_optimization": {"stage": train.zero_stage}},
                     )
-                    if train.scheduler is not None:
-                        entries["lr_scheduler"] = mds.scheduler_state(
-                            train.scheduler, consumed, config.seq_length
-                        )
+                    entries["lr_scheduler"] = mds.scheduler_state(
+                        train.scheduler, consumed, config.seq_length
+                    )
                 torch.save(entries, Path(tmp) / f"mp_rank_{p * tp + t:02d}_model_states.pt")
         commit_dir(tmp, target)
     atomic_write_text(Path(out_dir) / mds.TRACKER, target.name)
@@ -305,13 +311,22 @@ def _training_state(
             kind: {name: ckpt.tensor(name, kind) for name in ckpt.names}
             for kind in ("master", "exp_avg", "exp_avg_sq")
         }
+        scheduler = ckpt.engine_entry("opt_param_scheduler")
+        if scheduler is None:
+            raise CheckpointError(
+                "the checkpoint holds no learning-rate schedule, which Megatron-DeepSpeed loads "
+                "with the optimizer state",
+                where=ckpt.where,
+                fix="resume it in zerotron and save again (its schedule comes along), or drop "
+                "--target-zero-stage and load the weights with --finetune",
+            )
         step = ckpt.step(ckpt.names[0])
         group = ckpt.group_settings(False)
         betas = group.get("betas", (0.9, 0.999))
         return mds.TrainingState(
             kinds=kinds,
             step=int(step.item() if isinstance(step, torch.Tensor) else step or 0),
-            scheduler=ckpt.engine_entry("opt_param_scheduler"),
+            scheduler=scheduler,
             adam={
                 "adam_beta1": float(betas[0]),
                 "adam_beta2": float(betas[1]),
@@ -320,6 +335,7 @@ def _training_state(
             },
             zero_stage=zero_stage,
             data_parallel=data_parallel,
+            bf16=ckpt.dtypes[ckpt.names[0]] == torch.bfloat16,
         )
 
 
