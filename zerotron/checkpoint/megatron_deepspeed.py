@@ -106,6 +106,16 @@ def layer_roles(indices: Collection[int]) -> dict[int, str]:
     return roles
 
 
+def legacy_prefix(role: str) -> str:
+    """The legacy GPTModel's name prefix of a GPTModelPipe layer of ``role``
+    (:func:`layer_roles`)."""
+    if role == "embedding":
+        return "language_model.embedding."
+    if role == "final":
+        return "language_model.encoder.final_layernorm."
+    return f"language_model.encoder.layers.{role.removeprefix('layer ')}."
+
+
 def _pipeline_model(files: dict[int, Path], layers: Collection[int] | None) -> dict[str, Any]:
     """One tensor rank's GPTModelPipe layer files as a legacy GPTModel state dict: the first
     file is the embedding, the last the final LayerNorm, those between the transformer layers in
@@ -121,12 +131,12 @@ def _pipeline_model(files: dict[int, Path], layers: Collection[int] | None) -> d
             raise CheckpointError(
                 f"holds a {type(state).__name__}, not a state dict", where=str(files[index])
             )
-        if role == "embedding" and "word_embeddings.weight" in state:
-            prefix = "language_model.embedding."
-        elif role.startswith("layer ") and any(k.startswith("self_attention.") for k in state):
-            prefix = f"language_model.encoder.layers.{role[6:]}."
-        elif role == "final" and set(state) <= {"weight", "bias"}:
-            prefix = "language_model.encoder.final_layernorm."
+        if (
+            (role == "embedding" and "word_embeddings.weight" in state)
+            or (role.startswith("layer ") and any(k.startswith("self_attention.") for k in state))
+            or (role == "final" and set(state) <= {"weight", "bias"})
+        ):
+            prefix = legacy_prefix(role)
         else:
             raise UnsupportedError(
                 f"pipeline layer {index} holds {sorted(state)[:4]}, which is not the {role} of "

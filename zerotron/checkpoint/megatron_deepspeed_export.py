@@ -52,6 +52,7 @@ import torch
 from zerotron.checkpoint.megatron_deepspeed import FPDT_ARG, qkv_heads_to_blocks
 from zerotron.checkpoint.reshard import WORD_EMBEDDING
 from zerotron.errors import ConfigError
+from zerotron.optim import is_no_decay
 
 State = dict[str, torch.Tensor]
 FORMAT = "megatron-deepspeed"
@@ -252,15 +253,11 @@ def pipe_parameters(
     return out
 
 
-def _decayed(name: str, shape: torch.Size) -> bool:
-    """Megatron-DeepSpeed's weight-decay rule: no decay for biases and 1-D parameters."""
-    return not (name.endswith(".bias") or len(shape) == 1)
-
-
 def param_groups(params: list[tuple[str, str]], rank: State) -> list[list[tuple[str, str]]]:
     """``params`` as Megatron-DeepSpeed's optimizer groups them: decayed, then not decayed."""
-    decayed = [p for p in params if _decayed(p[0], rank[p[1]].shape)]
-    other = [p for p in params if not _decayed(p[0], rank[p[1]].shape)]
+    # Megatron-DeepSpeed's rule is zerotron's: no decay for biases and 1-D parameters
+    decayed = [p for p in params if not is_no_decay(p[0], rank[p[1]])]
+    other = [p for p in params if is_no_decay(p[0], rank[p[1]])]
     return [g for g in (decayed, other) if g]
 
 

@@ -48,6 +48,7 @@ from zerotron.checkpoint.megatron_deepspeed import (
     ZERO3_REFUSAL,
     layer_files,
     layer_roles,
+    legacy_prefix,
 )
 from zerotron.errors import CheckpointError, UnsupportedError
 
@@ -89,15 +90,11 @@ def _legacy_name(name: str, roles: dict[int, str] | None, stage: int, where: str
     if roles is None:  # --no-pipeline-parallel: the GPTModel's own names
         return name
     if name.startswith(_EMBEDDING):
-        return None if stage else "language_model.embedding." + name.removeprefix(_EMBEDDING)
+        return None if stage else legacy_prefix("embedding") + name.removeprefix(_EMBEDDING)
     index, _, rest = name.partition(".")
     role = roles.get(int(index)) if index.isdigit() else None
-    if role == "final":
-        return "language_model.encoder.final_layernorm." + rest
-    if role is not None and role.startswith("layer "):
-        return f"language_model.encoder.layers.{role[6:]}.{rest}"
-    if role == "embedding":
-        return "language_model.embedding." + rest
+    if role is not None:
+        return legacy_prefix(role) + rest
     raise UnsupportedError(
         f"optimizer state of {name!r}, which is not a parameter of a GPT-2 GPTModelPipe "
         "(embedding, transformer layers, final LayerNorm)",
