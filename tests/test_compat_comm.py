@@ -20,7 +20,7 @@ from zerotron import comm as ds
 from zerotron.distributed import comm, init
 from zerotron.distributed.comm import ledger
 from zerotron.distributed.state import initialize_model_parallel, state
-from zerotron.errors import DistributedError
+from zerotron.errors import DistributedError, UnsupportedError
 
 LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -202,9 +202,31 @@ def test_without_a_group_the_error_says_what_to_do(plain, call, message):
         (lambda: ds.send(torch.ones(1), 0), "not another rank"),
         (lambda: ds.all_gather([torch.ones(1)] * 2, torch.ones(1)), "list of 2 tensors"),
         (lambda: ds.broadcast(torch.ones(1), 1), "rank 1, which is not in the group"),
+        (lambda: ds.reduce(torch.ones(1), 1), "reduce rooted at rank 1"),
+        (lambda: ds.gather(torch.ones(1), None, dst=0), "gather on rank 0 into no list"),
+        (lambda: ds.scatter(torch.ones(1), None, src=0), "without one part per member"),
+        (lambda: ds.reduce_scatter(torch.ones(1), [torch.ones(2)]), "sizes \\[2\\] into 1"),
+        (lambda: ds.all_to_all([torch.ones(1)] * 2, [torch.ones(1)]), "2 output tensors"),
+        (
+            lambda: ds.all_reduce_coalesced([torch.ones(1), torch.ones(1, dtype=torch.int64)]),
+            "several dtypes",
+        ),
+        (lambda: ds.P2POp(ds.all_reduce, torch.ones(1), 0), "P2POp with op"),
+        (lambda: ds.P2POp(ds.isend, torch.ones(1), 0, tag=2), "P2POp with tag 2"),
     ],
 )
 def test_wrong_arguments_are_named(plain, call, message):
     ds.init_distributed()
     with pytest.raises(DistributedError, match=message):
         call()
+
+
+def test_torch_backend_gives_deepspeed_comms_functions_and_is_not_built():
+    assert ds.TorchBackend.get_all_gather_function() is ds.all_gather_into_tensor
+    assert ds.TorchBackend.get_reduce_scatter_function() is ds.reduce_scatter_tensor
+    assert ds.TorchBackend.has_all_gather_into_tensor()
+    import zerotron.comm.torch
+
+    assert zerotron.comm.torch.TorchBackend is ds.TorchBackend
+    with pytest.raises(UnsupportedError, match="zerotron's comm layer takes their place"):
+        ds.TorchBackend("gloo", timedelta(minutes=1), "env://")

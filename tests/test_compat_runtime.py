@@ -157,3 +157,25 @@ def test_repeating_loader_restarts_its_loader():
 
     loader = RepeatingLoader([1, 2, 3])
     assert [next(loader) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+
+
+def test_see_memory_usage_prints_only_when_forced(capsys):
+    from zerotron.runtime.utils import see_memory_usage
+
+    see_memory_usage("before the step")
+    assert capsys.readouterr().out == ""
+    see_memory_usage("after the step", force=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "after the step"
+    assert lines[1].startswith("MA ") and " Max_MA " in lines[1] and lines[1].endswith(" GB")
+    assert lines[2].startswith("CPU Virtual Memory:  used = ") and len(lines) == 3
+
+
+def test_runtime_zero_names_are_deepspeed_zeros():
+    import zerotron.runtime.zero
+    import zerotron.zero
+
+    for name in ("Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter"):
+        assert getattr(zerotron.runtime.zero, name) is getattr(zerotron.zero, name), name
+    with pytest.raises(AttributeError, match="no attribute 'MiCS_Init'"):
+        zerotron.runtime.zero.MiCS_Init  # noqa: B018

@@ -5,7 +5,9 @@ Each rank makes every call twice with the same inputs: through ``zerotron.comm``
 ledger capture) and through ``torch.distributed`` directly (the reference). Inputs are
 integer-valued, so every reduction is exact and results compare with ``torch.equal``. The calls
 run on the world (``group=None``), on a ``new_group`` of both ranks, on zerotron's own ``dp``
-group (the ledger names it) and on one-rank groups (no-ops: nothing recorded).
+group (the ledger names it) and on one-rank groups (no-ops: nothing recorded). Where gloo lacks
+a function (list reduce-scatter and all-to-all, AVG in reduce), the reference is the same
+arithmetic through the forms gloo has.
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ def _cases(ds, group, rank: int) -> dict:
         lambda: ds.barrier(group=group, async_op=True).wait(),
         lambda: dist.barrier(group=group, async_op=True).wait(),
     )
+    _rooted_cases(ds, group, rank, x, big, case)
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     case(
         "queries",
@@ -201,6 +204,145 @@ def _cases(ds, group, rank: int) -> dict:
         lambda: (dist.get_rank(group), dist.get_world_size(group), ranks[n - 1], ranks),
     )
     return out
+
+
+def _rooted_cases(ds, group, rank: int, x, big, case) -> None:
+    """reduce, gather, scatter (rooted at the group's last member), the list and coalesced
+    forms, monitored_barrier, inference_all_reduce and TorchBackend's all-gather."""
+    n = dist.get_world_size(group)
+    last = dist.get_global_rank(group or dist.group.WORLD, n - 1)
+    root = dist.get_rank() == last
+
+    def reduce(fn, op, async_op=False):
+        t = x.clone()
+        work = fn(t, last, op, group=group, async_op=async_op)
+        if async_op:
+            work.wait()
+        return t if root else None  # elsewhere the contents are unspecified
+
+    def torch_reduce(name):
+        t = x.clone()  # torch's gloo has no AVG for reduce: a sum, divided on the root
+        op = dist.ReduceOp.SUM if name == "AVG" else getattr(dist.ReduceOp, name)
+        dist.reduce(t, last, op, group=group)
+        return (t / n if name == "AVG" else t) if root else None
+
+    for name in ("SUM", "AVG", "MAX"):
+        case(
+            f"rooted_reduce_{name}",
+            lambda name=name: reduce(ds.reduce, getattr(ds.ReduceOp, name)),
+            lambda name=name: torch_reduce(name),
+        )
+    case(
+        "rooted_reduce_async",
+        lambda: reduce(ds.reduce, ds.ReduceOp.SUM, True),
+        lambda: torch_reduce("SUM"),
+    )
+
+    def gather(fn, async_op=False):
+        parts = [torch.zeros_like(x) for _ in range(n)] if root else None
+        work = fn(x, parts, dst=last, group=group, async_op=async_op)
+        if async_op:
+            work.wait()
+        return parts
+
+    case("rooted_gather", lambda: gather(ds.gather), lambda: gather(dist.gather))
+    case("rooted_gather_async", lambda: gather(ds.gather, True), lambda: gather(dist.gather))
+
+    def scatter(fn, async_op=False):
+        t = torch.zeros_like(x)
+        parts = [x * (j + 1) for j in range(n)] if root else None
+        work = fn(t, parts, src=last, group=group, async_op=async_op)
+        if async_op:
+            work.wait()
+        return t
+
+    case("rooted_scatter", lambda: scatter(ds.scatter), lambda: scatter(dist.scatter))
+    case("rooted_scatter_async", lambda: scatter(ds.scatter, True), lambda: scatter(dist.scatter))
+
+    def reduce_scatter_list():
+        o = torch.zeros(8 // n, 6)
+        ds.reduce_scatter(o, list(big.chunk(n)), ds.ReduceOp.SUM, group=group)
+        return o
+
+    def torch_reduce_scatter():  # gloo has no list form: the tensor form of the same rows
+        o = torch.zeros(8 // n, 6)
+        _SCATTER(o, big, dist.ReduceOp.SUM, group=group)
+        return o
+
+    case("reduce_scatter_list", reduce_scatter_list, torch_reduce_scatter)
+
+    def a2a_list():
+        outs = [torch.zeros(8 // n, 6) for _ in range(n)]
+        ds.all_to_all(outs, list(big.chunk(n)), group=group)
+        return outs
+
+    def torch_a2a():  # gloo has no list form: the single-tensor form of the same rows
+        o = torch.zeros_like(big)
+        dist.all_to_all_single(o, big, group=group)
+        return list(o.chunk(n))
+
+    case("all_to_all_list", a2a_list, torch_a2a)
+
+    def coalesced_reduce(async_op=False):
+        ts = [x.clone(), big.clone()]
+        work = ds.all_reduce_coalesced(ts, ds.ReduceOp.SUM, group=group, async_op=async_op)
+        if async_op:
+            work.wait()
+        return ts
+
+    def torch_each_reduced():
+        ts = [x.clone(), big.clone()]
+        for t in ts:
+            dist.all_reduce(t, group=group)
+        return ts
+
+    case("coalesced_all_reduce", coalesced_reduce, torch_each_reduced)
+    case("coalesced_all_reduce_async", lambda: coalesced_reduce(True), torch_each_reduced)
+
+    def coalesced_gather(fn):
+        outs = [torch.zeros(n * 4, 6), torch.zeros(n * 8, 6)]
+        work = fn(outs, [x, big], group=group, async_op=True)
+        if work is not None:
+            work.wait()
+        return outs
+
+    def torch_each_gathered(outs, inputs, group=None, async_op=False):
+        for o, t in zip(outs, inputs, strict=True):
+            _GATHER(o, t, group=group)
+
+    case(
+        "coalesced_all_gather",
+        lambda: coalesced_gather(ds.all_gather_coalesced),
+        lambda: coalesced_gather(torch_each_gathered),
+    )
+    case(
+        "barrier_monitored",
+        lambda: ds.monitored_barrier(group=group),
+        lambda: dist.barrier(group=group),
+    )
+
+    def inference():
+        t = x.clone()
+        ds.inference_all_reduce(t, group=group)
+        return t
+
+    def torch_summed():
+        t = x.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    case("all_reduce_inference", inference, torch_summed)
+
+    def torch_backend_gather(fn):
+        o = torch.zeros(n * 4, 6)
+        fn(o, x, group=group)
+        return o
+
+    case(
+        "allgather_torch_backend",
+        lambda: torch_backend_gather(ds.TorchBackend.get_all_gather_function()),
+        lambda: torch_backend_gather(_GATHER),
+    )
 
 
 def _p2p(ds, rank: int) -> dict:
@@ -225,6 +367,18 @@ def _p2p(ds, rank: int) -> dict:
         works = [ds.irecv(got, peer, group=pair), ds.isend(2 * x, peer, group=pair)]
         done = [w.wait() for w in works]
     out["async"] = (got, done, cap.entries)
+    with ledger.capture() as cap:
+        got, got_torch_op = torch.zeros(3, 5), torch.zeros(3, 5)
+        works = ds.batch_isend_irecv(
+            [
+                ds.P2POp(ds.isend, 3 * x, peer),
+                ds.P2POp(ds.irecv, got, peer),
+                ds.P2POp(dist.isend, 4 * x, peer),  # torch's functions are accepted too
+                ds.P2POp(dist.irecv, got_torch_op, peer),
+            ]
+        )
+        done = [w.wait() for w in works]
+    out["batch"] = (got, got_torch_op, done, cap.entries)
     return out
 
 
@@ -252,6 +406,12 @@ def expected_entries(group: str, case: str) -> list[tuple[str, str, int]]:
         return []
     if case.startswith("barrier"):
         return [(group, "barrier", 0)]
+    if case.startswith("rooted_"):  # rooted_reduce_SUM -> reduce; x's bytes on every rank
+        return [(group, case.split("_")[1], X_BYTES)]
+    if case.startswith("coalesced_all_reduce"):  # x and big in one all-reduce
+        return [(group, "all_reduce", X_BYTES + BIG_BYTES)]
+    if case == "coalesced_all_gather":  # one all-gather per pair
+        return [(group, "all_gather", X_BYTES), (group, "all_gather", BIG_BYTES)]
     if case.startswith("all_reduce"):
         return [
             (group, "all_reduce", X_BYTES * (2 if case.endswith(("BAND", "BOR", "BXOR")) else 1))
@@ -290,7 +450,7 @@ def _equal(a, b) -> bool:
 def test_every_function_gives_torch_result_and_is_ledgered(results, where, name):
     for rank in range(WORLD):
         cases = results[rank][where]
-        assert len(cases) == 29
+        assert len(cases) == 45
         for case, (got, want, entries) in cases.items():
             assert _equal(got, want), (rank, case, got, want)
             expected = expected_entries(name, case)
@@ -319,6 +479,18 @@ def test_point_to_point_blocking_and_async(results):
         got, done, entries = results[rank]["p2p"]["async"]
         assert torch.equal(got, 2 * data(peer, (3, 5))) and done == [True, True]
         assert entries == [("group[0,1]", "recv", sent), ("group[0,1]", "send", sent)]
+
+
+@COMPAT
+def test_batch_isend_irecv_with_p2p_ops(results):
+    for rank in range(WORLD):
+        peer = 1 - rank
+        got, got_torch_op, done, entries = results[rank]["p2p"]["batch"]
+        assert torch.equal(got, 3 * data(peer, (3, 5)))
+        assert torch.equal(got_torch_op, 4 * data(peer, (3, 5)))
+        assert done == [True] * 4
+        sent = 3 * 5 * 4
+        assert entries == [("world", op, sent) for op in ("send", "recv", "send", "recv")]
 
 
 @COMPAT

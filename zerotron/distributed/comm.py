@@ -16,6 +16,9 @@ op                  group                 bytes recorded (per call, on this rank
 ``reduce_scatter``  the group's name      the full input (output = that / size)
 ``broadcast``       the group's name      the tensor broadcast (same on every rank)
 ``all_to_all``      the group's name      this rank's input (what it scatters)
+``reduce``          the group's name      the tensor reduced (the result lands on one rank)
+``gather``          the group's name      this rank's input (the root receives size × that)
+``scatter``         the group's name      this rank's output (the root sends size × that)
 ``barrier``         the group's name      0
 ``send``/``recv``   ``group_name`` arg    the tensor sent / received; default ``"pp"``
                     (or ``group``'s)      (``isend``/``irecv`` too)
@@ -556,6 +559,100 @@ def all_to_all(
 ) -> torch.Tensor:
     """The all-to-all of :func:`all_to_all_async`, waited for."""
     return all_to_all_async(t, group, out, in_splits, out_splits).wait()
+
+
+def _check_root(group: Group, root: int, op: str) -> None:
+    if not 0 <= root < group.size:
+        raise DistributedError(
+            f"{op} root {root} is outside the {group.name} group of size {group.size}",
+            where=f"comm.{op}",
+            fix="the root is a member's index in the group (0..size-1)",
+        )
+
+
+def reduce_async(
+    t: torch.Tensor, group: Group, dst_rank_in_group: int = 0, op: str = "sum"
+) -> Pending:
+    """Start reducing ``t`` over ``group`` into member ``dst_rank_in_group``'s ``t``; ``wait()``
+    returns ``t`` (on the other members its contents are unspecified, as torch's)."""
+    torch_op = _torch_op(op)
+    if not _active(group, "reduce"):
+        return Pending.done(t)
+    _check_root(group, dst_rank_in_group, "reduce")
+    call = _record(group, "reduce", _nbytes(t))
+    buf = t if t.is_contiguous() else t.contiguous()
+    dst = group.ranks[dst_rank_in_group]
+    with call.guard():
+        work = dist.reduce(buf, dst=dst, op=torch_op, group=group.pg, async_op=True)
+
+    def finish() -> torch.Tensor:
+        if op == "avg" and group.rank == dst_rank_in_group:
+            buf.div_(group.size)
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    return Pending(work, finish, call)
+
+
+def gather_async(t: torch.Tensor, group: Group, dst_rank_in_group: int = 0) -> Pending:
+    """Start gathering every member's ``t`` on member ``dst_rank_in_group``; ``wait()`` returns
+    them stacked along a new dim 0 there (group order) and ``t`` on the other members."""
+    if not _active(group, "gather"):
+        return Pending.done(t.unsqueeze(0))
+    _check_root(group, dst_rank_in_group, "gather")
+    call = _record(group, "gather", _nbytes(t))
+    src = t.contiguous()
+    root = group.rank == dst_rank_in_group
+    out = None
+    if root:
+        out = torch.empty((group.size, *src.shape), dtype=src.dtype, device=src.device)
+    with call.guard():
+        work = dist.gather(
+            src,
+            list(out.unbind(0)) if out is not None else None,
+            dst=group.ranks[dst_rank_in_group],
+            group=group.pg,
+            async_op=True,
+        )
+    return Pending(work, lambda: out if out is not None else t, call)
+
+
+def scatter_async(
+    t: torch.Tensor,
+    group: Group,
+    parts: Sequence[torch.Tensor] | None = None,
+    src_rank_in_group: int = 0,
+) -> Pending:
+    """Start scattering ``parts`` (on member ``src_rank_in_group``: one tensor per member, in
+    group order, each with ``t``'s elements) into every member's ``t``; ``wait()`` returns
+    ``t``. Other members' ``parts`` are ignored."""
+    _check_root(group, src_rank_in_group, "scatter")
+    root = group.rank == src_rank_in_group
+    if root and (parts is None or len(parts) != group.size):
+        raise DistributedError(
+            f"scatter from a root without one part per member of the {group.name} group "
+            f"({group.size})",
+            where="comm.scatter",
+            fix="pass a list of group-size tensors on the root",
+        )
+    if not _active(group, "scatter"):
+        t.copy_(parts[0].reshape(t.shape))  # type: ignore[index]  # the root: checked above
+        return Pending.done(t)
+    call = _record(group, "scatter", _nbytes(t))
+    buf = t if t.is_contiguous() else t.contiguous()
+    chunks = [c.reshape(t.shape).contiguous() for c in parts] if root and parts else None
+    with call.guard():
+        work = dist.scatter(
+            buf, chunks, src=group.ranks[src_rank_in_group], group=group.pg, async_op=True
+        )
+
+    def finish() -> torch.Tensor:
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    return Pending(work, finish, call)
 
 
 def barrier(group: Group | None = None) -> None:

@@ -206,6 +206,17 @@ def _group(group: Any) -> Group | None:
     return g if g.is_member else None
 
 
+def member_index(g: Group, rank: int, op: str) -> int:
+    """The index in ``g`` of the global ``rank`` a rooted collective names (``src``/``dst``)."""
+    if rank not in g.ranks:
+        raise DistributedError(
+            f"{op} rooted at rank {rank}, which is not in the group {list(g.ranks)}",
+            where=f"deepspeed.comm.{op}",
+            fix="src and dst are global ranks of members of the group",
+        )
+    return g.ranks.index(rank)
+
+
 _OPS = {op.name: op.name.lower() for op in ReduceOp if op is not ReduceOp.UNUSED}
 
 
@@ -349,13 +360,7 @@ def broadcast(
     g = _group(group)
     if g is None:
         return None
-    if src not in g.ranks:
-        raise DistributedError(
-            f"broadcast from rank {src}, which is not in the group {list(g.ranks)}",
-            where="deepspeed.comm.broadcast",
-            fix="src is a global rank of a member of the group",
-        )
-    return _finish(comm.broadcast_async(tensor, g, g.ranks.index(src)), async_op)
+    return _finish(comm.broadcast_async(tensor, g, member_index(g, src, "broadcast")), async_op)
 
 
 def all_to_all_single(
