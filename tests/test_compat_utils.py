@@ -330,7 +330,10 @@ class Experts(nn.Module):
         self.seen: list = []
 
     def forward(self, x):
-        self.seen.append((self.a.weight.ds_status, self.b.weight.ds_status))
+        # named_parameters() looks without gathering: reading `self.b.weight` in a forward
+        # would gather it (stage 3 registers a parameter read outside its module on first use)
+        status = {n: p.ds_status for n, p in self.named_parameters()}
+        self.seen.append((status["a.weight"], status["b.weight"]))
         return self.a(x)
 
 

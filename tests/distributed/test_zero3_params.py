@@ -7,7 +7,8 @@ Each rank feeds its own batch to a partitioned copy of a reference model and com
 reference in the same process (bitwise: the gathered weights are the reference's values). Models:
 zerotron's 2-layer, 64-wide GPT (vocab 101, seq 16, dropout on; with and without full
 recompute), an ``nn.Sequential`` MLP, and a module whose forward takes one of two branches (the
-recorded fetch order goes stale). Persistence threshold 100: LayerNorm parameters (64
+recorded fetch order goes stale), and one with ``nn.MultiheadAttention`` (which reads a child's
+weight directly). Persistence threshold 100: LayerNorm parameters (64
 elements) stay whole, everything else is partitioned (with padding: 100 * 64 rows, odd sizes).
 """
 
@@ -96,10 +97,24 @@ class UsesOther(nn.Module):
         return self.out(torch.tanh(self.own(torch.tanh(h))))
 
 
+class WithMHA(nn.Module):
+    """``nn.MultiheadAttention``, whose forward reads ``self.out_proj.weight`` without calling
+    ``out_proj``: stage 3 gathers it on that first read and registers it with the attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(self.attn(h, h, h, need_weights=False)[0])
+
+
 def loss_of(model: nn.Module, kind: str, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     torch.manual_seed(7)  # dropout masks: the same draw for the reference and the copy
-    if kind in ("mlp", "branchy", "uses_other"):
+    if kind in ("mlp", "branchy", "uses_other", "mha"):
         return nn.functional.mse_loss(model(x), y)
     return model(x, labels=y).float().mean()
 
@@ -110,6 +125,8 @@ def batch_for(kind: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tens
         return torch.randn(6, 24, generator=g), torch.randn(6, 5, generator=g)
     if kind == "branchy":
         return torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
+    if kind == "mha":
+        return torch.randn(6, 5, 16, generator=g), torch.randn(6, 5, 4, generator=g)
     ids = torch.randint(0, 101, (2, 17), generator=g)
     return ids[:, :-1], ids[:, 1:]
 
@@ -120,6 +137,8 @@ def build(kind: str, dtype: torch.dtype) -> nn.Module:
         return mlp().to(dtype)
     if kind == "branchy":
         return Branchy().to(dtype)
+    if kind == "mha":
+        return WithMHA().to(dtype)
     return gpt("full" if kind == "gpt-recompute" else None, dtype)
 
 
@@ -137,6 +156,7 @@ CONFIGS = [
     ("mlp", torch.float32, 4000, int(1e9), 0),
     ("gpt", torch.bfloat16, int(5e7), int(1e9), 0),
     ("branchy", torch.float32, int(5e7), int(1e9), 0),
+    ("mha", torch.float32, int(5e7), int(1e9), 0),
     # DeepSpeed's default reuse distance: kept from the forward to the backward
     ("gpt", torch.float32, None, int(1e9), int(1e9)),
     ("gpt-recompute", torch.float32, 3000, int(1e9), int(1e9)),
@@ -259,6 +279,11 @@ def _lifecycle(rank: int) -> list[dict]:
                 "word_chunk": chunk_size(model.embedding.word_embeddings.weight.ds_numel, DP)
                 if kind.startswith("gpt")
                 else None,
+                "externals": sorted(
+                    (m_name, names[pid])
+                    for m_name, m in model.named_modules()
+                    for pid in m.__dict__.get("_zero_external_params", {})
+                ),
             }
         )
     return out
@@ -310,6 +335,16 @@ def test_forward_and_grads_equal_whole_model(lifecycle):
                 assert step["bad_grads"] == [], (res["config"], step["bad_grads"])
     # The ranks fed different batches: their losses differ (each gathered the same weights).
     assert lifecycle[0][0]["steps"][0]["loss"] != lifecycle[1][0]["steps"][0]["loss"]
+
+
+@LIFECYCLE
+def test_parameter_read_outside_its_module_is_registered_on_first_use(lifecycle):
+    for rank_results in lifecycle:
+        (res,) = [r for r in rank_results if r["config"][0] == "mha"]
+        # nn.MultiheadAttention reads out_proj.weight itself: registered with it in the first
+        # forward (the equality and gather counts are checked with every config above/below).
+        assert res["externals"] == [("attn", "attn.out_proj.weight")]
+        assert all(s["loss_equal"] and s["bad_grads"] == [] for s in res["steps"])
 
 
 @LIFECYCLE

@@ -22,7 +22,12 @@ from torch import Tensor, nn
 from zerotron.distributed.comm import Group
 from zerotron.errors import ConfigError, DistributedError
 from zerotron.precision.grads import weak_hook
-from zerotron.zero.stage3.externals import register_declared_externals
+from zerotron.zero.stage3.externals import (
+    register_declared_externals,
+    register_external_parameter,
+    unwatch_parameters,
+    watch_parameters,
+)
 from zerotron.zero.stage3.gather import (
     drop_ref,
     free,
@@ -231,6 +236,7 @@ class ParamCoordinator:
         self._prefetched_numel = 0  # prefetched, not yet claimed by their module
         self._storage_owner: dict[int, Tensor] = {}  # gathered storage -> its parameter
         self._fwd_depth = 0
+        self._fwd_modules: list[nn.Module] = []  # the forwards running now, innermost last
         self._saved_hooks: Any = None
         # Training forwards, no-grad forwards (evaluation, generation: a model may take other
         # paths there) and backwards each have their own order.
@@ -299,6 +305,7 @@ class ParamCoordinator:
         for m in self.module.modules():
             self._handles.append(m.register_forward_pre_hook(pre, prepend=True))
             self._handles.append(m.register_forward_hook(post, always_call=True))
+        watch_parameters(self.module, lambda m: any(map(is_partitioned, m._parameters.values())))
         self.module.__dict__["_zero3_coordinator"] = self
 
     def remove_hooks(self) -> None:
@@ -306,6 +313,7 @@ class ParamCoordinator:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        unwatch_parameters(self.module)
         self.module.__dict__.pop("_zero3_coordinator", None)
         for p in self.params:
             state_of(p).coordinator = None
@@ -357,6 +365,7 @@ class ParamCoordinator:
         params = self._fetch_list(module)
         # What this call holds, released as is after it (registrations may change meanwhile).
         module.__dict__.setdefault("_zero_fwd_held", []).append(params)
+        self._fwd_modules.append(module)
         if params:
             upcoming = self._fwd_trace.step(module)
             for p in params:
@@ -371,6 +380,7 @@ class ParamCoordinator:
         if not held:  # the pre-hook failed before taking anything (the error propagates)
             return output
         params = held.pop()
+        self._fwd_modules.pop()
         keep = self._kept_after(params) if torch.is_grad_enabled() else set()
         for p in params:
             st = state_of(p)
@@ -388,6 +398,19 @@ class ParamCoordinator:
             self._fwd_trace.end()
             self._release_unclaimed()
         return output
+
+    @torch.compiler.disable  # bookkeeping and a collective, as the hooks (run eagerly)
+    def external_use(self, p: Tensor) -> None:
+        """``p`` is read while not gathered (:class:`~zerotron.zero.stage3.externals.
+        WatchedParameters`): inside a forward, gather it for the module running and register it
+        with that module, so its later forwards and its backward gather it too."""
+        if not self._fwd_modules or torch._C._current_graph_task_id() != -1:
+            return  # outside a forward (or in a recompute, whose forward registered it)
+        module = self._fwd_modules[-1]
+        register_external_parameter(module, p)
+        take_ref(p)
+        module.__dict__["_zero_fwd_held"][-1].append(p)  # released after this forward
+        make_available([p])
 
     def _pre_backward(self, module: nn.Module) -> None:
         """Before ``module``'s backward (or its recomputed forward): hold its parameters until
