@@ -96,3 +96,55 @@ def test_submodules_are_attributes_after_only_import_zerotron():
         "5 1 zerotron.compat.utils.zero_to_fp32",
         "module 'zerotron.compat.runtime' has no attribute 'no_such_module'",
     ]
+
+
+REFUSED_READS = [
+    ("zerotron", "init_inference", "deepspeed.init_inference", "zerotron generate"),
+    ("zerotron.comm", "log_summary", "deepspeed.comm.log_summary", "ledger"),
+    ("zerotron.zero", "MiCS_Init", "deepspeed.zero.MiCS_Init", "zero.Init"),
+    ("zerotron.runtime.zero", "MiCS_Init", "deepspeed.runtime.zero.MiCS_Init", None),
+    ("zerotron.ops", "sparse_attention", "deepspeed.ops.sparse_attention", "dense attention"),
+]
+
+
+@pytest.mark.parametrize("module,attr,name,hint", REFUSED_READS, ids=[r[2] for r in REFUSED_READS])
+def test_reading_a_refused_name_says_why(module, attr, name, hint):
+    mod = importlib.import_module(module)
+    assert not hasattr(mod, attr) and getattr(mod, attr, "default") == "default"
+    with pytest.raises(AttributeError) as e:
+        getattr(mod, attr)
+    if hint is None:  # not refused (runtime.zero serves no MiCS_Init row): the plain message
+        assert str(e.value) == f"module 'zerotron.compat.runtime.zero' has no attribute '{attr}'"
+    else:
+        assert str(e.value).startswith(f"{name} is not served by zerotron: ")
+        assert hint in str(e.value) and str(e.value).endswith("(docs/deepspeed.md)")
+
+
+def test_importing_a_refused_module_says_why_and_is_still_an_import_error():
+    with pytest.raises(ModuleNotFoundError, match="deepspeed.runtime.data_pipeline is not served"):
+        importlib.import_module("zerotron.runtime.data_pipeline.data_routing.helper")
+    try:  # a script's optional import falls back as before
+        import zerotron.ops.sparse_attention  # noqa: F401
+    except ImportError as e:
+        assert "block-sparse attention" in str(e)
+    else:
+        raise AssertionError("imported a refused module")
+
+
+def test_the_deepspeed_alias_says_why_too():
+    from zerotron.compat.as_deepspeed import ALIAS_PATH
+
+    code = (
+        f"import sys; sys.path.insert(0, {ALIAS_PATH!r})\n"
+        "import deepspeed\n"
+        "for stmt in ('deepspeed.tp_model_init', 'import deepspeed.runtime.domino',\n"
+        "             'deepspeed.no_such_name'):\n"
+        "    try:\n        exec(stmt)\n    except Exception as e:\n"
+        "        print(type(e).__name__, *str(e).split()[:5])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.splitlines() == [
+        "AttributeError deepspeed.tp_model_init is not served by",
+        "ModuleNotFoundError deepspeed.runtime.domino is not served by",
+        "AttributeError module 'deepspeed' (zerotron's DeepSpeed API)",
+    ]

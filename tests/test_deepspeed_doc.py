@@ -64,3 +64,10 @@ def test_a_supported_name_is_importable_from_zerotron(name):
 def test_a_refused_name_says_why(name):
     notes = [note for n, s, note in ROWS if n == name and s == "refused"]
     assert all(len(note) > 20 for note in notes), notes
+
+
+def test_refused_rows_are_the_table_behind_the_errors():
+    from zerotron.config.deepspeed_refused import REFUSED
+
+    rows = {(name, note) for name, status, note in ROWS if status == "refused"}
+    assert rows == set(REFUSED.items())

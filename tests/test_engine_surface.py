@@ -114,6 +114,13 @@ def test_an_attribute_neither_has_raises_attribute_error_naming_the_engine():
         _ = engine.nope
 
 
+def test_a_refused_engine_method_says_why():
+    engine = engine_for(config())
+    assert not hasattr(engine, "offload_states")
+    with pytest.raises(AttributeError, match="DeepSpeedEngine.offload_states is not served"):
+        engine.offload_states()
+
+
 def test_train_and_eval_switch_the_module_and_return_the_engine():
     engine = engine_for(config())
     assert engine.eval() is engine and not engine.module.training and not engine.training

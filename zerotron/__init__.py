@@ -57,7 +57,9 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(_API[name]), name)
     if name in _MODULES:
         return importlib.import_module(f"zerotron.{name}")
-    raise AttributeError(f"module 'zerotron' has no attribute {name!r}")
+    from zerotron.config.deepspeed_refused import missing_attribute
+
+    raise missing_attribute("deepspeed", name, f"module 'zerotron' has no attribute {name!r}")
 
 
 def compat_target(fullname: str) -> str | None:
@@ -97,8 +99,15 @@ class _CompatAliasFinder(importlib.abc.MetaPathFinder):
         self, fullname: str, path: Any = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         real = compat_target(fullname)
-        if real is None or importlib.util.find_spec(real) is None:
-            return None  # not ours, or missing: the usual "No module named ..." follows
+        if real is None:
+            return None  # not ours
+        if importlib.util.find_spec(real) is None:
+            from zerotron.config.deepspeed_refused import deepspeed_name, missing_module
+
+            error = missing_module(deepspeed_name(fullname))
+            if error is not None:  # a DeepSpeed module zerotron refuses: say why
+                raise error
+            return None  # missing: the usual "No module named ..." follows
         return importlib.util.spec_from_loader(fullname, AliasLoader(real))
 
 

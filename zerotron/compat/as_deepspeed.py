@@ -67,6 +67,11 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
         except ModuleNotFoundError:  # a parent is missing: the same answer as for the child
             found = None
         if found is None:
+            from zerotron.config.deepspeed_refused import missing_module
+
+            error = missing_module(fullname)
+            if error is not None:  # a DeepSpeed module zerotron refuses: say why
+                raise error
             return None  # zerotron does not serve it: the usual "No module named ..." follows
         return importlib.util.spec_from_loader(fullname, zerotron.AliasLoader(real))
 
@@ -82,12 +87,16 @@ def install_module_alias(
         sys.meta_path.insert(0, DeepSpeedAliasFinder())
 
     def __getattr__(attr: str) -> Any:
+        from zerotron.config.deepspeed_refused import missing_attribute
+
         try:
             return getattr(zerotron, attr)
         except AttributeError:
-            raise AttributeError(
+            raise missing_attribute(
+                "deepspeed",
+                attr,
                 f"module {name!r} (zerotron's DeepSpeed API) has no attribute {attr!r}; "
-                "docs/deepspeed.md lists what zerotron serves"
+                "docs/deepspeed.md lists what zerotron serves",
             ) from None
 
     def __dir__() -> list[str]:

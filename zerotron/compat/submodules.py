@@ -18,12 +18,15 @@ def submodule_getattr(package: str) -> Callable[[str], ModuleType]:
     """A module ``__getattr__`` for ``package`` that imports ``package.<name>`` on demand."""
 
     def __getattr__(name: str) -> ModuleType:
+        from zerotron.config.deepspeed_refused import deepspeed_name, missing_attribute
+
         if not name.startswith("__"):
             try:
                 return importlib.import_module(f"{package}.{name}")
             except ModuleNotFoundError as e:
                 if e.name != f"{package}.{name}":
                     raise  # the submodule exists and failed to import something itself
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        message = f"module {package!r} has no attribute {name!r}"
+        raise missing_attribute(deepspeed_name(package), name, message)
 
     return __getattr__

@@ -99,7 +99,10 @@ class DeepSpeedSurface:
         try:
             return getattr(module, name)
         except AttributeError as e:
-            raise AttributeError(f"{missing} (nor has its module: {e})") from e
+            from zerotron.config.deepspeed_refused import missing_attribute
+
+            message = f"{missing} (nor has its module: {e})"
+            raise missing_attribute("deepspeed.DeepSpeedEngine", name, message) from e
 
     def train(self, mode: bool = True) -> Any:
         nn.Module.train(self, mode)  # type: ignore[arg-type]

@@ -41,5 +41,8 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'zerotron.zero' has no attribute {name!r}")
+        from zerotron.config.deepspeed_refused import missing_attribute
+
+        message = f"module 'zerotron.zero' has no attribute {name!r}"
+        raise missing_attribute("deepspeed.zero", name, message)
     return getattr(importlib.import_module(module), name)

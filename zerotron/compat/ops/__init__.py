@@ -10,7 +10,9 @@ or foreach kernels, so nothing is built and every one works on every device.
 """
 
 from zerotron.compat.ops import adagrad, adam, lion, op_builder
+from zerotron.compat.submodules import submodule_getattr
 
 __compatible_ops__ = op_builder.compatible_ops()
+__getattr__ = submodule_getattr(__name__)  # a refused op (sparse_attention...) says why
 
 __all__ = ["__compatible_ops__", "adagrad", "adam", "lion", "op_builder"]
