@@ -182,9 +182,18 @@ def test_config_lion_and_adagrad_train_as_the_class_passed(kind, params):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), client.parameters()))
 
 
-def test_no_optimizer_and_conflicting_configs_are_errors():
-    with pytest.raises(ConfigError, match="no optimizer"):
-        zerotron.initialize(model=mlp(), config={"train_batch_size": 2})
+def test_without_an_optimizer_the_engine_runs_forward_passes_only():
+    model, x = mlp(), torch.randn(2, 8)
+    engine, opt, _, sched = zerotron.initialize(model=model, config={"train_batch_size": 2})
+    assert (opt, sched, engine.optimizer) == (None, None, None)
+    with torch.no_grad():
+        assert torch.equal(engine(x), model(x))
+    with pytest.raises(ConfigError, match="this engine has no optimizer") as e:
+        engine.backward(engine(x).sum())
+    assert "pass optimizer=" in e.value.fix
+
+
+def test_conflicting_configs_are_errors():
     with pytest.raises(ConfigError, match="no DeepSpeed config"):
         zerotron.initialize(model=mlp())
     args = argparse.Namespace(deepspeed_config="ds.json")

@@ -13,6 +13,8 @@ and without DeepSpeed (plain torch DDP, same launcher)::
 The model is a GPT-2 built from a config (no download); the data is a synthetic token stream
 from a fixed seed, so two runs see the same batches. ``--losses_file`` writes the logged
 training losses as JSON lines (``{"step": N, "loss": X}``) from rank 0, for comparisons.
+``--do_eval`` evaluates on the same data after training, or instead of it without
+``--do_train`` (under DeepSpeed the Trainer then builds an engine without an optimizer).
 """
 
 from __future__ import annotations
@@ -92,11 +94,22 @@ def main() -> None:
     model = GPT2LMHeadModel(config)
     dataset = SyntheticText(model_args.num_samples, model_args.block_size, model_args.vocab_size)
     callbacks = [LossRecorder(model_args.losses_file)] if model_args.losses_file else []
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
-    checkpoint = training_args.resume_from_checkpoint
-    result = trainer.train(resume_from_checkpoint=checkpoint)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"train_loss {result.training_loss:.6f} steps {result.global_step}", flush=True)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=dataset,
+        eval_dataset=dataset,
+        callbacks=callbacks,
+    )
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if training_args.do_train or not training_args.do_eval:
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        if rank0:
+            print(f"train_loss {result.training_loss:.6f} steps {result.global_step}", flush=True)
+    if training_args.do_eval:
+        metrics = trainer.evaluate()
+        if rank0:
+            print(f"eval_loss {metrics['eval_loss']:.6f}", flush=True)
     # Gloo's worker threads free a finished collective's tensors themselves, which takes the
     # interpreter lock. The Trainer's last all-gather (its flop count) ends moments before this
     # line; unless the lock is let go first, the rank aborts at exit ("terminate called without

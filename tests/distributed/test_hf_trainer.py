@@ -3,7 +3,8 @@ GPT-2 built from a config, synthetic data) under ``zerotron launch --as-deepspee
 --nproc_per_node 2`` with ``--deepspeed ds_zero{2,3}.json`` ("auto" values, as HF users write
 them) trains, saves a checkpoint at step 3, resumes from it (stage 3), and logs the losses of the
 same Trainer run without DeepSpeed (torch DDP, same launcher) within 1e-5 (fp32); the weights it
-saves equal DDP's too."""
+saves equal DDP's too. Evaluation alone (``--do_eval``, no training: an engine without an
+optimizer under ZeRO-3) gives DDP's evaluation loss."""
 
 from __future__ import annotations
 
@@ -62,6 +63,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         resumed = root / f"zero{stage}_resumed"
         out[f"zero{stage}_resumed"] = (resumed, _train(resumed, resume, as_deepspeed=True))
     return out
+
+
+def _evaluate(out: Path, extra: list[str], as_deepspeed: bool) -> float:
+    """Evaluate the untrained model alone (``--do_eval``, no training) on 2 ranks."""
+    launch = ["--nproc_per_node", "2", *(["--as-deepspeed"] if as_deepspeed else [])]
+    cmd = [sys.executable, "-m", "zerotron", "launch", *launch, str(EXAMPLE / "run_clm.py")]
+    cmd += ["--do_eval", "--per_device_eval_batch_size", "4", "--seed", "42"]
+    cmd += ["--report_to", "none", "--disable_tqdm", "true", "--output_dir", str(out), *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    (line,) = [x for x in r.stdout.splitlines() if "eval_loss " in x]
+    return float(line.split("eval_loss ")[1])
+
+
+def test_evaluate_alone_under_zero3_equals_ddp(tmp_path: Path) -> None:
+    # Without training, the Trainer has DeepSpeed build an engine with no optimizer
+    # (ZeRO-3 inference), which zerotron refused before.
+    cpu = [] if torch.cuda.is_available() else ["--use_cpu"]
+    ddp = _evaluate(tmp_path / "ddp", cpu, as_deepspeed=False)
+    zero3 = ["--deepspeed", str(EXAMPLE / "ds_zero3.json")]
+    assert abs(_evaluate(tmp_path / "zero3", zero3, as_deepspeed=True) - ddp) <= TOL
 
 
 def _by_step(logged: list[dict]) -> dict[int, float]:

@@ -121,6 +121,30 @@ def _attrs_and_saving(rank: int, tmp: str) -> dict:
         p.ds_status for p in engine.module.parameters() if not p.ds_persist
     }
 
+    # An engine without an optimizer (an RLHF reference model, evaluation): ZeRO-3 inference.
+    ref_model = mlp()
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": THRESHOLD},
+    }
+    frozen, opt, _, sched = zerotron.initialize(model=ref_model, config=cfg)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        out = frozen(x)
+    res["no_optimizer"] = {
+        "returned": (opt, sched, frozen.optimizer),
+        "forward_equal": torch.equal(out, ref(x).detach()),
+        "partitioned": [not p.ds_persist and p.numel() == 0 for p in frozen.module.parameters()],
+        "state_dict_equal": all(
+            torch.equal(v, ref.state_dict()[k])
+            for k, v in frozen.module_state_dict(rank0_only=False).items()
+        ),
+    }
+    try:
+        frozen.backward(frozen(x).sum())
+    except ConfigError as e:
+        res["no_optimizer"]["backward"] = str(e)
+
     # 3. zero.Init's arguments.
     with Init(enabled=False):
         plain = mlp()
@@ -211,6 +235,16 @@ def test_ds_status_is_live(results):
 def test_hasattr_ds_id_then_gathered_parameters_gives_whole_values(results):
     for res in results:
         assert res["gathered_equal"] == [True] * 4
+
+
+@ATTRS
+def test_an_engine_without_an_optimizer_runs_forward_on_partitioned_weights(results):
+    for res in results:
+        r = res["no_optimizer"]
+        assert r["returned"] == (None, None, None)
+        assert r["forward_equal"] and r["state_dict_equal"]
+        assert r["partitioned"] == [True, False, True, False]  # weights at rest, biases whole
+        assert "this engine has no optimizer" in r["backward"]
 
 
 @ATTRS

@@ -171,7 +171,9 @@ def initialize(
         torch_optimizer,
         OptimizerSetup.from_config(cfg),
         ps=ps,
-        scheduler=lambda wrapped: _scheduler(cfg, wrapped, lr_scheduler),
+        scheduler=None
+        if torch_optimizer is None
+        else lambda wrapped: _scheduler(cfg, wrapped, lr_scheduler),
         micro_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.num_micro_batches,
         data_parallel_size=ps.dp_size,
@@ -403,19 +405,14 @@ def _torch_optimizer(
     cfg: Any,
     resolved: Mapping[str, Any],
     build: Callable,
-) -> torch.optim.Optimizer:
+) -> torch.optim.Optimizer | None:
     from zerotron.distributed.init import get_rank
 
     in_config = "optimizer" in resolved
     if optimizer is None:
-        if not in_config:
-            raise ConfigError(
-                "no optimizer: the config has no 'optimizer' section and none was passed",
-                where="initialize",
-                fix='add "optimizer": {"type": "AdamW", "params": {"lr": ...}} to the config, '
-                "or pass optimizer=",
-            )
-        return build(params, cfg)
+        # Neither: an engine for forward passes only (an RLHF reference or reward model,
+        # evaluation), as DeepSpeed builds; its backward and step say what is missing.
+        return build(params, cfg) if in_config else None
     if in_config and get_rank() == 0:  # DeepSpeed: the passed one wins
         print(
             " WARNING: an optimizer was passed to initialize(); the config's 'optimizer' "

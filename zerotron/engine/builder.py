@@ -35,6 +35,7 @@ from zerotron.distributed.state import ParallelState, state
 from zerotron.engine import autotuning_metrics, run_metrics
 from zerotron.engine import flops_profiler as flops_profiling
 from zerotron.engine.core import Engine
+from zerotron.engine.optimizers import NoOptimizer
 from zerotron.optim import OptimizerParamScheduler, build_ds_scheduler, build_optimizer
 from zerotron.parallel.data_parallel import DataParallel
 from zerotron.pipeline import profile as step_profile
@@ -42,6 +43,7 @@ from zerotron.precision import MixedPrecisionOptimizer, make_loss_scaler
 from zerotron.precision.grads import IsCounted, ReduceFn
 from zerotron.precision.loss_scaler import LossScaler
 from zerotron.zero import ZeroOptimizer, ZeroOptions
+from zerotron.zero.optimizer import partition_model
 
 if TYPE_CHECKING:
     from zerotron.config import Config
@@ -168,13 +170,19 @@ class OptimizerSetup:
 
 def wrap_optimizer(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     setup: OptimizerSetup,
     ps: ParallelState | None = None,
 ) -> tuple[Any, Any]:
     """``(optimizer, data_parallel)`` for the Engine around a fresh torch ``optimizer`` over
-    ``model``'s parameters (already in the training dtype); see the module docstring."""
+    ``model``'s parameters (already in the training dtype); see the module docstring. Without
+    an optimizer: a :class:`~zerotron.engine.optimizers.NoOptimizer` (forward passes only; at
+    ZeRO stage 3 the model is partitioned all the same)."""
     ps = ps or state()
+    if optimizer is None:  # forward passes only (DeepSpeed's engine without an optimizer)
+        if setup.zero is not None and setup.zero_stage == 3:
+            partition_model(model, setup.zero, ps.dp, where="initialize (no optimizer)")
+        return NoOptimizer(setup.zero_stage, ps.dp), None
     reduce_fn, is_counted = grad_norm_hooks(ps)
     if setup.zero_stage == 0:
         data_parallel = None
@@ -209,7 +217,7 @@ def wrap_optimizer(
 
 def build_engine(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     setup: OptimizerSetup,
     *,
     ps: ParallelState | None = None,

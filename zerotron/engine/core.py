@@ -162,7 +162,7 @@ class Engine(DeepSpeedSurface, nn.Module):
         self._set_module(model)
         self.pipeline = pipeline
         self.data_parallel = data_parallel
-        self.optimizer = optimizer
+        self.optimizer = self.optimizer_part.optimizer  # None when it runs forward passes only
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self._micro_batch_size = micro_batch_size

@@ -9,7 +9,9 @@
   data-parallel part, reduction leaves gradient partitions, and each rank saves its partition
   of the optimizer state in a file of its own;
 - :class:`Zero3Part` for stage 3, whose parameters are partitioned too: the module's weights are
-  gathered to be saved and scattered when loaded.
+  gathered to be saved and scattered when loaded;
+- :class:`ForwardOnlyPart` for :class:`NoOptimizer`, an Engine built without an optimizer
+  (DeepSpeed allows one: forward passes only, the weights partitioned at stage 3).
 
 Each method answers one question the Engine asks (see :class:`~zerotron.engine.protocols.
 OptimizerPart`); the Engine itself never asks which stage it runs.
@@ -40,7 +42,10 @@ from zerotron.precision.step import StepResult
 
 
 def optimizer_part(optimizer: Any) -> OptimizerPart:
-    """The part for ``optimizer``: a ZeroOptimizer has a ``stage``, anything else is whole."""
+    """The part for ``optimizer``: a ZeroOptimizer has a ``stage``, anything else is whole;
+    :class:`NoOptimizer` gives an Engine that runs forward passes only."""
+    if isinstance(optimizer, NoOptimizer):
+        return ForwardOnlyPart(optimizer)
     stage = int(getattr(optimizer, "stage", 0) or 0)
     if stage == 0:
         return MixedPrecisionPart(optimizer)
@@ -269,3 +274,109 @@ class Zero3Part(ZeroPart):
         if not getattr(self.optimizer, "gather_16bit_weights_on_model_save", False):
             return {}
         return {gathered_16bit_file(ps): module_state}
+
+
+class NoOptimizer:
+    """In place of an optimizer: the Engine runs forward passes only, as DeepSpeed's engine
+    built without one (an RLHF reference or reward model, evaluation, generation).
+
+    Attributes:
+        stage: the config's ZeRO stage; at 3 the module's parameters are partitioned over
+            ``group`` (ZeRO-3 inference), below it the module stays whole.
+        group: the data-parallel group (stage 3's).
+    """
+
+    def __init__(self, stage: int = 0, group: Group | None = None):
+        self.stage = stage
+        self.group = group
+
+
+_FORWARD_ONLY = "this engine has no optimizer: it was built without one (no optimizer passed, no "
+_FORWARD_ONLY += "'optimizer' section in the config) and runs forward passes only"
+_FORWARD_ONLY_FIX = (
+    "to train, pass optimizer= to initialize() or add an 'optimizer' section to the config"
+)
+
+
+class ForwardOnlyPart(MixedPrecisionPart):
+    """The part of an Engine without an optimizer (:class:`NoOptimizer`): backward and step
+    are refused with what to do; state dicts and checkpoints hold the weights alone (gathered
+    over the group at stage 3)."""
+
+    def __init__(self, none: NoOptimizer):
+        super().__init__(None)
+        self.zero_stage = none.stage
+        self.group = none.group
+
+    def _refuse(self, what: str) -> ConfigError:
+        return ConfigError(_FORWARD_ONLY, where=f"engine.{what}", fix=_FORWARD_ONLY_FIX)
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0
+
+    @property
+    def num_skipped_steps(self) -> int:
+        return 0
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return []
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        raise self._refuse("backward")
+
+    def step(self) -> StepResult:
+        raise self._refuse("step")
+
+    def zero_grad(self) -> None:
+        pass  # no gradients are ever made here
+
+    def reload_model_params(self) -> None:
+        pass  # no masters to reload
+
+    def allreduce_grads(self, params: Sequence[Tensor], group: Group) -> None:
+        raise self._refuse("backward")
+
+    def module_state_dict(self, module: nn.Module, rank0_only: bool) -> dict[str, Any] | None:
+        if self.zero_stage != 3:
+            return module.state_dict()
+        from zerotron.zero.stage3 import gathered_state_dict
+
+        return gathered_state_dict(module, rank0_only, group=self.group)
+
+    def load_module_state(
+        self,
+        module: nn.Module,
+        weights: Mapping[str, Tensor],
+        fit: Callable[[], list[str]],
+        where: str,
+    ) -> list[str]:
+        if self.zero_stage != 3:
+            return fit()
+        return Zero3Part.load_module_state(self, module, weights, fit, where)  # type: ignore[arg-type]
+
+    def save_optimizer_state(
+        self, model_state: dict[str, Any], files: dict[str, Any], ps: ParallelState
+    ) -> None:
+        pass  # weights alone
+
+    def read_optimizer_state(
+        self,
+        files: CheckpointFiles,
+        model_state: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        where: str,
+        repartition: bool,
+    ) -> dict[str, Any] | None:
+        return None  # nothing to load it into
+
+    def load_optimizer_state(
+        self,
+        opt_state: dict[str, Any],
+        module: nn.Module,
+        refitted: Sequence[str],
+        refit: Callable[[dict[str, Any]], None],
+        where: str,
+    ) -> None:
+        pass

@@ -192,32 +192,8 @@ class ZeroOptimizer(StepSequence):
         self.optimizer.param_groups.extend(new)
 
     def _partition_model(self) -> ParamCoordinator:
-        """Stage 3: partition the model's parameters over the group (unless built under
-        ``zero.Init`` or partitioned already), shards in a ParamOffloadStore with
-        ``offload_param``."""
-        existing = coordinator_of(self.model)
-        if existing is not None:
-            if existing.group.ranks != self.group.ranks:
-                raise ConfigError(
-                    f"the model's parameters are partitioned over ranks "
-                    f"{list(existing.group.ranks)}, ZeRO runs over {list(self.group.ranks)}",
-                    where="ZeroOptimizer(stage=3)",
-                    fix="build the model under zero.Init with the data-parallel group",
-                )
-            return existing
-        store = None
-        offload = self.options.offload_param
-        if offload is not None and offload.enabled:
-            store = ParamOffloadStore(offload, rank_name=default_rank_name())
-        return partition_parameters(
-            self.model,
-            self.group,
-            persistence_threshold=self.options.param_persistence_threshold,
-            prefetch_bucket_size=self.options.prefetch_bucket_size,
-            max_live_parameters=self.options.max_live_parameters,
-            max_reuse_distance=self.options.max_reuse_distance,
-            param_store=store,
-        )
+        """Stage 3: :func:`partition_model` with this optimizer's options and group."""
+        return partition_model(self.model, self.options, self.group, where="ZeroOptimizer(stage=3)")
 
     def _alias_shards_to_masters(self) -> bool:
         """Stage 3 with resident masters: make each parameter's shard (``p.ds_tensor``) a view
@@ -485,6 +461,38 @@ class ZeroOptimizer(StepSequence):
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
         self._output_hook.remove()
+
+
+def partition_model(
+    model: nn.Module, options: ZeroOptions, group: Group, where: str = "zero stage 3"
+) -> ParamCoordinator:
+    """Partition ``model``'s parameters over ``group`` for stage 3 as ``options`` say (unless
+    built under ``zero.Init`` or partitioned already), the shards in a ParamOffloadStore with
+    ``offload_param``. Used by :class:`ZeroOptimizer` and by an Engine that runs forward passes
+    only (DeepSpeed's ZeRO-3 engine without an optimizer)."""
+    existing = coordinator_of(model)
+    if existing is not None:
+        if existing.group.ranks != group.ranks:
+            raise ConfigError(
+                f"the model's parameters are partitioned over ranks "
+                f"{list(existing.group.ranks)}, ZeRO runs over {list(group.ranks)}",
+                where=where,
+                fix="build the model under zero.Init with the data-parallel group",
+            )
+        return existing
+    store = None
+    offload = options.offload_param
+    if offload is not None and offload.enabled:
+        store = ParamOffloadStore(offload, rank_name=default_rank_name())
+    return partition_parameters(
+        model,
+        group,
+        persistence_threshold=options.param_persistence_threshold,
+        prefetch_bucket_size=options.prefetch_bucket_size,
+        max_live_parameters=options.max_live_parameters,
+        max_reuse_distance=options.max_reuse_distance,
+        param_store=store,
+    )
 
 
 def _tensors(output: Any) -> list[Tensor]:
