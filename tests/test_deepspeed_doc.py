@@ -1,6 +1,10 @@
 """docs/deepspeed.md stays true: every DeepSpeed name its tables mark *supported* or *different*
 is importable from zerotron under the same path (``deepspeed.a.b.c`` is ``zerotron.a.b.c``), and
-every *refused* row says why.
+every *refused* row says why and is the table behind the refusal errors. And every DeepSpeed
+name the training scripts of DeepSpeed's own examples use is served or refused with a reason:
+the names are tests/fixtures/deepspeed/examples_census.json, which make_examples_census.py beside
+it reads out of a DeepSpeedExamples checkout (``training/``, ``applications/DeepSpeed-Chat/``,
+``benchmarks/communication/``; its commit is in the file).
 
 A table row is ``| `deepspeed.x.y`, `deepspeed.x.z` | status | how or why |``: the first cell's
 backticked names, the status one of the three words.
@@ -9,12 +13,18 @@ backticked names, the status one of the three words.
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from pathlib import Path
 
 import pytest
 
+from zerotron.config.deepspeed_refused import REFUSED, refusal
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "deepspeed.md"
+CENSUS = json.loads(
+    (Path(__file__).parent / "fixtures" / "deepspeed" / "examples_census.json").read_text()
+)
 ROW = re.compile(r"^\|\s*(?P<names>`deepspeed[^|]*)\|\s*(?P<status>[a-z]+)\s*\|(?P<note>[^|]*)\|")
 STATUSES = ("supported", "different", "refused")
 
@@ -67,7 +77,23 @@ def test_a_refused_name_says_why(name):
 
 
 def test_refused_rows_are_the_table_behind_the_errors():
-    from zerotron.config.deepspeed_refused import REFUSED
-
     rows = {(name, note) for name, status, note in ROWS if status == "refused"}
     assert rows == set(REFUSED.items())
+
+
+def test_the_census_covers_the_examples():
+    assert CENSUS["source"].startswith("deepspeedai/DeepSpeedExamples@")
+    assert len(CENSUS["names"]) > 50 and "deepspeed.initialize" in CENSUS["names"]
+
+
+def _served(name: str) -> bool:
+    try:
+        resolve(name)
+    except (AttributeError, ModuleNotFoundError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(CENSUS["names"]))
+def test_each_name_the_examples_use_is_served_or_refused_with_a_reason(name):
+    assert _served(name) or refusal(name) is not None, (name, CENSUS["names"][name][:3])
