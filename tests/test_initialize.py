@@ -182,6 +182,41 @@ def test_config_lion_and_adagrad_train_as_the_class_passed(kind, params):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), client.parameters()))
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_torch_scheduler_over_a_group_left_empty_follows_the_zero_optimizer(stage):
+    # The HF Trainer under PEFT: decay and no-decay groups, the second empty (every trainable
+    # parameter decays), and a torch scheduler built over them before initialize.
+    def run(zero_stage: int) -> tuple[list[float], list[float]]:
+        model = mlp()
+        opt = torch.optim.AdamW(
+            [{"params": list(model.parameters())}, {"params": [], "weight_decay": 0.0}], lr=LR
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+        config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS}
+        config["zero_optimization"] = {"stage": zero_stage}
+        engine, wrapped, _, _ = zerotron.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched, config=config
+        )
+        losses = train_engine(engine, batches(GAS * STEPS))
+        return losses, [g["lr"] for g in wrapped.param_groups]
+
+    zero_losses, lrs = run(stage)
+    plain_losses, plain_lrs = run(0)
+    assert zero_losses == plain_losses
+    assert lrs == plain_lrs == [LR * 0.5**STEPS] * 2  # both groups: the empty one is kept
+
+
+def test_a_torch_scheduler_over_groups_zero_splits_is_refused_with_the_fix():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    config = {"train_micro_batch_size_per_gpu": MICRO}
+    config["zero_optimization"] = {"stage": 2, "sub_group_size": 100}  # the model: 161 elements
+    with pytest.raises(ConfigError, match="built over 1 param groups, but ZeRO steps 2") as e:
+        zerotron.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)
+    assert "sub_group_size" in e.value.fix
+
+
 def test_without_an_optimizer_the_engine_runs_forward_passes_only():
     model, x = mlp(), torch.randn(2, 8)
     engine, opt, _, sched = zerotron.initialize(model=model, config={"train_batch_size": 2})

@@ -219,7 +219,26 @@ def _scheduler(cfg: Any, wrapped: Any, lr_scheduler: Any) -> Any:
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
         # DeepSpeed hands the callable its basic (torch) optimizer
         return _TorchSchedule.wrap(lr_scheduler(getattr(wrapped, "optimizer", wrapped)))
+    _check_scheduler_groups(lr_scheduler, getattr(wrapped, "optimizer", wrapped))
     return _TorchSchedule.wrap(lr_scheduler)
+
+
+def _check_scheduler_groups(scheduler: Any, optimizer: Any) -> None:
+    """Refuse a torch scheduler built over more or fewer param groups than the wrapped torch
+    optimizer now has: ZeRO gives each sub-group of ``sub_group_size`` elements a group of its
+    own, so a group larger than that becomes several (the scheduler would fail at its step)."""
+    base_lrs = getattr(scheduler, "base_lrs", None)
+    groups = getattr(optimizer, "param_groups", None)
+    if base_lrs is None or groups is None or len(base_lrs) == len(groups):
+        return
+    raise ConfigError(
+        f"the LR scheduler was built over {len(base_lrs)} param groups, but ZeRO steps "
+        f"{len(groups)}: zero_optimization.sub_group_size splits a group into pieces",
+        where="initialize(lr_scheduler=...)",
+        fix="raise zero_optimization.sub_group_size above the largest group's elements per "
+        'rank, or pass lr_scheduler as a callable (optimizer -> scheduler), or use the "scheduler" '
+        "section of the config",
+    )
 
 
 def build_data_loader(

@@ -182,12 +182,22 @@ class ZeroOptimizer(StepSequence):
         load_master_chunk(info, (masters or [s.master for s in self.sub_groups])[info.sub_group])
 
     def _rebuild_param_groups(self) -> None:
-        """Point the torch optimizer at the flat masters, keeping each group's settings."""
+        """Point the torch optimizer at the flat masters, keeping each group's settings: one
+        group per sub-group, in the groups' order. A group with no trainable parameter (HF's
+        no-decay group under PEFT) stays, empty, where it was: a torch LR scheduler built over
+        the optimizer before wrapping (as the HF Trainer builds one) still finds one group per
+        group it knows, as under DeepSpeed. ``_group_slot[k]``: sub-group k's group index."""
         old = self.optimizer.param_groups
-        new = []
-        for s in self.sub_groups:
-            settings = {k: v for k, v in old[s.group_index].items() if k != "params"}
-            new.append({**settings, "params": [s.master]})
+        new: list[dict[str, Any]] = []
+        self._group_slot: list[int] = []
+        for g, group in enumerate(old):
+            settings = {k: v for k, v in group.items() if k != "params"}
+            subs = [s for s in self.sub_groups if s.group_index == g]
+            if not subs:
+                new.append({**settings, "params": []})
+            for s in subs:
+                self._group_slot.append(len(new))
+                new.append({**settings, "params": [s.master]})
         self.optimizer.param_groups.clear()
         self.optimizer.param_groups.extend(new)
 
@@ -342,7 +352,8 @@ class ZeroOptimizer(StepSequence):
             for s in self.sub_groups:
                 s.master.grad = None
             for k, s in enumerate(self.sub_groups):
-                step_in_pieces(self.optimizer, k, s.master, self._piece_grad(s, clip_norm))
+                slot = self._group_slot[k]
+                step_in_pieces(self.optimizer, slot, s.master, self._piece_grad(s, clip_norm))
                 s.grad = None  # this sub-group's gradient is spent
             return [s.master for s in self.sub_groups]
         updated: list[Tensor] = [s.master for s in self.sub_groups]
