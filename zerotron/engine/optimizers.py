@@ -262,18 +262,24 @@ class Zero3Part(ZeroPart):
         fit: Callable[[], list[str]],
         where: str,
     ) -> list[str]:
-        from zerotron.zero.stage3 import load_full_state_dict
-
-        try:
-            load_full_state_dict(module, weights)
-        except ConfigError as e:
-            raise CheckpointError(f"{e.what}", where=where, fix=e.fix) from e
-        return []
+        return _load_partitioned(module, weights, where)
 
     def extra_files(self, module_state: Any, ps: ParallelState) -> dict[str, Any]:
         if not getattr(self.optimizer, "gather_16bit_weights_on_model_save", False):
             return {}
         return {gathered_16bit_file(ps): module_state}
+
+
+def _load_partitioned(module: nn.Module, weights: Mapping[str, Tensor], where: str) -> list[str]:
+    """Load full ``weights`` into a stage-3 ``module`` (each rank keeps its chunks); nothing is
+    refitted."""
+    from zerotron.zero.stage3 import load_full_state_dict
+
+    try:
+        load_full_state_dict(module, weights)
+    except ConfigError as e:
+        raise CheckpointError(f"{e.what}", where=where, fix=e.fix) from e
+    return []
 
 
 class NoOptimizer:
@@ -354,7 +360,7 @@ class ForwardOnlyPart(MixedPrecisionPart):
     ) -> list[str]:
         if self.zero_stage != 3:
             return fit()
-        return Zero3Part.load_module_state(self, module, weights, fit, where)  # type: ignore[arg-type]
+        return _load_partitioned(module, weights, where)
 
     def save_optimizer_state(
         self, model_state: dict[str, Any], files: dict[str, Any], ps: ParallelState
