@@ -186,7 +186,8 @@ class ZeroOptimizer(StepSequence):
         group per sub-group, in the groups' order. A group with no trainable parameter (HF's
         no-decay group under PEFT) stays, empty, where it was: a torch LR scheduler built over
         the optimizer before wrapping (as the HF Trainer builds one) still finds one group per
-        group it knows, as under DeepSpeed. ``_group_slot[k]``: sub-group k's group index."""
+        group it knows (DeepSpeed 0.19.8 drops it, and torch's scheduler then fails at its first
+        step). ``_group_slot[k]``: sub-group k's group index."""
         old = self.optimizer.param_groups
         new: list[dict[str, Any]] = []
         self._group_slot: list[int] = []
