@@ -476,6 +476,7 @@ def test_unknown_keys_are_warnings_with_suggestions(tmp_path):
         ({"curriculum_learning": {"enabled": True}}, "curriculum learning is not implemented"),
         ({"compression_training": {"weight_quantization": {}}}, "Compression is not implemented"),
         ({"amp": {"enabled": True}}, "apex AMP is not supported"),
+        ({"hybrid_engine": {"enabled": True}}, "drop --enable_hybrid_engine"),
         ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, "ZeRO\\+\\+"),
         (
             {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},

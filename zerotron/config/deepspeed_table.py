@@ -380,7 +380,11 @@ SPEC: dict[str, Any] = {
     "quantize_training": Refused("quantization-aware training is not implemented"),
     "eigenvalue": Refused("eigenvalue computation is not implemented"),
     "progressive_layer_drop": Refused("progressive layer dropping is not implemented"),
-    "hybrid_engine": Refused("the hybrid (RLHF) engine is not implemented"),
+    "hybrid_engine": Refused(
+        "the hybrid (RLHF) engine, DeepSpeed-Inference kernels for generation, is not "
+        "implemented; without it the actor generates on its training engine's weights, "
+        "gathered under ZeRO-3 (DeepSpeed-Chat: drop --enable_hybrid_engine)"
+    ),
     "nebula": Refused("Nebula checkpointing is not implemented"),
     "weight_quantization": Refused("weight quantization is not implemented", lambda v: not v),
     "sequence_parallel_size": Refused(
