@@ -85,6 +85,15 @@ REFUSED: dict[str, str] = {
         "DeepSpeed's data-efficiency library (curriculum learning, random-LTD, data sampling "
         "and analysis) does not exist in zerotron; feed the engine your own data loader"
     ),
+    "deepspeed.runtime.sequence_parallel": (
+        "DeepSpeed's Ulysses sequence parallelism for HF models (accelerate's ALST) does not "
+        "exist in zerotron; its sequence parallelism is Megatron's, for zerotron's GPT "
+        "(`--sequence-parallel`)"
+    ),
+    "deepspeed.launcher.runner": (
+        "DeepSpeed's launcher CLI; start jobs with `zerotron launch` (hostfile, "
+        "`--include`/`--exclude`, `.deepspeed_env`: docs/launch.md)"
+    ),
     "deepspeed.runtime.domino": (
         "Domino's overlapped tensor parallelism does not exist in zerotron; use zerotron's "
         "tensor parallelism (`--tensor-model-parallel-size`)"
