@@ -4,7 +4,9 @@ DeepSpeed's attributes with their meaning (``ds_id``, ``ds_status`` live, ``ds_s
 ``hasattr(p, "ds_id")`` gathers the whole values; a stage-3 parameter and a state dict of them
 ``torch.save`` and load with ``weights_only=True``; ``zero.Init`` takes DeepSpeed's signature,
 honours ``enabled``, ``module``, ``dtype``, ``remote_device``, ``config_dict_or_path`` (dict or
-file) and refuses what zerotron lacks.
+file) and refuses what zerotron lacks. Through ``initialize``: an engine without an optimizer
+runs forward on partitioned weights, and a model with ``nn.MultiheadAttention`` (which reads a
+child's weight itself) trains at stage 3 with stage 0's losses.
 
 Model: Linear(8, 32) -> Linear(32, 4) with the persistence threshold at 40: the weights (256 and
 128 elements) are partitioned, the biases (32 and 4) stay whole.
@@ -37,6 +39,35 @@ ATTRS = pytest.mark.xdist_group("zero3_ds_attrs")
 def mlp(seed: int = 3) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _mha_losses(stage: int, rank: int) -> list[float]:
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), _MHA(), nn.Linear(32, 4))
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": THRESHOLD},
+    }
+    engine, *_ = zerotron.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 4, generator=g)
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+class _MHA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.attn(h, h, h, need_weights=False)[0]
 
 
 def _save_load(obj: object) -> object:
@@ -145,6 +176,10 @@ def _attrs_and_saving(rank: int, tmp: str) -> dict:
     except ConfigError as e:
         res["no_optimizer"]["backward"] = str(e)
 
+    # nn.MultiheadAttention (its forward reads out_proj.weight directly) trained by the engine
+    # at stage 3 and at stage 0: the same losses.
+    res["mha_losses"] = {stage: _mha_losses(stage, rank) for stage in (0, 3)}
+
     # 3. zero.Init's arguments.
     with Init(enabled=False):
         plain = mlp()
@@ -245,6 +280,13 @@ def test_an_engine_without_an_optimizer_runs_forward_on_partitioned_weights(resu
         assert r["forward_equal"] and r["state_dict_equal"]
         assert r["partitioned"] == [True, False, True, False]  # weights at rest, biases whole
         assert "this engine has no optimizer" in r["backward"]
+
+
+@ATTRS
+def test_multihead_attention_trains_at_stage_3_as_at_stage_0(results):
+    for res in results:
+        assert res["mha_losses"][3] == res["mha_losses"][0]
+    assert results[0]["mha_losses"][0] != results[1]["mha_losses"][0]  # own batches per rank
 
 
 @ATTRS
