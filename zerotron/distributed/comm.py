@@ -58,7 +58,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -66,6 +65,8 @@ import torch.distributed as dist
 
 from zerotron.distributed import liveness, watchdog
 from zerotron.distributed.failures import Call, key
+from zerotron.distributed.group import Group as Group  # re-exported: comm.Group
+from zerotron.distributed.group import world_group as world_group  # re-exported
 from zerotron.distributed.ledger import Ledger as Ledger  # re-exported: comm.Ledger
 from zerotron.distributed.ledger import ledger
 from zerotron.errors import DistributedError
@@ -79,46 +80,6 @@ _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or getattr(
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or getattr(
     dist, "reduce_scatter_tensor", None
 )
-
-
-# --------------------------------------------------------------------------------------------
-# Groups
-
-
-@dataclass(frozen=True)
-class Group:
-    """One process group as this rank sees it.
-
-    ``ranks`` are global ranks in group order; ``rank`` is this process's index in them (-1 when
-    it is not a member, e.g. a middle pipeline stage and the embedding group). ``pg`` is the
-    torch ProcessGroup, or None when the group has one rank (or the run has one process): then
-    every collective here returns at once.
-    """
-
-    name: str
-    ranks: tuple[int, ...]
-    rank: int
-    pg: Any = None
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def is_member(self) -> bool:
-        return self.rank >= 0
-
-    def global_rank(self, index: int) -> int:
-        """The global rank of the group's ``index``-th member."""
-        return self.ranks[index]
-
-    @classmethod
-    def single(cls, name: str, rank: int = 0) -> Group:
-        """A one-rank group holding global ``rank``: every collective on it is a no-op."""
-        return cls(name, (rank,), 0, None)
-
-    def __repr__(self) -> str:
-        return f"Group({self.name}, ranks={list(self.ranks)}, rank={self.rank})"
 
 
 def _active(group: Group, op: str) -> bool:
@@ -185,6 +146,18 @@ class Pending:
                 watchdog.leave(waiting)
         assert self._result is not None
         return self._result
+
+
+def _back_into(t: torch.Tensor, buf: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A ``finish`` that returns ``t``, first copying the result in from ``buf`` (the
+    contiguous copy a collective ran on) when that is another tensor."""
+
+    def finish() -> torch.Tensor:
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    return finish
 
 
 def _torch_op(op: str) -> Any:
@@ -470,13 +443,7 @@ def broadcast_async(t: torch.Tensor, group: Group, src_rank_in_group: int = 0) -
         work = dist.broadcast(
             buf, src=group.ranks[src_rank_in_group], group=group.pg, async_op=True
         )
-
-    def finish() -> torch.Tensor:
-        if buf is not t:
-            t.copy_(buf)
-        return t
-
-    return Pending(work, finish, call)
+    return Pending(work, _back_into(t, buf), call)
 
 
 def broadcast(t: torch.Tensor, group: Group, src_rank_in_group: int = 0) -> torch.Tensor:
@@ -646,13 +613,7 @@ def scatter_async(
         work = dist.scatter(
             buf, chunks, src=group.ranks[src_rank_in_group], group=group.pg, async_op=True
         )
-
-    def finish() -> torch.Tensor:
-        if buf is not t:
-            t.copy_(buf)
-        return t
-
-    return Pending(work, finish, call)
+    return Pending(work, _back_into(t, buf), call)
 
 
 def barrier(group: Group | None = None) -> None:
@@ -670,16 +631,6 @@ def barrier(group: Group | None = None) -> None:
             dist.barrier(group=group.pg)
     finally:
         watchdog.leave(waiting)
-
-
-def world_group() -> Group:
-    """All ranks (a one-rank group when no process group is initialized)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return Group.single("world")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world == 1:
-        return Group.single("world")
-    return Group("world", tuple(range(world)), rank, dist.group.WORLD)
 
 
 # --------------------------------------------------------------------------------------------
