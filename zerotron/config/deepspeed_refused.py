@@ -18,8 +18,25 @@ _INJECTION = (
     "`zerotron generate` or `zerotron.inference.generate`"
 )
 _FUSED_LAYER = (
-    "DeepSpeed's fused CUDA transformer kernel; build the model with zerotron's GPT or plain "
-    "torch layers"
+    "DeepSpeed's fused CUDA transformer kernel; build the model with zerotron's GPT or "
+    "plain torch layers"
+)
+_CONFIG_CLASS = (
+    "DeepSpeed's parsed-config class; the engine answers the same questions "
+    "(`engine.config`, `engine.train_batch_size()`, `engine.zero_optimization_stage()`)"
+)
+_OBJECTS = (
+    "object collectives unpickle what peers send; use tensors (zerotron never unpickles "
+    "untrusted input)"
+)
+_COMMS_LOGGER = (
+    "DeepSpeed's comms logger; zerotron's ledger (`zerotron.distributed.comm.ledger`) "
+    "records every call's bytes instead"
+)
+_MICS = "MiCS and tiled linears do not exist in zerotron; use `zero.Init` and plain `nn.Linear`"
+_OFFLOAD_STATES = (
+    "`DeepSpeedEngine.offload_states` / `reload_states` do not exist in zerotron; ZeRO's "
+    "`offload_optimizer` and `offload_param` keep states on the host throughout"
 )
 
 REFUSED: dict[str, str] = {
@@ -27,67 +44,37 @@ REFUSED: dict[str, str] = {
     "deepspeed.module_inject": _INJECTION,
     "deepspeed.replace_transformer_layer": _INJECTION,
     "deepspeed.tp_model_init": (
-        "AutoTP of arbitrary HF models does not exist; zerotron's tensor parallelism is its "
-        "GPT's (`--tensor-model-parallel-size`)"
+        "AutoTP of arbitrary HF models does not exist; zerotron's tensor parallelism is its"
+        " GPT's (`--tensor-model-parallel-size`)"
     ),
     "deepspeed.DeepSpeedTransformerLayer": _FUSED_LAYER,
     "deepspeed.DeepSpeedTransformerConfig": _FUSED_LAYER,
-    "deepspeed.DeepSpeedConfig": (
-        "DeepSpeed's parsed-config class; the engine answers the same questions "
-        "(`engine.config`, `engine.train_batch_size()`, `engine.zero_optimization_stage()`)"
-    ),
-    "deepspeed.runtime.config.DeepSpeedConfig": (
-        "DeepSpeed's parsed-config class; the engine answers the same questions "
-        "(`engine.config`, `engine.train_batch_size()`, `engine.zero_optimization_stage()`)"
-    ),
-    "deepspeed.comm.all_gather_object": (
-        "object collectives unpickle what peers send; use tensors (zerotron never unpickles "
-        "untrusted input)"
-    ),
-    "deepspeed.comm.broadcast_object_list": (
-        "object collectives unpickle what peers send; use tensors (zerotron never unpickles "
-        "untrusted input)"
-    ),
-    "deepspeed.comm.log_summary": (
-        "DeepSpeed's comms logger; zerotron's ledger (`zerotron.distributed.comm.ledger`) "
-        "records every call's bytes instead"
-    ),
-    "deepspeed.comm.configure": (
-        "DeepSpeed's comms logger; zerotron's ledger (`zerotron.distributed.comm.ledger`) "
-        "records every call's bytes instead"
-    ),
-    "deepspeed.zero.MiCS_Init": (
-        "MiCS and tiled linears do not exist in zerotron; use `zero.Init` and plain `nn.Linear`"
-    ),
-    "deepspeed.zero.TiledLinear": (
-        "MiCS and tiled linears do not exist in zerotron; use `zero.Init` and plain `nn.Linear`"
-    ),
-    "deepspeed.runtime.zero.offload_config": (
-        "`DeepSpeedEngine.offload_states` / `reload_states` do not exist in zerotron; ZeRO's "
-        "`offload_optimizer` and `offload_param` keep states on the host throughout"
-    ),
-    "deepspeed.DeepSpeedEngine.offload_states": (
-        "`DeepSpeedEngine.offload_states` / `reload_states` do not exist in zerotron; ZeRO's "
-        "`offload_optimizer` and `offload_param` keep states on the host throughout"
-    ),
-    "deepspeed.DeepSpeedEngine.reload_states": (
-        "`DeepSpeedEngine.offload_states` / `reload_states` do not exist in zerotron; ZeRO's "
-        "`offload_optimizer` and `offload_param` keep states on the host throughout"
-    ),
+    "deepspeed.DeepSpeedConfig": _CONFIG_CLASS,
+    "deepspeed.runtime.config.DeepSpeedConfig": _CONFIG_CLASS,
+    "deepspeed.comm.all_gather_object": _OBJECTS,
+    "deepspeed.comm.broadcast_object_list": _OBJECTS,
+    "deepspeed.comm.log_summary": _COMMS_LOGGER,
+    "deepspeed.comm.configure": _COMMS_LOGGER,
+    "deepspeed.zero.MiCS_Init": _MICS,
+    "deepspeed.zero.TiledLinear": _MICS,
+    "deepspeed.runtime.zero.offload_config": _OFFLOAD_STATES,
+    "deepspeed.DeepSpeedEngine.offload_states": _OFFLOAD_STATES,
+    "deepspeed.DeepSpeedEngine.reload_states": _OFFLOAD_STATES,
     "deepspeed.runtime.pipe.topology.PipeDataParallelTopology": (
         "zerotron's `ProcessTopology(tp=, dp=, pp=)` takes other arguments; "
-        "`PipelineModule(num_stages=N)` lays out pipe × data itself"
+        "`PipelineModule(num_stages=N)` lays out pipe \u00d7 data itself"
     ),
     "deepspeed.runtime.config.ONEBIT_LAMB_OPTIMIZER": (
         '1-bit LAMB is gone from DeepSpeed 0.19 and does not exist in zerotron; use `"Lamb"`'
     ),
     "deepspeed.runtime.data_pipeline": (
-        "DeepSpeed's data-efficiency library (curriculum learning, random-LTD, data sampling "
-        "and analysis) does not exist in zerotron; feed the engine your own data loader"
+        "DeepSpeed's data-efficiency library (curriculum learning, random-LTD, data "
+        "sampling and analysis) does not exist in zerotron; feed the engine your own data "
+        "loader"
     ),
     "deepspeed.runtime.sequence_parallel": (
-        "DeepSpeed's Ulysses sequence parallelism for HF models (accelerate's ALST) does not "
-        "exist in zerotron; its sequence parallelism is Megatron's, for zerotron's GPT "
+        "DeepSpeed's Ulysses sequence parallelism for HF models (accelerate's ALST) does "
+        "not exist in zerotron; its sequence parallelism is Megatron's, for zerotron's GPT "
         "(`--sequence-parallel`)"
     ),
     "deepspeed.launcher.runner": (
@@ -99,8 +86,8 @@ REFUSED: dict[str, str] = {
         "tensor parallelism (`--tensor-model-parallel-size`)"
     ),
     "deepspeed.DeepSpeedEngine.compile": (
-        "torch.compile of the wrapped model is not wired through the engine; compile the model "
-        "before `initialize`"
+        "torch.compile of the wrapped model is not wired through the engine; compile the "
+        "model before `initialize`"
     ),
     "deepspeed.ops.lamb.FusedLamb": 'not provided; the config\'s `"Lamb"` optimizer is',
     "deepspeed.ops.transformer.DeepSpeedTransformerLayer": (

@@ -297,8 +297,10 @@ class NoOptimizer:
         self.group = group
 
 
-_FORWARD_ONLY = "this engine has no optimizer: it was built without one (no optimizer passed, no "
-_FORWARD_ONLY += "'optimizer' section in the config) and runs forward passes only"
+_FORWARD_ONLY = (
+    "this engine has no optimizer: it was built without one (no optimizer passed, no "
+    "'optimizer' section in the config) and runs forward passes only"
+)
 _FORWARD_ONLY_FIX = (
     "to train, pass optimizer= to initialize() or add an 'optimizer' section to the config"
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from zerotron.compat.comm.comm import all_gather_into_tensor, reduce_scatter_tensor
 from zerotron.errors import UnsupportedError
 
 
@@ -28,15 +29,11 @@ class TorchBackend:
     @classmethod
     def get_all_gather_function(cls) -> Callable[..., Any]:
         """``all_gather_into_tensor(output, input, group=None, async_op=False)``."""
-        from zerotron.compat.comm.comm import all_gather_into_tensor
-
         return all_gather_into_tensor
 
     @classmethod
     def get_reduce_scatter_function(cls) -> Callable[..., Any]:
         """``reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False)``."""
-        from zerotron.compat.comm.comm import reduce_scatter_tensor
-
         return reduce_scatter_tensor
 
     @classmethod
